@@ -1,1 +1,29 @@
+"""etcd v3 rendezvous: leases, members, rounds and plans (see keys.py for the layout)."""
 
+from .control import FAILED, RUNNING, SUCCEEDED, ControlChannel, JobStatus
+from .coordinator import Coordinator
+from .embedded import EmbeddedEtcd, find_etcd_binary
+from .errors import (
+    ConfigError,
+    LeaseLostError,
+    RendezvousAuthError,
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from .etcd import Etcd, EtcdConfig, KeyValue
+from .keys import JobKeys, validate_job_id
+from .membership import MemberRegistration
+from .participant import Participant, new_member_id
+from .rounds import Member, RendezvousSettings, RoundPlan, Slot, decide
+from .session import Session
+
+__all__ = [
+    "ConfigError", "ControlChannel", "Coordinator", "EmbeddedEtcd", "Etcd", "EtcdConfig",
+    "FAILED", "JobKeys", "JobStatus", "KeyValue", "LeaseLostError", "Member",
+    "MemberRegistration", "Participant", "RUNNING", "RendezvousAuthError",
+    "RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",
+    "RendezvousSettings", "RendezvousTimeoutError", "RoundPlan", "SUCCEEDED", "Session",
+    "Slot", "decide", "find_etcd_binary", "new_member_id", "validate_job_id",
+]

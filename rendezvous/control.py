@@ -1,0 +1,151 @@
+"""The control channel: the few keys every agent and worker follows.
+
+``control/plan`` (the newest round) and ``control/status`` (is the job still
+running) are the only keys that everybody watches, so the traffic of a round is
+one event per participant. Reset requests go the other way, to the coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .etcd import Etcd
+from .keys import JobKeys
+from .rounds import RoundPlan
+
+log = logging.getLogger(__name__)
+
+RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    state: str = RUNNING
+    reason: str = ""
+
+    @property
+    def over(self) -> bool:
+        return self.state != RUNNING
+
+    def to_json(self) -> bytes:
+        return json.dumps({"state": self.state, "reason": self.reason}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "JobStatus":
+        obj = json.loads(data)
+        return cls(obj["state"], obj.get("reason", ""))
+
+
+Listener = Callable[[Optional[RoundPlan], JobStatus], None]
+
+
+class ControlChannel:
+    def __init__(self, etcd: Etcd, keys: JobKeys):
+        self._etcd = etcd
+        self._keys = keys
+        self._cond = threading.Condition()
+        self._plan: Optional[RoundPlan] = None
+        self._status = JobStatus()
+        self._listeners: list[Listener] = []
+        self._watch = None
+
+    # -- following ----------------------------------------------------------
+    def start(self) -> "ControlChannel":
+        self._reload()
+        return self
+
+    def _reload(self) -> None:
+        kvs, revision = self._etcd.get_prefix(self._keys.control)
+        with self._cond:
+            for kv in kvs:
+                self._apply(kv.key, kv.value)
+        if self._watch is not None:
+            self._watch.cancel()
+        self._watch = self._etcd.watch(
+            self._keys.control,
+            prefix=True,
+            start_revision=revision + 1,
+            on_events=self._on_events,
+            on_reset=self._reload,
+        )
+        self._notify()
+
+    def _apply(self, key: str, value: bytes) -> None:
+        if not value:
+            return
+        if key == self._keys.plan:
+            plan = RoundPlan.from_json(value)
+            if self._plan is None or plan.round > self._plan.round:
+                self._plan = plan
+        elif key == self._keys.status:
+            self._status = JobStatus.from_json(value)
+
+    def _on_events(self, events) -> None:
+        with self._cond:
+            for event in events:
+                if event.type == "put":
+                    self._apply(event.kv.key, event.kv.value)
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._cond:
+            plan, status = self._plan, self._status
+            listeners = list(self._listeners)
+            self._cond.notify_all()
+        for listener in listeners:
+            try:
+                listener(plan, status)
+            except Exception:  # a listener bug must not kill the watch thread
+                log.exception("control listener failed")
+
+    @property
+    def plan(self) -> Optional[RoundPlan]:
+        with self._cond:
+            return self._plan
+
+    @property
+    def status(self) -> JobStatus:
+        with self._cond:
+            return self._status
+
+    def add_listener(self, listener: Listener) -> None:
+        with self._cond:
+            self._listeners.append(listener)
+
+    def wait_for(
+        self,
+        predicate: Callable[[Optional[RoundPlan], JobStatus], bool],
+        timeout: Optional[float],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> bool:
+        deadline = None if timeout is None else clock() + timeout
+        with self._cond:
+            while not predicate(self._plan, self._status):
+                remaining = None if deadline is None else deadline - clock()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining if remaining is not None else 1.0)
+            return True
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    # -- speaking -----------------------------------------------------------
+    def set_status(self, status: JobStatus) -> None:
+        """Record the job's end. A failure is never overwritten by a success."""
+        current = self._etcd.get(self._keys.status)
+        if current is not None and JobStatus.from_json(current.value).state == FAILED:
+            return
+        self._etcd.put(self._keys.status, status.to_json())
+
+    def request_reset(self, worker_id: str, round_number: int, reason: str) -> None:
+        body = json.dumps({"round": round_number, "reason": reason[:500]}).encode()
+        self._etcd.put(self._keys.request(worker_id), body)

@@ -1,0 +1,287 @@
+"""The coordinator: one elected agent turns membership into round plans.
+
+Every agent runs a ``Coordinator``; the one whose session holds the
+``coordinator`` key (etcd election: create it if absent, bound to our lease)
+leads. Only the leader watches the members prefix, so a join or a loss costs
+one event, not one per member. The others watch the single election key and
+campaign again when it disappears (the leader left or its lease expired).
+
+Leading is a loop: take a snapshot of what is known, ask the pure ``decide``
+what to do, apply it. A plan is written with one transaction that checks (a) the
+plan key has not moved since we read it, (b) round n was never written, and (c)
+we still hold the election key: two writers can never both win a round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from .control import FAILED, ControlChannel, JobStatus
+from .errors import RendezvousError
+from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
+from .keys import JobKeys
+from .rounds import (
+    Fail,
+    FormRound,
+    Member,
+    RendezvousSettings,
+    ResetRequest,
+    RoundPlan,
+    Snapshot,
+    Wait,
+    candidates,
+    decide,
+)
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+RoundListener = Callable[[RoundPlan, str], None]
+
+
+class Coordinator:
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: JobKeys,
+        session: Session,
+        settings: RendezvousSettings,
+        member_id: str,
+        control: ControlChannel,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_round: Optional[RoundListener] = None,
+    ):
+        self._etcd = etcd
+        self._keys = keys
+        self._session = session
+        self._settings = settings
+        self._member_id = member_id
+        self._control = control
+        self._clock = clock
+        self._on_round = on_round
+        self._stop = threading.Event()
+        self._wake = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self.leading = threading.Event()
+        self.rounds_written = 0
+        # leader state, touched only under self._wake
+        self._members: dict[str, Member] = {}
+        self._requests: dict[str, ResetRequest] = {}
+        self._last_change = clock()
+        self._below_min_since: Optional[float] = None
+        self._dirty = False
+
+    def start(self) -> "Coordinator":
+        self._thread = threading.Thread(target=self._run, name="elastic-coordinator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- election -----------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set() and not self._session.lost.is_set():
+            try:
+                revision = self._campaign()
+                if revision is None:
+                    self._wait_for_vacancy()
+                else:
+                    self._lead(revision)
+            except RendezvousError as exc:
+                log.warning("coordinator: %s; retrying", exc)
+                self._stop.wait(0.5)
+            except Exception:
+                log.exception("coordinator: unexpected error; retrying")
+                self._stop.wait(0.5)
+        self.leading.clear()
+
+    def _campaign(self) -> Optional[int]:
+        """Claim the election key; return its create revision (our fencing token)."""
+        key = self._keys.coordinator
+        won, _ = self._etcd.txn(
+            [CreateRevisionEquals(key, 0)],
+            [Put(key, self._member_id.encode(), lease=self._session.lease_id)],
+        )
+        kv = self._etcd.get(key)
+        if kv is None:
+            return None
+        if kv.value.decode() == self._member_id and kv.lease == self._session.lease_id:
+            return kv.create_revision
+        return None
+
+    def _wait_for_vacancy(self) -> None:
+        vacant = threading.Event()
+
+        def on_events(events):
+            if any(e.type == "delete" for e in events):
+                vacant.set()
+
+        kv = self._etcd.get(self._keys.coordinator)
+        if kv is None:
+            return
+        watch = self._etcd.watch(
+            self._keys.coordinator,
+            prefix=False,
+            start_revision=kv.mod_revision + 1,
+            on_events=on_events,
+            on_reset=vacant.set,
+        )
+        try:
+            while not (vacant.is_set() or self._stop.is_set() or self._session.lost.is_set()):
+                vacant.wait(0.5)
+        finally:
+            watch.cancel()
+
+    # -- leading ------------------------------------------------------------
+    def _lead(self, token: int) -> None:
+        log.info("coordinator: %s leads (token %d)", self._member_id, token)
+        self.leading.set()
+        deposed = threading.Event()
+
+        def on_election_events(events):
+            if any(e.type == "delete" for e in events):
+                deposed.set()
+                with self._wake:
+                    self._wake.notify_all()
+
+        watches = []
+        try:
+            watches.append(self._follow(self._keys.members, self._on_member_events))
+            watches.append(self._follow(self._keys.requests, self._on_request_events))
+            watches.append(
+                self._etcd.watch(
+                    self._keys.coordinator,
+                    prefix=False,
+                    start_revision=token + 1,
+                    on_events=on_election_events,
+                )
+            )
+            while not (self._stop.is_set() or deposed.is_set() or self._session.lost.is_set()):
+                if self._control.status.over:
+                    self._stop.wait(0.5)
+                    continue
+                self._step(token)
+        finally:
+            for watch in watches:
+                watch.cancel()
+            self.leading.clear()
+            log.info("coordinator: %s stops leading", self._member_id)
+
+    def _follow(self, prefix: str, handler):
+        kvs, revision = self._etcd.get_prefix(prefix)
+        handler([("put", kv) for kv in kvs], initial=True)
+        return self._etcd.watch(
+            prefix,
+            prefix=True,
+            start_revision=revision + 1,
+            on_events=lambda events: handler([(e.type, e.kv) for e in events]),
+        )
+
+    def _on_member_events(self, events, initial: bool = False) -> None:
+        with self._wake:
+            if initial:
+                self._members.clear()
+            for kind, kv in events:
+                member_id = kv.key[len(self._keys.members):]
+                if kind == "put":
+                    self._members[member_id] = Member.from_json(kv.value, kv.create_revision)
+                else:
+                    self._members.pop(member_id, None)
+            self._last_change = self._clock()
+            self._dirty = True
+            self._wake.notify_all()
+
+    def _on_request_events(self, events, initial: bool = False) -> None:
+        with self._wake:
+            for kind, kv in events:
+                worker_id = kv.key[len(self._keys.requests):]
+                if kind == "put" and kv.value:
+                    body = json.loads(kv.value)
+                    self._requests[worker_id] = ResetRequest(
+                        worker_id, int(body["round"]), body.get("reason", ""), self._clock()
+                    )
+                else:
+                    self._requests.pop(worker_id, None)
+            self._dirty = True
+            self._wake.notify_all()
+
+    def _step(self, token: int) -> None:
+        now = self._clock()
+        with self._wake:
+            plan = self._control.plan
+            members = tuple(self._members.values())
+            present = len(candidates(plan, members)[: self._settings.max_np])
+            if present < self._settings.min_np:
+                if self._below_min_since is None:
+                    self._below_min_since = now
+            else:
+                self._below_min_since = None
+            snapshot = Snapshot(
+                plan=plan,
+                members=members,
+                requests=tuple(self._requests.values()),
+                last_change=self._last_change,
+                below_min_since=self._below_min_since,
+            )
+            self._dirty = False
+        decision = decide(snapshot, self._settings, now)
+        if isinstance(decision, FormRound):
+            self._write_plan(token, plan, members, decision)
+            return
+        if isinstance(decision, Fail):
+            log.error("coordinator: job failed: %s", decision.reason)
+            self._control.set_status(JobStatus(FAILED, decision.reason))
+            return
+        assert isinstance(decision, Wait)
+        with self._wake:
+            if self._dirty:
+                return
+            timeout = 1.0 if decision.until is None else max(0.0, min(1.0, decision.until - now))
+            self._wake.wait(timeout)
+
+    def _write_plan(self, token, previous, members, decision: FormRound) -> None:
+        by_id = {m.member_id: m for m in members}
+        number = 1 if previous is None else previous.round + 1
+        first = by_id[decision.slots[0].member_id]
+        plan = RoundPlan(
+            round=number,
+            slots=decision.slots,
+            hosts={s.member_id: (by_id[s.member_id].host, by_id[s.member_id].addr) for s in decision.slots},
+            store_addr=f"{first.addr}:{first.store_port}",
+            created=time.time(),
+            lost=decision.lost,
+        )
+        plan_kv = self._etcd.get(self._keys.plan)
+        if plan_kv is not None and RoundPlan.from_json(plan_kv.value).round != (number - 1):
+            return  # our view is stale; the control watch will catch up
+        body = plan.to_json()
+        won, _ = self._etcd.txn(
+            [
+                ModRevisionEquals(self._keys.plan, 0 if plan_kv is None else plan_kv.mod_revision),
+                CreateRevisionEquals(self._keys.round(number), 0),
+                CreateRevisionEquals(self._keys.coordinator, token),
+            ],
+            [Put(self._keys.plan, body), Put(self._keys.round(number), body)],
+        )
+        if not won:
+            log.warning("coordinator: lost the race for round %d", number)
+            return
+        self.rounds_written += 1
+        log.info(
+            "coordinator: round %d formed, world size %d (%s)", number, plan.world_size, decision.reason
+        )
+        # Wait until our own control watch has seen the plan, so the next decision
+        # starts from it rather than from the round before.
+        self._control.wait_for(lambda p, s: p is not None and p.round >= number, timeout=5.0)
+        if self._on_round is not None:
+            self._on_round(plan, decision.reason)

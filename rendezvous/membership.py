@@ -1,0 +1,65 @@
+"""Membership: one key per host agent, bound to its session's lease.
+
+A graceful leave deletes the key at once; a crashed host's key disappears when
+its lease runs out (the TTL). The agent rewrites its key when the set of its
+workers changes (a worker crashed, a replacement was started), which is how a
+crash reaches the coordinator without waiting for any TTL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from .etcd import Etcd
+from .keys import JobKeys
+from .rounds import Member
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+
+class MemberRegistration:
+    def __init__(self, etcd: Etcd, keys: JobKeys, session: Session, member: Member):
+        self._etcd = etcd
+        self._keys = keys
+        self._session = session
+        self._lock = threading.Lock()
+        self._member = member
+        self._registered = False
+
+    @property
+    def member(self) -> Member:
+        return self._member
+
+    def register(self) -> Member:
+        with self._lock:
+            self._registered = True
+            return self._put()
+
+    def set_workers(self, workers: tuple[str, ...], *, draining: bool = False) -> Member:
+        with self._lock:
+            self._member = dataclasses.replace(self._member, workers=tuple(workers), draining=draining)
+            return self._put() if self._registered else self._member
+
+    def on_new_lease(self, lease_id: int) -> None:
+        """Session callback: the old lease expired (etcd was away too long)."""
+        with self._lock:
+            if self._registered:
+                log.warning("member %s: lease renewed, re-registering", self._member.member_id)
+                self._put()
+
+    def leave(self) -> None:
+        with self._lock:
+            if self._registered:
+                self._registered = False
+                self._etcd.delete(self._keys.member(self._member.member_id))
+
+    def _put(self) -> Member:
+        key = self._keys.member(self._member.member_id)
+        self._etcd.put(key, self._member.to_json(), lease=self._session.lease_id)
+        kv = self._etcd.get(key)
+        if kv is not None:
+            self._member = dataclasses.replace(self._member, revision=kv.create_revision)
+        return self._member

@@ -1,0 +1,133 @@
+"""A participant: what one host agent holds in the rendezvous.
+
+It composes the recipes: a ``Session`` (lease + keep-alive), a
+``MemberRegistration`` (our key), a ``ControlChannel`` (plan and status we
+follow) and a ``Coordinator`` (which leads while we hold the election key).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+from .control import ControlChannel, JobStatus
+from .coordinator import Coordinator, RoundListener
+from .errors import RendezvousClosedError, RendezvousTimeoutError
+from .etcd import Etcd
+from .keys import JobKeys
+from .membership import MemberRegistration
+from .rounds import Member, RendezvousSettings, RoundPlan
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+
+class Participant:
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: JobKeys,
+        settings: RendezvousSettings,
+        member: Member,
+        *,
+        ttl: float,
+        on_round: Optional[RoundListener] = None,
+    ):
+        self.etcd = etcd
+        self.keys = keys
+        self.settings = settings
+        self._member = member
+        self._ttl = ttl
+        self._on_round = on_round
+        self.session: Optional[Session] = None
+        self.registration: Optional[MemberRegistration] = None
+        self.control = ControlChannel(etcd, keys)
+        self.coordinator: Optional[Coordinator] = None
+
+    @property
+    def member(self) -> Member:
+        return self.registration.member if self.registration else self._member
+
+    def start(self) -> "Participant":
+        self.control.start()
+        holder: list[MemberRegistration] = []
+        self.session = Session(
+            self.etcd,
+            self._ttl,
+            on_new_lease=lambda lease: holder and holder[0].on_new_lease(lease),
+            name=self._member.member_id,
+        )
+        self.registration = MemberRegistration(self.etcd, self.keys, self.session, self._member)
+        holder.append(self.registration)
+        self.registration.register()
+        self.coordinator = Coordinator(
+            self.etcd,
+            self.keys,
+            self.session,
+            self.settings,
+            self._member.member_id,
+            self.control,
+            on_round=self._on_round,
+        ).start()
+        return self
+
+    def set_workers(self, workers: tuple[str, ...], *, draining: bool = False) -> None:
+        assert self.registration is not None
+        self.registration.set_workers(workers, draining=draining)
+
+    def wait_for_plan(
+        self,
+        accept: Callable[[RoundPlan], bool],
+        timeout: float,
+    ) -> RoundPlan:
+        """Block until a plan that ``accept``s arrives; raise if the job ends first."""
+        ok = self.control.wait_for(
+            lambda plan, status: status.over or (plan is not None and accept(plan)),
+            timeout,
+        )
+        status = self.control.status
+        if status.over:
+            raise RendezvousClosedError(f"job {self.keys.job_id} {status.state}: {status.reason}".rstrip(": "))
+        if not ok:
+            raise RendezvousTimeoutError(f"no round formed within {timeout:g}s")
+        plan = self.control.plan
+        assert plan is not None
+        return plan
+
+    def set_status(self, status: JobStatus) -> None:
+        self.control.set_status(status)
+
+    def leave(self) -> None:
+        """Graceful: delete our key at once and revoke the lease."""
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        if self.registration is not None:
+            try:
+                self.registration.leave()
+            except Exception as exc:  # leaving is best effort; the TTL cleans up
+                log.warning("leave: %s", exc)
+        if self.session is not None:
+            self.session.close()
+        self.control.close()
+
+    def abandon(self) -> None:
+        """Stop everything without deleting keys (the lease expiry removes them)."""
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        if self.session is not None:
+            self.session.orphan()
+        self.control.close()
+
+
+def new_member_id(host: str) -> str:
+    """Unique per registration: a restarted agent on the same host is a new member."""
+    import os
+    import uuid
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in host)[:40]
+    return f"{safe}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def now_wall() -> float:
+    return time.time()

@@ -1,0 +1,271 @@
+"""Rounds: the plan data model and the pure decider that says when a round closes.
+
+``decide(snapshot, settings, now)`` looks at what the coordinator knows (the
+current plan, the registered members, reset requests) and returns what to do
+next. It does no I/O and reads no clock, so it is tested as tables without etcd;
+the coordinator applies its decision with a compare-and-set transaction.
+
+Ranks are given to *workers* (processes). A member is one host agent that offers
+some workers. Rank order is stable: survivors of the previous plan keep their
+relative order (so rank 0 is always the longest-lived survivor, which holds the
+newest committed state), newcomers are appended in the order their members
+joined, and workers beyond ``max_np`` wait as spares.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    min_np: int
+    max_np: int
+    settle: float = 0.5  # seconds to wait for more joiners once min_np are present
+    timeout: float = 600.0  # seconds to wait below min_np before the job fails
+    reset_grace: float = 0.3  # after a reset request, time for the agents' reports to arrive
+
+    def __post_init__(self) -> None:
+        if self.min_np < 1:
+            raise ConfigError(f"min_np must be at least 1 (got {self.min_np})")
+        if self.max_np < self.min_np:
+            raise ConfigError(
+                f"max_np ({self.max_np}) must be at least min_np ({self.min_np})"
+            )
+        for name in ("settle", "timeout", "reset_grace"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative (got {getattr(self, name)})")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One host agent, as registered under ``members/<member_id>``."""
+
+    member_id: str
+    host: str
+    addr: str  # address other hosts reach this host's workers at
+    store_port: int  # the agent's TCPStore, used when one of its workers is rank 0
+    workers: tuple[str, ...]  # worker ids that want a rank, in local order
+    joined: float  # wall-clock registration time, for people reading logs
+    revision: int = 0  # etcd create revision of the key: the join order
+    draining: bool = False  # leaving gracefully: its withdrawn workers are not "lost"
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "member_id": self.member_id,
+                "host": self.host,
+                "addr": self.addr,
+                "store_port": self.store_port,
+                "workers": list(self.workers),
+                "joined": self.joined,
+                "draining": self.draining,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, revision: int = 0) -> "Member":
+        obj = json.loads(data)
+        return cls(
+            member_id=obj["member_id"],
+            host=obj["host"],
+            addr=obj["addr"],
+            store_port=int(obj["store_port"]),
+            workers=tuple(obj["workers"]),
+            joined=float(obj["joined"]),
+            revision=revision,
+            draining=bool(obj.get("draining", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A rank of a plan: which worker of which member holds it."""
+
+    member_id: str
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    round: int
+    slots: tuple[Slot, ...]  # rank order
+    hosts: dict  # member_id -> (host, addr), for the members in the plan
+    store_addr: str  # "host:port" of the round's rendezvous store (rank 0's agent)
+    created: float  # wall-clock time the plan was written
+    # Workers of the previous round that died or vanished (not a graceful leave):
+    # their ring is broken, so its survivors abort it instead of waiting on it.
+    lost: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    def rank_of(self, worker_id: str) -> Optional[int]:
+        for rank, slot in enumerate(self.slots):
+            if slot.worker_id == worker_id:
+                return rank
+        return None
+
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(slot.worker_id for slot in self.slots)
+
+    def member_order(self) -> list[str]:
+        """Members in order of their first rank (torchrun's GROUP_RANK)."""
+        seen: dict[str, None] = {}
+        for slot in self.slots:
+            seen.setdefault(slot.member_id, None)
+        return list(seen)
+
+    def local_ranks(self, member_id: str) -> list[str]:
+        """Worker ids of one member in local-rank order."""
+        return [s.worker_id for s in self.slots if s.member_id == member_id]
+
+    def to_json(self) -> bytes:
+        members = self.member_order()
+        index = {m: i for i, m in enumerate(members)}
+        return json.dumps(
+            {
+                "round": self.round,
+                "created": self.created,
+                "store": self.store_addr,
+                "members": [[m, *self.hosts[m]] for m in members],
+                "ranks": [[index[s.member_id], s.worker_id] for s in self.slots],
+                "lost": list(self.lost),
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "RoundPlan":
+        obj = json.loads(data)
+        members = [m[0] for m in obj["members"]]
+        return cls(
+            round=int(obj["round"]),
+            slots=tuple(Slot(members[i], w) for i, w in obj["ranks"]),
+            hosts={m[0]: (m[1], m[2]) for m in obj["members"]},
+            store_addr=obj["store"],
+            created=float(obj["created"]),
+            lost=tuple(obj.get("lost", ())),
+        )
+
+
+@dataclass(frozen=True)
+class ResetRequest:
+    """A worker whose collective failed asks for a round after ``round``."""
+
+    worker_id: str
+    round: int
+    reason: str
+    seen_at: float  # coordinator's monotonic time when the request arrived
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the coordinator knows at one instant (monotonic times)."""
+
+    plan: Optional[RoundPlan]
+    members: tuple[Member, ...]
+    requests: tuple[ResetRequest, ...] = ()
+    last_change: float = 0.0  # when the member set last changed
+    below_min_since: Optional[float] = None  # when candidates first fell below min_np
+
+
+@dataclass(frozen=True)
+class Wait:
+    until: Optional[float] = None  # re-decide at this time even without news
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class FormRound:
+    slots: tuple[Slot, ...]
+    reason: str
+    lost: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+Decision = Union[Wait, FormRound, Fail]
+
+
+def candidates(plan: Optional[RoundPlan], members: tuple[Member, ...]) -> list[Slot]:
+    """All workers that want a rank, in stable rank order (no max_np cut yet)."""
+    offered = {
+        w: m.member_id for m in members for w in m.workers
+    }
+    ordered: list[Slot] = []
+    if plan is not None:
+        # Survivors first, in their previous order: rank 0 stays the oldest.
+        ordered = [s for s in plan.slots if offered.get(s.worker_id) == s.member_id]
+    taken = {s.worker_id for s in ordered}
+    for member in sorted(members, key=lambda m: (m.revision, m.member_id)):
+        for worker in member.workers:
+            if worker not in taken:
+                ordered.append(Slot(member.member_id, worker))
+                taken.add(worker)
+    return ordered
+
+
+def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Decision:
+    plan = snapshot.plan
+    wanted = candidates(plan, snapshot.members)
+    admitted = tuple(wanted[: settings.max_np])
+    count = len(admitted)
+
+    if count < settings.min_np:
+        since = snapshot.below_min_since if snapshot.below_min_since is not None else now
+        if now - since >= settings.timeout:
+            return Fail(
+                f"only {count} of min_np={settings.min_np} workers present after "
+                f"waiting {settings.timeout:g}s"
+            )
+        return Wait(since + settings.timeout, f"{count} of min_np={settings.min_np} present")
+
+    if plan is None:
+        if count == settings.max_np:
+            return FormRound(admitted, f"max_np={settings.max_np} workers present")
+        settle_at = snapshot.last_change + settings.settle
+        if now >= settle_at:
+            return FormRound(admitted, f"{count} workers present, settle window over")
+        return Wait(settle_at, "settling")
+
+    previous = set(plan.worker_ids())
+    gone = previous - {s.worker_id for s in admitted}
+    if gone:
+        # Never worth waiting for: the survivors are stalled until the next round.
+        draining = {m.member_id for m in snapshot.members if m.draining}
+        lost = tuple(s.worker_id for s in plan.slots if s.worker_id in gone and s.member_id not in draining)
+        left = len(gone) - len(lost)
+        reason = ", ".join(
+            part for part in (f"{len(lost)} worker(s) lost" if lost else "", f"{left} left" if left else "") if part
+        )
+        return FormRound(admitted, reason, lost)
+
+    requests = [r for r in snapshot.requests if r.round >= plan.round]
+    if requests:
+        # Give the agents a moment to report the crash behind the broken ring, so the
+        # new round does not include a dead worker; then re-form with whoever is there.
+        first = min(r.seen_at for r in requests)
+        if now >= first + settings.reset_grace:
+            return FormRound(admitted, f"reset requested: {requests[0].reason}")
+        return Wait(first + settings.reset_grace, "reset requested, waiting for reports")
+
+    if admitted == plan.slots:
+        return Wait(None, "membership unchanged")
+
+    # Only additions: the running ring keeps going, so settle to batch joiners.
+    if count == settings.max_np:
+        return FormRound(admitted, f"{count - len(previous)} worker(s) joined, max_np reached")
+    settle_at = snapshot.last_change + settings.settle
+    if now >= settle_at:
+        return FormRound(admitted, f"{count - len(previous)} worker(s) joined")
+    return Wait(settle_at, "settling joiners")

@@ -1,0 +1,150 @@
+"""Session: one etcd lease kept alive by a daemon thread (etcd's concurrency recipe).
+
+Keys that must vanish when this process or host dies are put with
+`session.lease_id`. The keep-alive refreshes every ttl/3 and rides out etcd
+being away (restart, leader change): etcd keeps leases across a restart and
+extends them when a new leader takes over, so a refresh after the outage
+usually just works.
+
+If a refresh says the lease is gone (etcd was away longer than the TTL, or
+someone revoked it), the session grants a fresh lease and calls
+`on_new_lease(new_id)` so owners put their keys again. When that cannot be
+done within the TTL, or etcd stays unreachable past max(ttl, retry_deadline),
+`lost` is set with `lost_reason`: owners must treat their keys as gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Callable
+
+from .errors import ConfigError, LeaseLostError, RendezvousError
+from .etcd import Etcd
+
+log = logging.getLogger(__name__)
+
+# After a failed refresh, try again this soon (capped by ttl/3): the sooner we
+# reach a restarted etcd, the more of the TTL is left.
+_RETRY_INTERVAL = 0.25
+
+
+class Session:
+    def __init__(
+        self,
+        etcd: Etcd,
+        ttl: float,
+        *,
+        on_new_lease: Callable[[int], None] | None = None,
+        name: str = "",
+    ):
+        if not isinstance(ttl, (int, float)) or not ttl > 0 or math.isinf(ttl):
+            raise ConfigError(f"invalid session ttl {ttl!r}: must be a positive number of seconds")
+        self._etcd = etcd
+        self.ttl = float(ttl)
+        self.name = name
+        self._on_new_lease = on_new_lease
+        self._interval = self.ttl / 3
+        self.lost = threading.Event()
+        self.lost_reason: str | None = None
+        self.renewals = 0  # fresh leases granted after the first (tests, metrics)
+        self._needs_new_lease = False
+        self._stopped = threading.Event()
+        self.lease_id: int = etcd.grant_lease(self.ttl)
+        self._thread = threading.Thread(
+            target=self._run, name=f"etcd-session:{name or format(self.lease_id, 'x')}", daemon=True
+        )
+        self._thread.start()
+        log.debug("session %s: lease %x (ttl %gs)", self.name, self.lease_id, self.ttl)
+
+    # -- public
+
+    def close(self) -> None:
+        """Stop the keep-alive and revoke the lease: its keys vanish at once."""
+        self._stop()
+        try:
+            # Bounded: if etcd is away, the keys still vanish when the TTL runs out.
+            self._etcd.revoke_lease(self.lease_id, retry_deadline=min(self._etcd.config.retry_deadline, self.ttl))
+        except RendezvousError as exc:
+            log.warning("session %s: could not revoke lease %x (%s); its keys expire within %gs",
+                        self.name, self.lease_id, exc, self.ttl)
+
+    def orphan(self) -> None:
+        """Stop the keep-alive only; the keys vanish when the TTL runs out."""
+        self._stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Session({self.name!r}, lease={self.lease_id:x}, ttl={self.ttl:g}s, lost={self.lost.is_set()})"
+
+    # -- keep-alive thread
+
+    def _stop(self) -> None:
+        self._stopped.set()
+        if threading.current_thread() is not self._thread:
+            # One refresh attempt is bounded by ttl/3 plus one call timeout.
+            self._thread.join(self._interval + self._etcd.config.call_timeout + 1.0)
+
+    def _run(self) -> None:
+        trouble_since: float | None = None  # start of the current run of failures
+        wait = self._interval
+        while not self._stopped.wait(wait):
+            try:
+                self._keep_alive_once()
+            except RendezvousError as exc:
+                now = time.monotonic()
+                trouble_since = trouble_since if trouble_since is not None else now
+                if self._needs_new_lease:
+                    limit, what = self.ttl, f"could not re-establish lease {self.lease_id:x}"
+                else:
+                    limit = max(self.ttl, self._etcd.config.retry_deadline)
+                    what = f"could not refresh lease {self.lease_id:x}"
+                if now - trouble_since > limit:
+                    self._declare_lost(f"{what} for {now - trouble_since:.1f}s: {exc}")
+                    return
+                level = logging.INFO if now == trouble_since else logging.DEBUG  # once per outage
+                log.log(level, "session %s: %s (%s); retrying", self.name, what, exc)
+                wait = min(self._interval, _RETRY_INTERVAL)
+            else:
+                trouble_since, wait = None, self._interval
+
+    def _keep_alive_once(self) -> None:
+        if not self._needs_new_lease:
+            try:
+                self._etcd.refresh_lease(self.lease_id, retry_deadline=self._interval)
+                return
+            except LeaseLostError:
+                log.warning("session %s: lease %x expired; granting a new one and re-registering",
+                            self.name, self.lease_id)
+                self._needs_new_lease = True
+        new_lease = self._etcd.grant_lease(self.ttl, retry_deadline=self._interval)
+        self.lease_id = new_lease
+        if self._on_new_lease is not None:
+            try:
+                self._on_new_lease(new_lease)
+            except Exception as exc:
+                # Half-registered keys must not linger on a lease we will replace.
+                try:
+                    self._etcd.revoke_lease(new_lease, retry_deadline=self._interval)
+                except RendezvousError:
+                    pass
+                raise RendezvousError(f"re-registering on new lease {new_lease:x} failed: {exc}") from exc
+        self._needs_new_lease = False
+        self.renewals += 1
+        log.info("session %s: now on lease %x", self.name, new_lease)
+
+    def _declare_lost(self, reason: str) -> None:
+        self.lost_reason = reason
+        log.error("session %s: lease lost: %s", self.name, reason)
+        self.lost.set()

@@ -1,0 +1,177 @@
+"""TLS with client certificates, and etcd user authentication, against real etcd servers."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import time
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from etcd3 import etcdrpc
+
+from rendezvous.embedded import EmbeddedEtcd
+from rendezvous.errors import RendezvousAuthError, RendezvousConnectionError
+from rendezvous.etcd import Etcd
+
+from ..conftest import etcd_binary_or_skip
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ----------------------------------------------------------------------------- a throw-away PKI
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _certificate(subject: str, key, issuer: x509.Name, signer, *, ca: bool = False, usage=None, ip=None):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if usage is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if ip is not None:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
+                                        critical=False)
+    return builder.sign(signer, hashes.SHA256())
+
+
+def _write_pair(directory, name: str, key, cert) -> tuple[str, str]:
+    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files."""
+    directory = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("test-ca", ca_key, _name("test-ca"), ca_key, ca=True)
+    server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    server = _certificate("etcd", server_key, ca.subject, ca_key, usage=ExtendedKeyUsageOID.SERVER_AUTH, ip="127.0.0.1")
+    client = _certificate("elastic", client_key, ca.subject, ca_key, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    paths = {"ca": _write_pair(directory, "ca", ca_key, ca)[0]}
+    paths["server_cert"], paths["server_key"] = _write_pair(directory, "server", server_key, server)
+    paths["client_cert"], paths["client_key"] = _write_pair(directory, "client", client_key, client)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(pki):
+    server = EmbeddedEtcd(
+        binary=etcd_binary_or_skip(),
+        scheme="https",
+        extra_args=["--cert-file", pki["server_cert"], "--key-file", pki["server_key"],
+                    "--trusted-ca-file", pki["ca"], "--client-cert-auth"],
+        client_options=dict(ca_cert=pki["ca"], cert_cert=pki["client_cert"], cert_key=pki["client_key"]),
+    ).start()
+    yield server
+    server.stop()
+
+
+# ----------------------------------------------------------------------------- TLS
+
+
+def test_tls_client_with_certificate_works(tls_etcd):
+    with Etcd(tls_etcd.config()) as client:
+        client.check()
+        revision = client.put("/tls/k", b"secret")
+        assert client.get("/tls/k").mod_revision == revision
+
+
+def test_tls_client_without_certificate_is_refused_clearly(tls_etcd):
+    with Etcd(tls_etcd.config(cert_cert=None, cert_key=None, retry_deadline=5.0)) as client:
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError) as info:
+            client.check(timeout=5.0)
+    message = str(info.value)
+    assert time.monotonic() - started < 5.5
+    assert tls_etcd.endpoint in message and "\n" not in message
+    if isinstance(info.value, RendezvousAuthError):  # the usual case: not retried, says why
+        assert "client certificate" in message and time.monotonic() - started < 1.0
+
+
+def test_tls_client_with_the_wrong_ca_is_refused_clearly(tls_etcd, pki):
+    # The client certificate is not a CA: the server's certificate cannot verify against it.
+    with Etcd(tls_etcd.config(ca_cert=pki["client_cert"], cert_cert=None, cert_key=None)) as client:
+        with pytest.raises(RendezvousAuthError, match="does not verify against our CA"):
+            client.check()
+
+
+# ----------------------------------------------------------------------------- user auth
+
+
+@pytest.fixture(scope="module")
+def auth_etcd():
+    """An etcd with auth enabled and user root / s3cret (set up through the gRPC auth API)."""
+    server = EmbeddedEtcd(binary=etcd_binary_or_skip()).start()
+    channel = grpc.insecure_channel(server.endpoint)
+    auth = etcdrpc.AuthStub(channel)
+    auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="s3cret"), timeout=5)
+    auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), timeout=5)
+    auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+    auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=5)
+    channel.close()
+    yield server
+    server.stop()
+
+
+def test_auth_with_the_right_password_works(auth_etcd):
+    with Etcd(auth_etcd.config(user="root", password="s3cret")) as client:
+        client.check()
+        client.put("/auth/k", b"v")
+        assert client.get("/auth/k").value == b"v"
+
+
+def test_wrong_password_fails_fast_and_says_so(auth_etcd):
+    with Etcd(auth_etcd.config(user="root", password="wrong")) as client:
+        started = time.monotonic()
+        with pytest.raises(RendezvousAuthError) as info:
+            client.put("/auth/k", b"v")
+        assert time.monotonic() - started < 1.0  # not retried for retry_deadline (30 s)
+        assert client.requests == 1
+    assert str(info.value) == f"etcd at {auth_etcd.endpoint} rejected user 'root': wrong user name or password"
+
+
+def test_missing_credentials_are_reported(auth_etcd):
+    with Etcd(auth_etcd.config()) as client:
+        with pytest.raises(RendezvousAuthError, match="requires authentication: configure a user and password"):
+            client.check()
+        with pytest.raises(RendezvousAuthError, match="requires authentication"):
+            client.get("/auth/k")
+
+
+def test_auth_survives_an_etcd_restart(auth_etcd, job_prefix):
+    """The token is re-fetched if the restarted etcd no longer knows it."""
+    with Etcd(auth_etcd.config(user="root", password="s3cret")) as client:
+        client.put(job_prefix + "k", b"before")
+        auth_etcd.kill()
+        auth_etcd.restart()
+        assert client.get(job_prefix + "k").value == b"before"
+        client.put(job_prefix + "k", b"after")
+
+
+def test_a_stale_token_is_replaced_transparently(auth_etcd, job_prefix):
+    """etcd forgets simple tokens (TTL, or a restart from a snapshot): the client logs in again."""
+    with Etcd(auth_etcd.config(user="root", password="s3cret")) as client:
+        client.put(job_prefix + "k", b"1")
+        client._token = "stale.token"  # what a forgotten token looks like to etcd
+        assert client.get(job_prefix + "k").value == b"1"
+        assert client._token not in (None, "stale.token")

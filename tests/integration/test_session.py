@@ -1,0 +1,124 @@
+"""Session (lease + keep-alive) against a real etcd, including etcd SIGKILL and restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rendezvous.errors import ConfigError
+from rendezvous.etcd import Etcd
+from rendezvous.session import Session
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def test_close_revokes_the_lease_at_once(etcd, job_prefix, no_leaked_threads):
+    with Session(etcd, 10, name="closing") as session:
+        etcd.put(job_prefix + "member", b"x", lease=session.lease_id)
+        assert etcd.get(job_prefix + "member").lease == session.lease_id
+    assert etcd.get(job_prefix + "member") is None
+    assert not session.alive and not session.lost.is_set()
+
+
+def test_keep_alive_holds_the_key_beyond_the_ttl(etcd, job_prefix, no_leaked_threads):
+    with Session(etcd, 1, name="alive") as session:
+        etcd.put(job_prefix + "member", b"x", lease=session.lease_id)
+        time.sleep(2.5)  # the property under test is "still there after 2.5 TTLs"
+        assert etcd.get(job_prefix + "member") is not None
+        assert not session.lost.is_set()
+
+
+def test_orphaned_key_vanishes_within_ttl_plus_one_second(etcd, job_prefix, no_leaked_threads):
+    session = Session(etcd, 1, name="orphan")
+    etcd.put(job_prefix + "member", b"x", lease=session.lease_id)
+    session.orphan()
+    orphaned = time.monotonic()
+    assert not session.alive
+    assert wait_until(lambda: etcd.get(job_prefix + "member") is None, timeout=5.0)
+    assert time.monotonic() - orphaned <= 2.0 + 0.3  # TTL + 1 s, plus polling slack
+
+
+def test_lease_revoked_behind_our_back_is_replaced_and_owner_re_registers(etcd, job_prefix, no_leaked_threads):
+    key = job_prefix + "member"
+    new_leases = []
+    re_registered = threading.Event()
+
+    def on_new_lease(lease_id: int) -> None:
+        etcd.put(key, b"again", lease=lease_id)
+        new_leases.append(lease_id)
+        re_registered.set()
+
+    with Session(etcd, 1, on_new_lease=on_new_lease, name="replaced") as session:
+        old = session.lease_id
+        etcd.put(key, b"first", lease=old)
+        etcd.revoke_lease(old)  # as if etcd had expired it
+        assert re_registered.wait(5)
+        assert new_leases == [session.lease_id] and session.lease_id != old and session.renewals == 1
+        kv = etcd.get(key)
+        assert (kv.value, kv.lease) == (b"again", session.lease_id)
+        assert not session.lost.is_set()
+
+
+def test_lost_is_set_when_the_lease_cannot_be_re_established(etcd, no_leaked_threads):
+    def failing_owner(lease_id: int) -> None:
+        raise RuntimeError("cannot re-register")
+
+    session = Session(etcd, 1, on_new_lease=failing_owner, name="doomed")
+    etcd.revoke_lease(session.lease_id)
+    assert session.lost.wait(6)
+    assert "could not re-establish lease" in session.lost_reason
+    assert "cannot re-register" in session.lost_reason
+    assert not session.alive
+    session.close()
+
+
+def test_invalid_ttl_is_rejected(etcd):
+    with pytest.raises(ConfigError, match="invalid session ttl 0"):
+        Session(etcd, 0)
+
+
+def test_session_rides_out_etcd_sigkill_and_restart(fresh_etcd, job_prefix, no_leaked_threads):
+    """Per DESIGN.md leases survive a restart on the same data dir; the keep-alive must reconnect."""
+    client = Etcd(fresh_etcd.config())
+    session = Session(client, 2, name="survivor")
+    lease = session.lease_id
+    client.put(job_prefix + "member", b"x", lease=lease)
+
+    fresh_etcd.kill()
+    time.sleep(1.0)  # etcd is away for half the TTL: the keep-alive fails meanwhile
+    fresh_etcd.restart()
+
+    # Well past the TTL after the restart, the same lease still holds the key.
+    time.sleep(3.0)
+    kv = client.get(job_prefix + "member")
+    assert kv is not None and kv.lease == lease
+    assert session.lease_id == lease and not session.lost.is_set()
+    assert client.lease_time_to_live(lease) > 0
+    session.close()
+    assert client.get(job_prefix + "member") is None
+    client.close()
+
+
+def test_session_declares_loss_when_etcd_stays_away(fresh_etcd, no_leaked_threads):
+    client = Etcd(fresh_etcd.config(retry_deadline=1.0, call_timeout=0.5))
+    session = Session(client, 1, name="stranded")
+    fresh_etcd.kill()
+    started = time.monotonic()
+    assert session.lost.wait(8)
+    # Lost after max(ttl, retry_deadline) of failures, plus one refresh period.
+    assert time.monotonic() - started < 4.0
+    assert "could not refresh lease" in session.lost_reason
+    assert "cannot reach etcd" in session.lost_reason
+    session.orphan()
+    client.close()

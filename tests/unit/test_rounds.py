@@ -1,0 +1,121 @@
+"""Table tests of the pure round decider: no etcd, no clock."""
+
+import pytest
+
+from rendezvous.errors import ConfigError
+from rendezvous.rounds import (
+    Fail,
+    FormRound,
+    Member,
+    ResetRequest,
+    RendezvousSettings,
+    RoundPlan,
+    Slot,
+    Snapshot,
+    Wait,
+    decide,
+)
+
+S = RendezvousSettings(min_np=2, max_np=4, settle=0.5, timeout=10.0, reset_grace=0.3)
+
+
+def member(mid, workers, revision):
+    return Member(mid, "h" + mid, "127.0.0.1", 1000, tuple(workers), 0.0, revision)
+
+
+def plan(round_, *pairs):
+    slots = tuple(Slot(m, w) for m, w in pairs)
+    hosts = {m: ("h" + m, "127.0.0.1") for m, _ in pairs}
+    return RoundPlan(round_, slots, hosts, "127.0.0.1:1000", 0.0)
+
+
+def workers(decision):
+    assert isinstance(decision, FormRound), decision
+    return [s.worker_id for s in decision.slots]
+
+
+def test_first_round_waits_for_settle_then_forms():
+    snap = Snapshot(None, (member("a", ["a0"], 1), member("b", ["b0"], 2)), last_change=5.0)
+    assert decide(snap, S, now=5.1) == Wait(5.5, "settling")
+    assert workers(decide(snap, S, now=5.5)) == ["a0", "b0"]
+
+
+def test_first_round_forms_at_once_at_max_np():
+    snap = Snapshot(None, (member("a", ["a0", "a1"], 1), member("b", ["b0", "b1"], 2)), last_change=5.0)
+    assert workers(decide(snap, S, now=5.0)) == ["a0", "a1", "b0", "b1"]
+
+
+def test_below_min_waits_then_fails_naming_the_count():
+    snap = Snapshot(None, (member("a", ["a0"], 1),), below_min_since=0.0)
+    assert isinstance(decide(snap, S, now=9.9), Wait)
+    failed = decide(snap, S, now=10.0)
+    assert isinstance(failed, Fail)
+    assert "only 1 of min_np=2" in failed.reason
+
+
+def test_join_order_follows_member_revision_not_name():
+    snap = Snapshot(None, (member("z", ["z0"], 1), member("a", ["a0"], 7)), last_change=0.0)
+    assert workers(decide(snap, S, now=1.0)) == ["z0", "a0"]
+
+
+def test_loss_forms_at_once_and_survivors_keep_order():
+    p = plan(3, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+    snap = Snapshot(p, (member("a", ["a0"], 1), member("c", ["c0"], 3)), last_change=9.0)
+    assert workers(decide(snap, S, now=9.0)) == ["a0", "c0"]
+
+
+def test_losing_rank0_makes_the_longest_lived_survivor_rank0():
+    p = plan(3, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+    # c re-registered earlier than b would suggest: the plan order, not revision, decides
+    snap = Snapshot(p, (member("c", ["c0"], 1), member("b", ["b0"], 2)), last_change=9.0)
+    assert workers(decide(snap, S, now=9.0)) == ["b0", "c0"]
+
+
+def test_newcomers_are_appended_after_settle():
+    p = plan(1, ("a", "a0"), ("b", "b0"))
+    snap = Snapshot(p, (member("n", ["n0"], 1), member("a", ["a0"], 2), member("b", ["b0"], 3)), last_change=4.0)
+    assert decide(snap, S, now=4.2) == Wait(4.5, "settling joiners")
+    assert workers(decide(snap, S, now=4.5)) == ["a0", "b0", "n0"]
+
+
+def test_spares_beyond_max_np_wait_and_are_admitted_after_a_leave():
+    p = plan(1, ("a", "a0"), ("a", "a1"), ("b", "b0"), ("b", "b1"))
+    full = (member("a", ["a0", "a1"], 1), member("b", ["b0", "b1"], 2), member("s", ["s0"], 3))
+    assert decide(Snapshot(p, full, last_change=1.0), S, now=5.0) == Wait(None, "membership unchanged")
+    after_leave = (member("a", ["a0", "a1"], 1), member("b", ["b0"], 2), member("s", ["s0"], 3))
+    assert workers(decide(Snapshot(p, after_leave, last_change=6.0), S, now=6.0)) == ["a0", "a1", "b0", "s0"]
+
+
+def test_reset_request_waits_for_grace_then_reforms_same_members():
+    p = plan(2, ("a", "a0"), ("b", "b0"))
+    ms = (member("a", ["a0"], 1), member("b", ["b0"], 2))
+    req = (ResetRequest("a0", 2, "gloo timeout", seen_at=7.0),)
+    assert isinstance(decide(Snapshot(p, ms, req), S, now=7.1), Wait)
+    assert workers(decide(Snapshot(p, ms, req), S, now=7.3)) == ["a0", "b0"]
+
+
+def test_stale_reset_request_is_ignored():
+    p = plan(2, ("a", "a0"), ("b", "b0"))
+    ms = (member("a", ["a0"], 1), member("b", ["b0"], 2))
+    req = (ResetRequest("a0", 1, "old", seen_at=0.0),)
+    assert decide(Snapshot(p, ms, req), S, now=9.0) == Wait(None, "membership unchanged")
+
+
+def test_plan_json_round_trip():
+    p = plan(5, ("a", "a0"), ("b", "b0"), ("a", "a1"))
+    q = RoundPlan.from_json(p.to_json())
+    assert q == p
+    assert q.rank_of("a1") == 2 and q.local_ranks("a") == ["a0", "a1"] and q.member_order() == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(min_np=0, max_np=4), "min_np must be at least 1"),
+        (dict(min_np=5, max_np=4), "max_np (4) must be at least min_np (5)"),
+        (dict(min_np=1, max_np=4, settle=-1), "settle must not be negative"),
+    ],
+)
+def test_settings_validation(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RendezvousSettings(**kwargs)
