@@ -1,1 +1,22 @@
+"""Checkpoints: in-memory snapshots for commit(), durable atomic checkpoints, loading.
 
+    snap = Snapshot(); snap.capture(tree)              # cheap, reuses buffers
+    snap.restore_into(tree)                            # in place, keeps tensor identity
+    writer = DurableWriter(CheckpointPolicy("/ckpt", every_commits=100))
+    if writer.due(commits): writer.submit(tree, step=step)   # background, atomic
+    loaded = load_latest("/ckpt")                      # (tree, manifest) or None
+"""
+from .durable import CheckpointPolicy, DurableWriter
+from .restore import CheckpointInfo, list_checkpoints, load_latest
+from .snapshot import Layout, Snapshot, clone_tree
+
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointPolicy",
+    "DurableWriter",
+    "Layout",
+    "Snapshot",
+    "clone_tree",
+    "list_checkpoints",
+    "load_latest",
+]

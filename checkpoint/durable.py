@@ -1,0 +1,289 @@
+"""Durable checkpoints written in the background, atomically, keeping the last K.
+
+The training loop only pays for one copy of the state into a staging snapshot that the
+writer owns; a background thread then serializes, checksums, fsyncs and renames:
+
+    .tmp-step-000000123-<hex>/state.pt       torch.save, sha256 computed while writing
+    .tmp-step-000000123-<hex>/manifest.json  written last
+    fsync files, fsync the tmp dir, rename to step-000000123/, fsync the parent
+
+so a crash at any moment leaves either the complete new checkpoint or none of it.
+Older checkpoints are pruned only after the new one is durable. I/O failures (read-only
+file system, ENOSPC, permissions) never reach the training loop: they are logged as one
+line, kept in ``last_error``, and the partial tmp dir is removed.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import manifest as mf
+from .snapshot import Snapshot
+
+__all__ = ["CheckpointPolicy", "DurableWriter", "check_local_directory"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_local_directory(directory: str) -> None:
+    """Only local paths are supported: one-line ValueError for anything else."""
+    if not isinstance(directory, str) or not directory:
+        raise ValueError(f"checkpoint directory must be a non-empty path, got {directory!r}")
+    if "://" in directory:
+        # Object stores have no atomic rename; supporting them means a different commit
+        # protocol (manifest as the commit marker), which nothing needs yet.
+        raise ValueError(f"checkpoint directory {directory!r}: only local paths are supported, not URLs")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how often durable checkpoints are written, and how many are kept."""
+
+    directory: str
+    every_commits: int | None = None  # write every N commits
+    every_seconds: float | None = None  # and/or every T seconds
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        check_local_directory(self.directory)
+        if self.every_commits is not None and (
+            not isinstance(self.every_commits, int) or isinstance(self.every_commits, bool) or self.every_commits < 1
+        ):
+            raise ValueError(f"every_commits must be a positive integer or None, got {self.every_commits!r}")
+        if self.every_seconds is not None and (
+            isinstance(self.every_seconds, bool)
+            or not isinstance(self.every_seconds, (int, float))
+            or not self.every_seconds > 0
+        ):
+            raise ValueError(f"every_seconds must be a positive number or None, got {self.every_seconds!r}")
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {self.keep!r}")
+
+
+class _HashingWriter:
+    """Unbuffered file writer that computes sha256 and size while torch.save writes.
+
+    Hashing on the way out avoids reading the file back. The first OSError is kept
+    because torch.save reports a failed write as a RuntimeError without the errno.
+    """
+
+    def __init__(self, fileobj) -> None:
+        self._f = fileobj  # opened with buffering=0: every write reaches the OS
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            done = 0
+            while done < len(view):
+                done += self._f.write(view[done:])
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        self.sha256.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Job:
+    step: int
+    epoch: int | None
+    round: int | None
+    world_size: int | None
+    meta: dict | None
+
+
+class DurableWriter:
+    """Writes checkpoints of a tree per `policy` on a background thread (one at a time)."""
+
+    def __init__(self, policy: CheckpointPolicy, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._staging = Snapshot()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._skip_logged = False
+        self._last_submit = clock()
+        self.last_error: str | None = None
+        self.last_path: str | None = None  # the newest checkpoint this writer made durable
+        self.last_write_seconds: float | None = None  # background time of the last write
+        self.skipped = 0  # submits dropped because a write was still running
+        self._prepare_directory()
+
+    # -- policy -------------------------------------------------------------------------
+
+    def due(self, commits: int) -> bool:
+        """Is a write due after `commits` commits (per policy)? Cheap; changes nothing."""
+        p = self.policy
+        if p.every_commits is not None and commits > 0 and commits % p.every_commits == 0:
+            return True
+        if p.every_seconds is not None and self._clock() - self._last_submit >= p.every_seconds:
+            return True
+        return False
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- writing ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        tree: Any,
+        *,
+        step: int,
+        epoch: int | None = None,
+        round: int | None = None,
+        world_size: int | None = None,
+        meta: dict | None = None,
+    ) -> bool:
+        """Stage a copy of `tree` and write it in the background. False if skipped.
+
+        The copy is the only stall the caller sees. A submit while the previous write is
+        still running is dropped, not queued: a queue would hold stale states in memory.
+        """
+        if self._closed:
+            raise ValueError("DurableWriter is closed")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if self.busy:
+            self.skipped += 1
+            if not self._skip_logged:
+                self._skip_logged = True
+                logger.info("checkpoint of step %d skipped: the previous write to %s is still running "
+                            "(further skips are not logged)", step, self.policy.directory)
+            return False
+        self._staging.capture(tree)
+        self._last_submit = self._clock()
+        job = _Job(step, epoch, round, world_size, dict(meta) if meta else None)
+        self._thread = threading.Thread(target=self._write, args=(job,), name="checkpoint-writer", daemon=True)
+        self._thread.start()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight write; True if none is running any more."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return not self.busy
+
+    def close(self) -> None:
+        """Wait for the in-flight write and refuse further submits."""
+        self.flush()
+        self._closed = True
+
+    def __enter__(self) -> "DurableWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- background ---------------------------------------------------------------------
+
+    def _prepare_directory(self) -> None:
+        """Create the directory and remove stale tmp dirs of writers that crashed."""
+        directory = self.policy.directory
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for name in os.listdir(directory):
+                if name.startswith(mf.TMP_PREFIX):
+                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        except OSError as exc:
+            self._fail(f"checkpoint directory {directory} is not usable: {_describe(exc)}")
+
+    def _write(self, job: _Job) -> None:
+        started = time.monotonic()
+        directory = self.policy.directory
+        final = os.path.join(directory, mf.step_dirname(job.step))
+        tmp = os.path.join(directory, f"{mf.TMP_PREFIX}{mf.step_dirname(job.step)}-{secrets.token_hex(4)}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            os.mkdir(tmp)
+            files = {mf.STATE_NAME: self._write_state(os.path.join(tmp, mf.STATE_NAME))}
+            manifest = mf.build_manifest(
+                step=job.step, files=files, created=time.time(), epoch=job.epoch,
+                round=job.round, world_size=job.world_size, meta=job.meta,
+            )
+            mf.write_manifest(tmp, manifest)
+            mf.fsync_dir(tmp)
+            self._publish(tmp, final)
+            mf.fsync_dir(directory)
+        except Exception as exc:  # noqa: BLE001 - nothing may escape into training
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._fail(f"checkpoint of step {job.step} to {final} failed: {_describe(exc)}")
+            return
+        self.last_error = None
+        self.last_path = final
+        self.last_write_seconds = time.monotonic() - started
+        logger.debug("checkpoint of step %d written to %s in %.3f s", job.step, final, self.last_write_seconds)
+        self._prune(keep_path=final)
+
+    def _write_state(self, path: str) -> dict[str, Any]:
+        with open(path, "wb", buffering=0) as f:
+            out = _HashingWriter(f)
+            try:
+                torch.save(self._staging.tree(), out)
+            except Exception:
+                if out.error is not None:
+                    raise out.error from None
+                raise
+            os.fsync(f.fileno())
+        return {"size": out.size, "sha256": out.sha256.hexdigest()}
+
+    @staticmethod
+    def _publish(tmp: str, final: str) -> None:
+        """Rename tmp to final; an existing final dir of the same step is replaced."""
+        if not os.path.exists(final):
+            os.rename(tmp, final)
+            return
+        # rename() cannot replace a non-empty directory: move the old one aside first
+        # (the aside name is a tmp name, so loaders ignore it and writers clean it up).
+        aside = f"{tmp}-replaced"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def _prune(self, keep_path: str) -> None:
+        """Delete all but the newest `keep` checkpoints; never the one just written."""
+        directory = self.policy.directory
+        try:
+            steps = sorted(
+                ((s, n) for n in os.listdir(directory) if (s := mf.parse_step_dirname(n)) is not None),
+                reverse=True,
+            )
+        except OSError as exc:
+            logger.warning("cannot list %s to prune old checkpoints: %s", directory, _describe(exc))
+            return
+        others = [os.path.join(directory, n) for _, n in steps if os.path.join(directory, n) != keep_path]
+        for path in others[self.policy.keep - 1:]:
+            try:
+                shutil.rmtree(path)
+            except OSError as exc:
+                logger.warning("cannot delete old checkpoint %s: %s", path, _describe(exc))
+
+    def _fail(self, message: str) -> None:
+        self.last_error = message
+        logger.error(message)
+
+
+def _describe(exc: BaseException) -> str:
+    """'[Errno 28] No space left on device: path' for OSError, 'Type: text' otherwise."""
+    if isinstance(exc, OSError):
+        return str(exc)
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

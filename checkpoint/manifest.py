@@ -1,0 +1,162 @@
+"""The on-disk layout of durable checkpoints: names, the manifest, checksums.
+
+    <dir>/step-000000123/state.pt        torch.save of the tree (loads with weights_only=True)
+    <dir>/step-000000123/manifest.json   written last; lists every file with size and sha256
+    <dir>/.tmp-step-000000123-<hex>/     a write in progress (ignored by loaders)
+
+A checkpoint directory is valid only if its manifest parses and every file it lists
+has the recorded size and sha256.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST_NAME",
+    "STATE_NAME",
+    "TMP_PREFIX",
+    "ManifestError",
+    "build_manifest",
+    "file_digest",
+    "fsync_dir",
+    "parse_step_dirname",
+    "read_manifest",
+    "step_dirname",
+    "verify_files",
+    "write_manifest",
+]
+
+FORMAT = 1
+MANIFEST_NAME = "manifest.json"
+STATE_NAME = "state.pt"
+TMP_PREFIX = ".tmp-"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_CHUNK = 4 << 20
+
+
+class ManifestError(ValueError):
+    """A manifest is missing, unparsable or inconsistent; str() is the reason."""
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a final checkpoint directory name, None for anything else."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def build_manifest(
+    *,
+    step: int,
+    files: dict[str, dict[str, Any]],
+    created: float,
+    epoch: int | None = None,
+    round: int | None = None,
+    world_size: int | None = None,
+    meta: dict | None = None,
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "step": step,
+        "epoch": epoch,
+        "round": round,
+        "world_size": world_size,
+        "created": created,
+        "files": files,
+        "meta": dict(meta or {}),
+    }
+
+
+def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
+    """Write and fsync manifest.json inside `directory`."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: str) -> dict[str, Any]:
+    """Parse and check the manifest of a checkpoint directory; ManifestError says why not."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ManifestError(f"missing {MANIFEST_NAME}") from None
+    except OSError as exc:
+        raise ManifestError(f"cannot read {MANIFEST_NAME}: {exc.strerror}") from None
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"unparsable {MANIFEST_NAME}: {exc}") from None
+    _check_manifest(manifest)
+    return manifest
+
+
+def _check_manifest(manifest: Any) -> None:
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{MANIFEST_NAME} is not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise ManifestError(f"unsupported manifest format {manifest.get('format')!r} (expected {FORMAT})")
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ManifestError(f"bad step {step!r} in {MANIFEST_NAME}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or STATE_NAME not in files:
+        raise ManifestError(f"{MANIFEST_NAME} does not list {STATE_NAME}")
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+            raise ManifestError(f"bad entry for {name!r} in {MANIFEST_NAME}")
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ManifestError(f"bad file name {name!r} in {MANIFEST_NAME}")
+
+
+def file_digest(path: str) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def verify_files(directory: str, manifest: dict[str, Any]) -> str | None:
+    """None if every listed file has its recorded size and sha256, else the reason."""
+    for name, entry in manifest["files"].items():
+        path = os.path.join(directory, name)
+        try:
+            actual_size = os.path.getsize(path)
+        except FileNotFoundError:
+            return f"missing {name}"
+        except OSError as exc:
+            return f"cannot read {name}: {exc.strerror}"
+        if actual_size != entry["size"]:
+            return f"{name} has {actual_size} bytes, manifest says {entry['size']}"
+        try:
+            _, sha = file_digest(path)
+        except OSError as exc:
+            return f"cannot read {name}: {exc.strerror}"
+        if sha != entry["sha256"]:
+            return f"{name} sha256 mismatch (corrupt)"
+    return None
+
+
+def fsync_dir(path: str) -> None:
+    """Make the directory entries (creations, renames) of `path` durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,379 @@
+"""In-memory snapshots of a state tree in buffers that are allocated once and reused.
+
+A *tree* is nested dict / OrderedDict / list / tuple whose leaves are tensors or plain
+values (int, float, str, bool, None, bytes). ``Snapshot.capture`` copies every tensor
+into one flat buffer per (dtype, device kind); the buffers and the views into them are
+kept while the layout (keys, shapes, dtypes) stays the same, so a capture is a handful
+of ``copy_`` calls and no allocation. Copying into reused memory is what makes
+``commit()`` cheap: a fresh ``clone`` pays for page faults on every call.
+
+CUDA tensors are copied into pinned host memory with non-blocking copies on a side
+stream and synchronized before ``capture`` returns, so a snapshot always lives on the
+host and survives the loss of the device's process group.
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["Snapshot", "Layout", "TensorSpec", "clone_tree", "format_path"]
+
+_ATOM_TYPES = frozenset({int, float, str, bool, bytes, type(None)})
+# Each tensor region starts on a 64-byte boundary so that vectorized copies stay aligned.
+_ALIGN_BYTES = 64
+
+# Tree definitions ("treedef") are nested tuples that compare with ==:
+#   ("T",)                        a tensor leaf (next tensor in walk order)
+#   ("P",)                        a plain leaf (next plain value in walk order)
+#   ("D", keys, children)         a dict
+#   ("O", keys, children, meta)   an OrderedDict; meta is its `_metadata` (state_dict versions)
+#   ("L", children) / ("U", children)   a list / a tuple
+_TENSOR = ("T",)
+_PLAIN = ("P",)
+
+
+def format_path(path: tuple) -> str:
+    """'model/fc.weight' style name of a path of keys, for error messages."""
+    return "/".join(str(k) for k in path) or "<root>"
+
+
+def _is_atom(value: Any) -> bool:
+    return type(value) in _ATOM_TYPES
+
+
+def _all_atoms(values) -> bool:
+    return set(map(type, values)) <= _ATOM_TYPES
+
+
+def _copy_plain(value: Any) -> Any:
+    if _is_atom(value):
+        return value  # immutable
+    if type(value) in (list, tuple) and _all_atoms(value):
+        return type(value)(value)  # cheap even for a long list of sample indices
+    return copy.deepcopy(value)
+
+
+def _flatten(value: Any, path: tuple, tensors: list, plains: list) -> tuple[tuple, bool]:
+    """Return (treedef, contains_tensor), appending leaves to `tensors` / `plains`.
+
+    A container without any tensor becomes one plain leaf, so a sampler's list of a
+    million indices costs one list copy instead of a million tree nodes.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise ValueError(f"unsupported tensor layout {value.layout} at {format_path(path)}")
+        tensors.append(value)
+        return _TENSOR, True
+    if _is_atom(value):
+        plains.append(value)
+        return _PLAIN, False
+    kind = type(value)
+    if kind in (list, tuple) and _all_atoms(value):
+        plains.append(value)
+        return _PLAIN, False
+    start = len(plains)
+    if kind is dict or kind is OrderedDict:
+        keys = tuple(value.keys())
+        for key in keys:
+            if not _is_atom(key):
+                raise ValueError(f"unsupported dict key {key!r} at {format_path(path)}")
+        children = [_flatten(value[k], path + (k,), tensors, plains) for k in keys]
+        has_tensor = any(c[1] for c in children)
+        if not has_tensor:
+            del plains[start:]
+            plains.append(value)
+            return _PLAIN, False
+        defs = tuple(c[0] for c in children)
+        if kind is OrderedDict:
+            meta = getattr(value, "_metadata", None)
+            return ("O", keys, defs, copy.deepcopy(meta)), True
+        return ("D", keys, defs), True
+    if kind is list or kind is tuple:
+        children = [_flatten(v, path + (i,), tensors, plains) for i, v in enumerate(value)]
+        if not any(c[1] for c in children):
+            del plains[start:]
+            plains.append(value)
+            return _PLAIN, False
+        return ("L" if kind is list else "U", tuple(c[0] for c in children)), True
+    raise ValueError(
+        f"unsupported value of type {kind.__module__}.{kind.__qualname__} at {format_path(path)}: "
+        "leaves must be tensors or int/float/str/bool/None/bytes"
+    )
+
+
+def _unflatten(treedef: tuple, tensors: Iterator, plains: Iterator) -> Any:
+    tag = treedef[0]
+    if tag == "T":
+        return next(tensors)
+    if tag == "P":
+        return _copy_plain(next(plains))
+    if tag == "D" or tag == "O":
+        out = dict() if tag == "D" else OrderedDict()
+        for key, child in zip(treedef[1], treedef[2]):
+            out[key] = _unflatten(child, tensors, plains)
+        if tag == "O" and treedef[3] is not None:
+            out._metadata = copy.deepcopy(treedef[3])
+        return out
+    children = [_unflatten(c, tensors, plains) for c in treedef[1]]
+    return children if tag == "L" else tuple(children)
+
+
+def _iter_tensors(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """(path, tensor) for every tensor of a tree, in the same order as `_flatten`.
+
+    Lenient: leaves of any other type are skipped (used on restore targets).
+    """
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, child in value.items():
+            yield from _iter_tensors(child, path + (key,))
+    elif type(value) in (list, tuple):
+        for i, child in enumerate(value):
+            yield from _iter_tensors(child, path + (i,))
+
+
+def _device_kind(t: torch.Tensor) -> str:
+    return "cuda" if t.is_cuda else "cpu"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor of the tree lives inside the flat buffers."""
+
+    path: tuple
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # device kind of the source tensor: "cpu" or "cuda"
+    buffer: int  # index into Layout.buffers
+    offset: int  # in elements
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Picklable description of a snapshot: structure, tensor specs, plain values.
+
+    A newcomer receives this (e.g. by broadcast_object_list), builds
+    ``Snapshot.from_layout(layout)``, receives the buffers and reads ``.tree()``.
+    """
+
+    treedef: tuple
+    tensors: tuple[TensorSpec, ...]
+    buffers: tuple[tuple[torch.dtype, str, int], ...]  # (dtype, device kind, numel)
+    plains: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return sum(numel * dtype.itemsize for dtype, _, numel in self.buffers)
+
+
+def _plan(treedef: tuple, tensors: list[torch.Tensor], paths: list[tuple]) -> tuple:
+    """Assign each tensor a buffer and an aligned offset. Returns (specs, buffer descriptions)."""
+    buffer_index: dict[tuple[torch.dtype, str], int] = {}
+    sizes: list[int] = []
+    buffers: list[tuple[torch.dtype, str]] = []
+    specs = []
+    for path, t in zip(paths, tensors):
+        key = (t.dtype, _device_kind(t))
+        if key not in buffer_index:
+            buffer_index[key] = len(buffers)
+            buffers.append(key)
+            sizes.append(0)
+        b = buffer_index[key]
+        align = max(1, _ALIGN_BYTES // t.element_size())
+        offset = -(-sizes[b] // align) * align
+        specs.append(TensorSpec(path, tuple(t.shape), t.dtype, key[1], b, offset))
+        sizes[b] = offset + t.numel()
+    descs = tuple((dtype, kind, size) for (dtype, kind), size in zip(buffers, sizes))
+    return tuple(specs), descs
+
+
+def _signature(treedef: tuple, tensors: list[torch.Tensor]) -> tuple:
+    return treedef, [(t.shape, t.dtype, t.is_cuda) for t in tensors]
+
+
+class Snapshot:
+    """A copy of a tree in buffers allocated once and reused by every capture."""
+
+    def __init__(self) -> None:
+        self._treedef: tuple | None = None
+        self._signature: tuple | None = None
+        self._specs: tuple[TensorSpec, ...] = ()
+        self._buffer_descs: tuple = ()
+        self._buffers: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        # Per buffer: (device kind, views into it, indices of the tree's tensors that go there).
+        self._groups: list[tuple[str, list[torch.Tensor], list[int]]] = []
+        self._plains: list = []
+        self._by_path: dict[tuple, int] = {}
+        self._streams: dict[torch.device, Any] = {}
+
+    # -- allocation ---------------------------------------------------------------------
+
+    def _allocate(self, treedef: tuple, specs: tuple[TensorSpec, ...], descs: tuple) -> None:
+        pin = torch.cuda.is_available()
+        self._buffers = [
+            # zeros, not empty: alignment padding ends up in durable files; keep it deterministic.
+            torch.zeros(numel, dtype=dtype, pin_memory=(pin and kind == "cuda"))
+            for dtype, kind, numel in descs
+        ]
+        self._views = [
+            self._buffers[s.buffer].narrow(0, s.offset, _numel(s.shape)).view(s.shape) for s in specs
+        ]
+        self._groups = []
+        for b, (_, kind, _) in enumerate(descs):
+            idx = [i for i, s in enumerate(specs) if s.buffer == b]
+            self._groups.append((kind, [self._views[i] for i in idx], idx))
+        self._treedef = treedef
+        self._specs = specs
+        self._buffer_descs = descs
+        self._by_path = {s.path: i for i, s in enumerate(specs)}
+
+    # -- capture ------------------------------------------------------------------------
+
+    def capture(self, tree: Any) -> None:
+        """Copy `tree` into the buffers (re-allocated only when the layout changed)."""
+        tensors: list[torch.Tensor] = []
+        plains: list = []
+        treedef, _ = _flatten(tree, (), tensors, plains)
+        signature = _signature(treedef, tensors)
+        if signature != self._signature:
+            paths = [p for p, _ in _iter_tensors(tree)]
+            specs, descs = _plan(treedef, tensors, paths)
+            self._signature = None  # stays invalid if allocation fails half-way
+            self._allocate(treedef, specs, descs)
+            self._signature = signature
+        with torch.no_grad():
+            self._copy_in(tensors)
+        self._plains = [_copy_plain(v) for v in plains]
+
+    def _copy_in(self, tensors: list[torch.Tensor]) -> None:
+        # Launch the device->host copies first so they overlap with the host copies.
+        used_streams = []
+        for kind, views, idx in self._groups:
+            if kind == "cuda":
+                used_streams.extend(self._copy_from_cuda(views, [tensors[i] for i in idx]))
+        for kind, views, idx in self._groups:
+            if kind != "cuda" and views:
+                _copy_all(views, [tensors[i] for i in idx])
+        for stream in used_streams:
+            stream.synchronize()
+
+    def _copy_from_cuda(self, views: list[torch.Tensor], srcs: list[torch.Tensor]) -> list:
+        """Non-blocking copies into pinned memory on one side stream per device."""
+        by_device: dict[torch.device, tuple[list, list]] = {}
+        for dst, src in zip(views, srcs):
+            pair = by_device.setdefault(src.device, ([], []))
+            pair[0].append(dst)
+            pair[1].append(src)
+        streams = []
+        for device, (dsts, device_srcs) in by_device.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            # The side stream must see every write the training stream queued before commit().
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for dst, src in zip(dsts, device_srcs):
+                    dst.copy_(src, non_blocking=True)
+            streams.append(stream)
+        return streams
+
+    # -- reading ------------------------------------------------------------------------
+
+    @property
+    def empty(self) -> bool:
+        return self._treedef is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def tree(self) -> Any:
+        """The captured tree; tensors are views into the buffers (callers must not mutate)."""
+        if self._treedef is None:
+            raise ValueError("snapshot is empty: nothing was captured")
+        return _unflatten(self._treedef, iter(self._views), iter(self._plains))
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers in a deterministic order (the order of first appearance in the tree)."""
+        return list(self._buffers)
+
+    def layout(self) -> Layout:
+        if self._treedef is None:
+            raise ValueError("snapshot is empty: nothing was captured")
+        return Layout(self._treedef, self._specs, self._buffer_descs, tuple(self._plains))
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> "Snapshot":
+        """A snapshot with zeroed buffers matching `layout` (fill them, e.g. by broadcast)."""
+        snap = cls()
+        snap._allocate(layout.treedef, layout.tensors, layout.buffers)
+        snap._plains = [_copy_plain(v) for v in layout.plains]
+        snap._signature = (layout.treedef, [(torch.Size(s.shape), s.dtype, s.kind == "cuda") for s in layout.tensors])
+        return snap
+
+    # -- restoring ----------------------------------------------------------------------
+
+    def restore_into(self, tree: Any) -> None:
+        """Copy captured tensors back in place into the tensors of `tree`.
+
+        Every tensor of `tree` whose path exists in the snapshot is overwritten, so model
+        parameters keep their identity (DDP and optimizer references stay valid). Paths
+        that the snapshot does not have are left alone. Nothing is copied if any shape or
+        dtype differs: ValueError names the first such path.
+        """
+        if self._treedef is None:
+            raise ValueError("snapshot is empty: nothing was captured")
+        pairs = []
+        for path, target in _iter_tensors(tree):
+            i = self._by_path.get(path)
+            if i is None:
+                continue
+            spec = self._specs[i]
+            if tuple(target.shape) != spec.shape or target.dtype != spec.dtype:
+                raise ValueError(
+                    f"cannot restore {format_path(path)}: snapshot has shape {list(spec.shape)} "
+                    f"{spec.dtype}, target has shape {list(target.shape)} {target.dtype}"
+                )
+            pairs.append((target, self._views[i]))
+        with torch.no_grad():
+            for target, view in pairs:
+                target.copy_(view)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    # One call for the whole list: no Python overhead per tensor (matters for models
+    # with hundreds of small tensors).
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dsts, srcs)
+    else:  # pragma: no cover - older torch
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+
+
+def clone_tree(tree: Any) -> Any:
+    """Deep copy of a tree with fresh tensors (never aliasing snapshot buffers)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    kind = type(tree)
+    if kind is dict or kind is OrderedDict:
+        out = kind((k, clone_tree(v)) for k, v in tree.items())
+        meta = getattr(tree, "_metadata", None)
+        if meta is not None:
+            out._metadata = copy.deepcopy(meta)
+        return out
+    if kind is list or kind is tuple:
+        return kind(clone_tree(v) for v in tree)
+    return copy.deepcopy(tree)
