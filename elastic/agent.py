@@ -1,0 +1,367 @@
+"""The per-host agent: registers the host, runs its workers, reports their fate.
+
+The agent is one ``elastic-run`` process. It holds the host's membership (a
+lease in etcd), serves the TCPStore that rounds use when one of its workers is
+rank 0, starts a worker when a plan gives it a rank, and turns what it sees
+into membership changes:
+
+* a worker crashed (killed, or died without a report): drop it from our member
+  record at once, so survivors need not wait for any TTL; start a replacement
+  while ``--max-restarts`` allows (it rejoins as a new worker);
+* a worker failed with an error in user code: the job fails; no re-form loop;
+* a worker finished: the training function returned, the job succeeded;
+* SIGTERM/SIGINT: graceful leave. Our workers are withdrawn from membership,
+  the ring switches without them at its next commit, they exit 0, we leave.
+  A second signal, or the grace period running out, kills them instead.
+
+Workers that do not use the elastic API (a torchrun script) get torchrun's
+semantics: on any change of round they are restarted together.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from rendezvous import (
+    FAILED,
+    SUCCEEDED,
+    Etcd,
+    JobKeys,
+    JobStatus,
+    Member,
+    Participant,
+    RendezvousSettings,
+    RoundPlan,
+    new_member_id,
+)
+
+from .events import EventLog
+from .health import HealthServer, HealthState
+from .worker_config import WorkerConfig
+from .workers import Exited, WorkerProcess
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    command: tuple[str, ...]  # worker argv after the interpreter: script + args, or -m module + args
+    nproc_per_node: int
+    settings: RendezvousSettings
+    job_id: str
+    host_id: str
+    host_addr: str
+    ttl: float
+    collective_timeout: float
+    max_resets: int
+    max_restarts: int
+    backend: str
+    grace_period: float
+    log_dir: Optional[str] = None
+    health_port: Optional[int] = None
+    checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
+    etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
+
+
+@dataclass
+class _Signal:
+    signum: int
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, etcd: Etcd, endpoints: str):
+        self.config = config
+        self._etcd = etcd
+        self._endpoints = endpoints
+        self._inbox: "queue.Queue" = queue.Queue()
+        self._workers: dict[str, WorkerProcess] = {}
+        self._wanted: list[str] = []  # worker ids we offer, in local order
+        self._next_worker = 0
+        self._restarts = 0
+        self._plan: Optional[RoundPlan] = None
+        self._plain_failure_rounds: set[int] = set()
+        self._leaving_since: Optional[float] = None
+        self._outcome: Optional[int] = None
+        self._session_lost = False
+        self._scratch = tempfile.mkdtemp(prefix="elastic-agent-")
+        self.events = EventLog(
+            os.path.join(config.log_dir, "events.jsonl") if config.log_dir else None, host=config.host_id
+        )
+        self.health = HealthState(ttl=config.ttl)
+        self._health_server: Optional[HealthServer] = None
+        self.member_id = new_member_id(config.host_id)
+        self._store = None
+        self.participant: Optional[Participant] = None
+
+    # -- life ---------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.config
+        # The store that rounds use when one of our workers is rank 0. It lives as
+        # long as the agent, so a worker crash never takes the store down with it.
+        self._store = dist.TCPStore(
+            "0.0.0.0", 0, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=cfg.settings.timeout),
+        )
+        if cfg.health_port is not None:
+            self._health_server = HealthServer(cfg.health_port, self.health.probe).start()
+        self._wanted = [self._new_worker_id() for _ in range(cfg.nproc_per_node)]
+        member = Member(
+            member_id=self.member_id,
+            host=cfg.host_id,
+            addr=cfg.host_addr,
+            store_port=self._store.port,
+            workers=tuple(self._wanted),
+            joined=time.time(),
+        )
+        self.participant = Participant(
+            self._etcd, JobKeys(cfg.job_id), cfg.settings, member, ttl=cfg.ttl, on_round=self._on_round
+        )
+        self.participant.start()
+        self.participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
+        self.health.mark_registered()
+        self.events.emit("agent_started", member=self.member_id, workers=len(self._wanted))
+        self.events.emit("member_joined", member=self.member_id)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda s, _f: self._inbox.put(_Signal(s)))
+        try:
+            return self._loop()
+        finally:
+            self._teardown()
+
+    def _loop(self) -> int:
+        while self._outcome is None:
+            self._watch_session()
+            try:
+                item = self._inbox.get(timeout=0.5)
+            except queue.Empty:
+                item = None
+            if isinstance(item, Exited):
+                self._on_exit(item)
+            elif isinstance(item, _Signal):
+                self._on_signal(item.signum)
+            self._follow_control()
+            self._check_grace()
+        return self._outcome
+
+    # -- following the plan -----------------------------------------------------------
+    def _follow_control(self) -> None:
+        control = self.participant.control
+        status, plan = control.status, control.plan
+        if status.over:
+            self._finish(status)
+            return
+        if plan is None or (self._plan is not None and plan.round <= self._plan.round):
+            return
+        self._plan = plan
+        self.events.round = plan.round
+        mine = set(plan.local_ranks(self.member_id))
+        for worker_id in self._wanted:
+            proc = self._workers.get(worker_id)
+            if proc is not None and proc.alive and not proc.elastic and proc.started_round < plan.round:
+                # torchrun semantics for scripts without the elastic API: restart on change.
+                log.info("restarting %s for round %d (not an elastic worker)", worker_id, plan.round)
+                proc.stop()
+                proc.join(10) or proc.kill()
+                self._workers.pop(worker_id)
+                proc = None
+            if worker_id in mine and proc is None and self._leaving_since is None:
+                self._start_worker(worker_id, plan)
+
+    def _start_worker(self, worker_id: str, plan: RoundPlan) -> None:
+        cfg = self.config
+        rank = plan.rank_of(worker_id)
+        local = plan.local_ranks(self.member_id)
+        host, port = plan.store_addr.rsplit(":", 1)
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(local.index(worker_id)),
+            WORLD_SIZE=str(plan.world_size),
+            LOCAL_WORLD_SIZE=str(len(local)),
+            GROUP_RANK=str(plan.member_order().index(self.member_id)),
+            MASTER_ADDR=host,
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RUN_ID=cfg.job_id,
+            # As under torchrun: env:// connects to the agent's store as a client (rank 0
+            # must not start a second server on that port), under a fresh namespace
+            # per round ("/worker/attempt_<round>"); re-using a namespace hangs.
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT=str(plan.round),
+        )
+        if cfg.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        worker_config = WorkerConfig(
+            job_id=cfg.job_id,
+            endpoints=self._endpoints,
+            worker_id=worker_id,
+            member_id=self.member_id,
+            host_id=cfg.host_id,
+            round=plan.round,
+            backend=cfg.backend,
+            collective_timeout=cfg.collective_timeout,
+            rdzv_timeout=cfg.settings.timeout,
+            max_resets=cfg.max_resets,
+            events_file=self.events.path,
+            error_file=os.path.join(self._scratch, f"{worker_id}.error"),
+            marker_file=os.path.join(self._scratch, f"{worker_id}.elastic"),
+            **cfg.etcd_options,
+            **cfg.checkpoint,
+        )
+        env.update(worker_config.to_env())
+        log_path = os.path.join(cfg.log_dir, f"worker-{worker_id}.log") if cfg.log_dir else None
+        proc = WorkerProcess(
+            worker_id,
+            [sys.executable, "-u", *cfg.command],
+            env,
+            started_round=plan.round,
+            label=lambda w=worker_id: self._label(w),
+            inbox=self._inbox,
+            log_path=log_path,
+            error_file=worker_config.error_file,
+            marker_file=worker_config.marker_file,
+        )
+        self._workers[worker_id] = proc
+        self.events.emit("worker_started", worker=worker_id, pid=proc.pid, rank=rank, round=plan.round)
+
+    def _label(self, worker_id: str) -> str:
+        plan = self.participant.control.plan if self.participant else None
+        rank = plan.rank_of(worker_id) if plan is not None else None
+        return f"rank{rank}" if rank is not None else worker_id
+
+    def _on_round(self, plan: RoundPlan, reason: str) -> None:
+        """Called in the coordinator's thread for each round it writes."""
+        self.events.emit(
+            "round_formed", round=plan.round, world_size=plan.world_size,
+            members=len(plan.member_order()), reason=reason,
+        )
+
+    # -- what happened to a worker --------------------------------------------------------
+    def _on_exit(self, exited: Exited) -> None:
+        proc = self._workers.get(exited.worker_id)
+        if proc is None:
+            return
+        self.events.emit(
+            "worker_exited", worker=exited.worker_id, exit_code=exited.exit_code, signal=exited.signal,
+            rank=self._plan.rank_of(exited.worker_id) if self._plan else None,
+        )
+        if proc.stopping and self._leaving_since is None:
+            return  # we restarted it ourselves
+        del self._workers[exited.worker_id]
+        if exited.exit_code == 0:
+            if self._leaving_since is not None or exited.worker_id not in self._wanted:
+                return
+            # The training function returned: the job is done for everyone.
+            self.participant.set_status(JobStatus(SUCCEEDED, f"worker {exited.worker_id} finished"))
+            return
+        if self._leaving_since is not None:
+            return
+        if exited.error is not None:
+            # The worker's own report: an error in user code (or a reset budget used
+            # up). Re-forming would only hit it again, so the job fails, once.
+            reason = f"worker {exited.worker_id} failed: {exited.error}"
+            self.events.emit("failure_detected", reason=reason, user_error=True)
+            self.participant.set_status(JobStatus(FAILED, reason))
+            return
+        how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
+        if not proc.elastic and exited.signal is None:
+            # A torchrun script that exited with an error, most likely because a peer
+            # died under it: restart every worker, as torchrun would.
+            self._on_plain_failure(exited.worker_id, proc, how)
+            return
+        self.events.emit("failure_detected", reason=f"worker {exited.worker_id} died ({how})")
+        self._wanted.remove(exited.worker_id)
+        if self._restarts < self.config.max_restarts:
+            self._restarts += 1
+            self._wanted.append(self._new_worker_id())
+        # Reported at once: the coordinator re-forms without waiting for any TTL.
+        self.participant.set_workers(tuple(self._wanted))
+
+    def _on_plain_failure(self, worker_id: str, proc: WorkerProcess, how: str) -> None:
+        """torchrun semantics: any failure restarts every worker, counted once per round."""
+        failed_round = proc.started_round
+        self.events.emit("failure_detected", reason=f"worker {worker_id} died ({how})")
+        if failed_round in self._plain_failure_rounds:
+            return
+        self._plain_failure_rounds.add(failed_round)
+        if self._restarts >= self.config.max_restarts:
+            self.participant.set_status(
+                JobStatus(FAILED, f"worker {worker_id} died ({how}); --max-restarts {self.config.max_restarts} used up")
+            )
+            return
+        self._restarts += 1
+        self.participant.control.request_reset(worker_id, failed_round, f"worker died ({how})")
+
+    # -- leaving -------------------------------------------------------------------------
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self._leaving_since is not None:
+            log.warning("%s again: stopping workers now", name)
+            self._kill_workers()
+            return
+        self._leaving_since = time.monotonic()
+        self.events.emit("graceful_leave", signal=name, grace_period=self.config.grace_period)
+        self._wanted = []
+        self.participant.set_workers((), draining=True)
+        if not any(p.elastic for p in self._workers.values()):
+            for proc in self._workers.values():
+                proc.stop()
+
+    def _check_grace(self) -> None:
+        if self._leaving_since is None:
+            return
+        if not any(p.alive for p in self._workers.values()):
+            self._outcome = 0
+            self.events.emit("member_left", member=self.member_id)
+            return
+        if time.monotonic() - self._leaving_since > self.config.grace_period:
+            log.warning("grace period of %gs over: stopping workers", self.config.grace_period)
+            self._kill_workers()
+
+    def _kill_workers(self) -> None:
+        for proc in self._workers.values():
+            proc.kill()
+
+    def _finish(self, status: JobStatus) -> None:
+        """The job is over: let our workers end on their own for a moment, then stop them."""
+        deadline = time.monotonic() + (10.0 if status.state == SUCCEEDED else 2.0)
+        for proc in self._workers.values():
+            if not proc.join(max(0.0, deadline - time.monotonic())):
+                proc.kill()
+                proc.join(5)
+        self.events.emit("job_finished", status=status.state, reason=status.reason)
+        self._outcome = 0 if status.state == SUCCEEDED else 1
+        if status.state != SUCCEEDED:
+            print(f"elastic-run: job {self.config.job_id} failed: {status.reason}", file=sys.stderr)
+
+    def _watch_session(self) -> None:
+        session = self.participant.session
+        if session is not None and session.lost.is_set() and not self._session_lost:
+            self._session_lost = True
+            self.health.mark_session_lost(time.monotonic())
+
+    def _teardown(self) -> None:
+        for proc in self._workers.values():
+            proc.kill()
+            proc.join(5)
+        if self.participant is not None:
+            self.participant.leave()
+        if self._health_server is not None:
+            self._health_server.stop()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def _new_worker_id(self) -> str:
+        worker_id = f"{self.member_id}.w{self._next_worker}"
+        self._next_worker += 1
+        return worker_id

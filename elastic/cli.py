@@ -1,0 +1,250 @@
+"""``elastic-run``: the only place that reads argv and the agent's environment.
+
+Every option has an environment form (``--min-np`` <- ``ELASTIC_MIN_NP``), so
+a Kubernetes manifest can configure the agent with ``env:`` alone. Bad input is
+one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from typing import Optional, Sequence
+
+from rendezvous import (
+    ConfigError,
+    EmbeddedEtcd,
+    Etcd,
+    EtcdConfig,
+    RendezvousError,
+    RendezvousSettings,
+    validate_job_id,
+)
+
+from .agent import Agent, AgentConfig
+
+USAGE_ERROR = 2
+
+HELP = """\
+Start (or join) an elastic data-parallel job: run SCRIPT in --nproc-per-node worker
+processes on this host, with ranks assigned by an etcd v3 rendezvous. Workers that use
+the elastic API re-form their ring in-process when members come and go; plain torchrun
+scripts are restarted together on any change. Every option can also be given as an
+environment variable: --min-np is ELASTIC_MIN_NP, and so on.
+
+Without --rdzv-endpoint an embedded etcd is started and all workers run on this host.
+`elastic-run checkpoints DIR` lists and verifies the checkpoints in DIR."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise ConfigError(message)
+
+
+def _env(name: str, default=None):
+    return os.environ.get("ELASTIC_" + name.upper().replace("-", "_"), default)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError
+    return value
+
+
+_positive_int.__name__ = "positive integer"
+_non_negative_int.__name__ = "non-negative integer"
+_positive_float.__name__ = "positive number"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="elastic-run", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def opt(flag, kind=str, default=None, help=""):
+        name = flag.lstrip("-")
+        env = "ELASTIC_" + name.upper().replace("-", "_")
+        p.add_argument(flag, type=kind, default=_env(name, default), metavar=name.split("-")[-1].upper(),
+                       help=f"{help} [env {env}]" + (f" (default {default})" if default is not None else ""))
+
+    opt("--np", _positive_int, help="workers to start with; without an endpoint, all on this host")
+    opt("--min-np", _positive_int, help="smallest world size the job runs with (default --np)")
+    opt("--max-np", _positive_int, help="largest world size; further workers wait as spares (default --np)")
+    opt("--nproc-per-node", _positive_int, help="workers this agent runs (default --np, else --min-np, without an endpoint; else 1)")
+    opt("--rdzv-endpoint", help="etcd v3 endpoints HOST:PORT[,HOST:PORT...]; none: start an embedded etcd")
+    opt("--job-id", help="the job's name; required with --rdzv-endpoint")
+    opt("--host-id", help="this host's identity (default: the host name)")
+    opt("--host-addr", help="address other hosts reach this host's workers at (default: resolved host name)")
+    opt("--rdzv-ttl", _positive_float, 10.0, "seconds after which a silent host is declared lost")
+    opt("--rdzv-timeout", _positive_float, 600.0, "seconds to wait for min-np workers before failing")
+    opt("--rdzv-settle", float, 0.5, "seconds to wait for more joiners once min-np are present")
+    opt("--collective-timeout", _positive_float, 60.0, "seconds a collective may block before it counts as failed")
+    opt("--max-resets", _non_negative_int, 20, "re-formations of the ring a worker survives")
+    opt("--max-restarts", _non_negative_int, 0, "crashed workers this agent replaces")
+    opt("--backend", str, "auto", "auto (nccl with CUDA, else gloo), gloo or nccl")
+    opt("--log-dir", help="per-worker logs and events.jsonl")
+    opt("--health-port", int, help="serve GET /healthz on this port for pod probes")
+    opt("--grace-period", _positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
+    opt("--checkpoint-dir", help="durable checkpoints: written here, resumed from here")
+    opt("--checkpoint-every", _positive_int, help="write a durable checkpoint every N commits")
+    opt("--checkpoint-interval", _positive_float, help="and/or every S seconds")
+    opt("--checkpoint-keep", _positive_int, 3, "durable checkpoints to keep")
+    opt("--etcd-ca", help="CA certificate (PEM) for TLS to etcd")
+    opt("--etcd-cert", help="client certificate (PEM)")
+    opt("--etcd-key", help="client key (PEM)")
+    opt("--etcd-user", help="etcd user name")
+    opt("--etcd-password", help="etcd password")
+    p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
+    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def _coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values that came from the environment arrive as strings: convert and check them."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if isinstance(value, str) and action.type not in (None, str):
+            try:
+                setattr(args, action.dest, action.type(value))
+            except (TypeError, ValueError):
+                env = "ELASTIC_" + action.dest.upper()
+                raise ConfigError(f"{env}={value!r}: expected a {action.type.__name__}")
+
+
+def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _coerce_env_values(parser, args)
+    if args.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
+    if not args.module and not os.path.isfile(args.script):
+        raise ConfigError(f"script not found: {args.script}")
+    if args.rdzv_endpoint and not args.job_id:
+        raise ConfigError("--job-id is required with --rdzv-endpoint")
+    np_ = args.np
+    min_np = args.min_np or np_ or (args.max_np if args.max_np else None)
+    max_np = args.max_np or np_ or min_np
+    if min_np is None:
+        raise ConfigError("give --np or --min-np")
+    if np_ is not None and not (min_np <= np_ <= max_np) and args.min_np and args.max_np:
+        raise ConfigError(f"--np {np_} must lie between --min-np {min_np} and --max-np {max_np}")
+    nproc = args.nproc_per_node
+    if nproc is None:
+        nproc = (np_ or min_np) if not args.rdzv_endpoint else 1
+    settings = RendezvousSettings(
+        min_np=min_np, max_np=max_np, settle=args.rdzv_settle, timeout=args.rdzv_timeout
+    )
+    job_id = validate_job_id(args.job_id or "local")
+    backend = args.backend
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    host_id = args.host_id or socket.gethostname()
+    host_addr = args.host_addr or ("127.0.0.1" if not args.rdzv_endpoint else _resolve(host_id))
+    command = ("-m", args.script, *args.args) if args.module else (args.script, *args.args)
+    checkpoint = {}
+    if args.checkpoint_dir:
+        checkpoint = dict(
+            checkpoint_dir=os.path.abspath(args.checkpoint_dir),
+            checkpoint_every=args.checkpoint_every,
+            checkpoint_interval=args.checkpoint_interval,
+            checkpoint_keep=args.checkpoint_keep,
+        )
+        if args.checkpoint_every is None and args.checkpoint_interval is None:
+            checkpoint["checkpoint_every"] = 100
+    etcd_options = {
+        k: getattr(args, k)
+        for k in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password")
+        if getattr(args, k)
+    }
+    config = AgentConfig(
+        command=command,
+        nproc_per_node=nproc,
+        settings=settings,
+        job_id=job_id,
+        host_id=host_id,
+        host_addr=host_addr,
+        ttl=args.rdzv_ttl,
+        collective_timeout=args.collective_timeout,
+        max_resets=args.max_resets,
+        max_restarts=args.max_restarts,
+        backend=backend,
+        grace_period=args.grace_period,
+        log_dir=os.path.abspath(args.log_dir) if args.log_dir else None,
+        health_port=args.health_port,
+        checkpoint=checkpoint,
+        etcd_options=etcd_options,
+    )
+    return config, args
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["checkpoints"]:
+        from checkpoint.cli import main as checkpoints_main
+
+        return checkpoints_main(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="elastic-run: %(message)s", stream=sys.stderr)
+    try:
+        config, args = parse(argv)
+    except (ConfigError, ValueError) as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    embedded = None
+    try:
+        if args.rdzv_endpoint:
+            etcd_config = EtcdConfig.from_string(
+                args.rdzv_endpoint,
+                ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
+                user=args.etcd_user, password=args.etcd_password,
+            )
+            endpoints = args.rdzv_endpoint
+        else:
+            embedded = EmbeddedEtcd().start()
+            endpoints = embedded.endpoint
+            etcd_config = EtcdConfig.from_string(endpoints)
+            logging.getLogger(__name__).info(
+                "embedded etcd at %s; join with: elastic-run --rdzv-endpoint %s --job-id %s ...",
+                endpoints, endpoints, config.job_id,
+            )
+        etcd = Etcd(etcd_config)
+        etcd.check()
+        return Agent(config, etcd, endpoints).run()
+    except ConfigError as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except RendezvousError as exc:
+        print(f"elastic-run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

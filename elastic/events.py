@@ -1,0 +1,64 @@
+"""Events: one JSON line per thing that happened, for people and benchmarks.
+
+Agents and workers append to the same ``events.jsonl`` (one ``write`` of one
+line with O_APPEND, so lines from several processes never interleave), and the
+same event is logged as one human line with the rank and round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Optional
+
+log = logging.getLogger("elastic.events")
+
+
+class EventLog:
+    def __init__(self, path: Optional[str], *, host: str, rank: Optional[int] = None):
+        self._path = path
+        self.path = path
+        self._host = host
+        self.rank = rank
+        self.round: Optional[int] = None
+        self._lock = threading.Lock()
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {
+            "time": time.time(),
+            "event": event,
+            "host": self._host,
+            "round": fields.pop("round", self.round),
+            "rank": fields.pop("rank", self.rank),
+            **fields,
+        }
+        details = " ".join(
+            f"{k}={_short(v)}" for k, v in record.items() if k not in ("time", "event", "host", "round", "rank")
+        )
+        log.info("round %s: %s %s", record["round"], event, details)
+        if not self._path:
+            return
+        line = (json.dumps(record, default=str) + "\n").encode()
+        with self._lock:
+            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    text = str(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def read_events(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

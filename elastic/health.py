@@ -1,0 +1,170 @@
+"""The agent's HTTP health endpoint, for Kubernetes readiness and liveness probes.
+
+Two small pieces, kept apart so each can be tested alone:
+
+- `HealthState` is what the agent drives: it is told when the agent has registered
+  in the rendezvous and when its etcd session (the lease behind its member key) is
+  lost or healthy again, and turns that into a `(healthy, detail)` verdict.
+- `HealthServer` serves any such verdict over HTTP from a daemon thread:
+  GET /healthz and /readyz -> 200 "ok: <detail>" or 503 "<detail>".
+
+A session lost for less than the TTL is still healthy on purpose: etcd being briefly
+unavailable (a restart, a leader change) must not get a training pod killed. Past the
+TTL the lease has expired, the other members have dropped this host, and a restart
+of the pod is the way back in.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import time
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+Probe = Callable[[], "tuple[bool, str]"]
+
+# Both paths answer the same verdict: the agent has no state in which it should take
+# no traffic yet must not be restarted (no Service sends traffic to workers; readiness
+# only gates rollouts and shows in `kubectl get pods`).
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+class HealthState:
+    """Registration and etcd-session status of one agent, as a probe verdict.
+
+    Thread-safe: the agent writes from its own threads while the HTTP server reads.
+    `clock` must be the clock the `since` values passed to `mark_session_lost` come
+    from (default `time.monotonic`).
+    """
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not ttl > 0:
+            raise ValueError(f"HealthState ttl must be > 0 seconds, got {ttl!r}")
+        self.ttl = float(ttl)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._registered = False
+        self._lost_since: float | None = None
+
+    def mark_registered(self) -> None:
+        """The agent holds a member key in the rendezvous: healthy from now on."""
+        with self._lock:
+            self._registered = True
+            self._lost_since = None
+
+    def mark_session_ok(self) -> None:
+        """A keep-alive (or a new session) succeeded: the outage, if any, is over."""
+        with self._lock:
+            self._lost_since = None
+
+    def mark_session_lost(self, since: float) -> None:
+        """The etcd session has been failing since `since` (a `clock` reading).
+
+        Repeated reports during one outage keep the earliest start, so a retry loop
+        can report every failure without resetting the outage's age.
+        """
+        with self._lock:
+            if self._lost_since is None or since < self._lost_since:
+                self._lost_since = since
+
+    def probe(self) -> tuple[bool, str]:
+        """(healthy, detail) for the health endpoint."""
+        with self._lock:
+            registered, lost_since = self._registered, self._lost_since
+        if not registered:
+            return False, "not registered yet"
+        if lost_since is None:
+            return True, "registered, etcd session ok"
+        lost_for = max(0.0, self._clock() - lost_since)
+        if lost_for > self.ttl:
+            return False, f"etcd session lost for {lost_for:.1f}s (ttl {self.ttl:g}s)"
+        return True, f"etcd session lost for {lost_for:.1f}s, within ttl {self.ttl:g}s"
+
+
+class _ProbeHandler(http.server.BaseHTTPRequestHandler):
+    # Set per server class in HealthServer.start (one handler class per server).
+    probe: Probe
+
+    def do_GET(self) -> None:  # noqa: N802 - name fixed by http.server
+        path = self.path.split("?", 1)[0]
+        if path not in PROBE_PATHS:
+            self._answer(404, f"not found: {path} (try /healthz or /readyz)")
+            return
+        try:
+            healthy, detail = type(self).probe()
+        except Exception as exc:  # a broken probe is an unhealthy agent, not a dead server
+            logger.warning("health probe raised %s: %s", type(exc).__name__, exc)
+            self._answer(503, f"probe failed: {type(exc).__name__}: {exc}")
+            return
+        if healthy:
+            self._answer(200, f"ok: {detail}")
+        else:
+            self._answer(503, detail)
+
+    def _answer(self, status: int, text: str) -> None:
+        body = (text + "\n").encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib name
+        # Probes arrive every few seconds: keep them out of the agent's log.
+        logger.debug("health %s - %s", self.address_string(), format % args)
+
+
+class HealthServer:
+    """Tiny HTTP server (stdlib http.server in a daemon thread) for pod probes."""
+
+    def __init__(self, port: int, probe: Probe, host: str = "0.0.0.0") -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"health port must be in 0..65535, got {port!r}")
+        self._requested_port = port
+        self._probe = probe
+        self._host = host
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (the kernel's choice when 0 was given)."""
+        if self._server is not None:
+            return self._server.server_address[1]
+        return self._requested_port
+
+    def start(self) -> "HealthServer":
+        if self._server is not None:
+            raise RuntimeError("HealthServer already started")
+        handler = type("HealthProbeHandler", (_ProbeHandler,), {"probe": staticmethod(self._probe)})
+        server = http.server.ThreadingHTTPServer((self._host, self._requested_port), handler)
+        # A slow or stuck prober must never keep the agent from exiting.
+        server.daemon_threads = True
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.2},
+            name=f"health-server-{self.port}", daemon=True,
+        )
+        self._thread.start()
+        logger.info("health endpoint listening on %s:%d (/healthz, /readyz)", self._host, self.port)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket; safe to call twice."""
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+        self._server = self._thread = None
+
+    def __enter__(self) -> "HealthServer":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,112 @@
+"""The recovery path, top to bottom: ``@elastic.run``.
+
+    detect    a collective raises (or a commit says the ring changes)
+    classify  a broken ring re-forms; a bug in user code fails this worker
+    abort     leave the except block, destroy the old group, collect its garbage
+    restore   roll back to the last commit (only after a failure)
+    re-rendezvous and re-form: wait for the next plan, build its process group
+    sync      broadcast rank 0's committed state to the new ring
+    resume    call the training function again
+
+The order of "leave the except block, then destroy" matters: the exception's
+traceback holds the user's frames, hence the old DDP wrapper and process group;
+while it lives the old gloo sockets stay open and the peers that are still
+blocked in the dead ring wait for the collective timeout instead of failing
+at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, TypeVar
+
+from .errors import HostsUpdatedInterrupt, LeftJob, ResetLimitExceeded, is_communication_error, summarize
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Interruption:
+    reason: str
+    failed: bool  # True: the ring broke, roll back; False: a planned switch at a commit
+    detected: float  # monotonic time of detection
+
+
+def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
+    """Run ``func(state, ...)``; re-enter it on a new ring after every re-formation."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        from . import _runtime
+
+        runtime = _runtime()
+        resets = 0
+        finished_reform = None  # (interruption, times) of the re-formation being completed
+        while True:
+            interruption = _call(_resume, func, state, args, kwargs, runtime, finished_reform)
+            if interruption is None:
+                return _result.pop()
+            # -- we are outside the except block: the old ring can be freed now.
+            if interruption.failed:
+                resets += 1
+                if resets > runtime.max_resets:
+                    raise ResetLimitExceeded(
+                        f"ring re-formed {resets - 1} times (--max-resets {runtime.max_resets}); "
+                        f"last failure: {interruption.reason}"
+                    )
+                state.restore()
+            try:
+                times = runtime.reform(interruption.reason, failed=interruption.failed)
+            except LeftJob as exc:
+                log.info("worker leaves the job: %s", exc)
+                runtime.shutdown()
+                raise SystemExit(0)
+            finished_reform = (interruption, times)
+
+    return wrapper
+
+
+def _resume(func, state, args, kwargs, runtime, finished_reform):
+    """Sync the new ring from rank 0, then (re-)enter the training function."""
+    started_sync = time.monotonic()
+    state.sync()
+    runtime.begin_round()
+    state.on_reset()
+    if finished_reform is not None:
+        interruption, times = finished_reform
+        done = time.monotonic()
+        runtime.events.emit(
+            "reform_done",
+            world_size=runtime.world_size,
+            failed=interruption.failed,
+            reason=interruption.reason,
+            detect_s=round(times.release_s, 4),
+            rendezvous_s=round(times.rendezvous_s, 4),
+            pg_init_s=round(times.pg_init_s, 4),
+            sync_s=round(done - started_sync, 4),
+            total_s=round(done - interruption.detected, 4),
+        )
+    return func(state, *args, **kwargs)
+
+
+# The function's return value travels through here so that ``_call`` can return
+# either "finished" or an interruption without keeping the exception alive.
+_result: list = []
+
+
+def _call(body, *args) -> Optional[_Interruption]:
+    try:
+        _result.append(body(*args))
+        return None
+    except HostsUpdatedInterrupt as exc:
+        return _Interruption(str(exc), failed=False, detected=time.monotonic())
+    except Exception as exc:
+        if not is_communication_error(exc):
+            raise  # a bug in user code: this worker fails, the agent reports it
+        log.warning("ring broken: %s", summarize(exc))
+        return _Interruption(summarize(exc), failed=True, detected=time.monotonic())

@@ -1,0 +1,274 @@
+"""The worker's side of the rounds: which ring am I in, and how to move on.
+
+A worker follows the job's control channel (plan + status) in etcd. For each
+round it builds a fresh process group on a fresh store namespace
+(``/round/<n>/`` of the TCPStore that rank 0's agent serves); re-using a
+namespace hangs. Moving to the next round happens in one of two ways:
+
+* the ring broke (a collective raised): ``reform(failed=True)`` releases the old
+  group, asks the coordinator for a new round, waits for it and joins it;
+* a newer plan exists while the ring still works (a host joined or is leaving):
+  rank 0 posts, in the round's store, the commit at which everybody switches;
+  every worker reads that key at its commits and raises
+  ``HostsUpdatedInterrupt`` at the same commit, so nothing is rolled back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rendezvous import ControlChannel, Etcd, EtcdConfig, JobKeys, RoundPlan
+from rendezvous.errors import RendezvousTimeoutError
+
+from .errors import LeftJob
+from .events import EventLog
+from .worker_config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+_ARRIVAL_POLL = 0.005  # seconds between looks at the arrival counter
+
+
+@dataclass(frozen=True)
+class ReformTimes:
+    release_s: float  # destroy the old group, free its sockets
+    rendezvous_s: float  # wait for the next plan
+    pg_init_s: float  # arrival barrier + process group
+
+
+class Runtime:
+    def __init__(self, config: Optional[WorkerConfig]):
+        self.config = config
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
+        self.local_world_size = 1
+        self.round = 0
+        self.plan: Optional[RoundPlan] = None
+        self.events = EventLog(
+            config.events_file if config else None, host=config.host_id if config else "local"
+        )
+        self._etcd: Optional[Etcd] = None
+        self._control: Optional[ControlChannel] = None
+        self._store = None  # the round's PrefixStore
+        self._switch_at: Optional[int] = None
+        self._commits = 0  # commits in the current round
+        self._backend = None  # the current round's gloo/NCCL backend, for abort()
+        self._backend_lock = threading.Lock()
+
+    @property
+    def max_resets(self) -> int:
+        return self.config.max_resets if self.config else 0
+
+    @property
+    def elastic(self) -> bool:
+        return self.config is not None
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend if self.config else "gloo"
+
+    # -- start ----------------------------------------------------------------
+    def start(self) -> None:
+        if self.config is None:
+            # Not under elastic-run: a world of one, so scripts stay runnable alone.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            return
+        cfg = self.config
+        if cfg.marker_file:
+            # Tells the agent this worker follows rounds itself (no restart on change).
+            with open(cfg.marker_file, "w") as f:
+                f.write(str(os.getpid()))
+        self._etcd = Etcd(
+            EtcdConfig.from_string(
+                cfg.endpoints,
+                ca_cert=cfg.etcd_ca,
+                cert_cert=cfg.etcd_cert,
+                cert_key=cfg.etcd_key,
+                user=cfg.etcd_user,
+                password=cfg.etcd_password,
+            )
+        )
+        self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()
+        self._control.add_listener(self._on_control)
+        plan = self._wait_for_plan(lambda p: p.round >= cfg.round)
+        self._enter(plan)
+
+    # -- the switch at a commit (scale-up, graceful leave) ----------------------
+    def begin_round(self) -> None:
+        """The training function is (re-)entered on the current ring."""
+        self._commits = 0
+
+    def note_commit(self) -> bool:
+        """Count a commit; True when the ring switches to a newer round here."""
+        self._commits += 1
+        return self.should_switch(self._commits)
+
+    def should_switch(self, commits: int) -> bool:
+        """Called at every commit (``commits`` counts this round's commits)."""
+        if self._store is None:
+            return False
+        if self._switch_at is None:
+            if self.rank == 0:
+                newest = self._control.plan
+                if newest is not None and newest.round > self.round:
+                    # Everyone is within one step of us (each step has a collective
+                    # with rank 0), so all will read this before their commit+1.
+                    self._switch_at = commits + 1
+                    self._store.set("switch_at", str(self._switch_at))
+            elif self._store.check(["switch_at"]):
+                self._switch_at = int(self._store.get("switch_at"))
+        return self._switch_at is not None and commits >= self._switch_at
+
+    # -- moving to the next round ----------------------------------------------
+    def reform(self, reason: str, *, failed: bool) -> ReformTimes:
+        """Leave the current ring and join the next round's. Call outside any
+        ``except`` block: a live traceback keeps the old group's sockets open."""
+        t0 = time.monotonic()
+        old_round = self.round
+        self.release_group()
+        t1 = time.monotonic()
+        if failed:
+            self.events.emit("failure_detected", reason=reason)
+            newest = self._control.plan
+            if newest is None or newest.round <= old_round:
+                # No plan explains the failure (a hang, a partition): ask for one.
+                self._control.request_reset(self.config.worker_id, old_round, reason)
+        plan = self._wait_for_plan(lambda p: p.round > old_round)
+        t2 = time.monotonic()
+        self._enter(plan)
+        t3 = time.monotonic()
+        return ReformTimes(t1 - t0, t2 - t1, t3 - t2)
+
+    def _on_control(self, plan, status) -> None:
+        """Control-watch thread: abort a ring that a newer plan declares broken.
+
+        gloo wakes only the dead worker's neighbours at once; the others would sit
+        in their collective until the timeout. Aborting the backend fails their
+        pending operations now, and the recovery path takes over.
+        """
+        with self._backend_lock:
+            current = self.plan
+            if current is None or self._backend is None:
+                return
+            if status.state == "failed":
+                why = f"job failed: {status.reason}"
+            elif plan is not None and plan.round > current.round and set(plan.lost) & set(current.worker_ids()):
+                why = f"round {plan.round} lost {len(plan.lost)} worker(s)"
+            else:
+                return
+            log.info("round %d: aborting the ring (%s)", current.round, why)
+            self._backend.abort()
+            self._backend = None
+
+    def release_group(self) -> None:
+        with self._backend_lock:
+            self._backend = None
+        self._store = None
+        self._switch_at = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a broken group may complain on the way out
+                log.debug("destroy_process_group: %s", exc)
+        # Frees the old gloo pairs now, which also wakes peers still blocked on them.
+        gc.collect()
+
+    def _wait_for_plan(self, accept) -> RoundPlan:
+        cfg = self.config
+        worker = cfg.worker_id
+        ok = self._control.wait_for(
+            lambda p, s: s.over or (p is not None and accept(p) and p.rank_of(worker) is not None),
+            cfg.rdzv_timeout,
+        )
+        status = self._control.status
+        if status.over:
+            raise LeftJob(f"job {status.state}: {status.reason}")
+        if not ok:
+            raise RendezvousTimeoutError(
+                f"worker {worker}: no round including it within {cfg.rdzv_timeout:g}s"
+            )
+        return self._control.plan
+
+    def _enter(self, plan: RoundPlan) -> None:
+        """Join ``plan``'s ring; if a newer plan supersedes it meanwhile, join that."""
+        cfg = self.config
+        while True:
+            rank = plan.rank_of(cfg.worker_id)
+            host, port = plan.store_addr.rsplit(":", 1)
+            base = dist.TCPStore(
+                host,
+                int(port),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=cfg.rdzv_timeout),
+                wait_for_workers=False,
+            )
+            store = dist.PrefixStore(f"/round/{plan.round}/", base)
+            if self._arrive(store, plan):
+                break
+            plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
+        dist.init_process_group(
+            cfg.backend,
+            store=dist.PrefixStore("pg/", store),
+            rank=rank,
+            world_size=plan.world_size,
+            timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+        )
+        with self._backend_lock:
+            self._backend = dist.group.WORLD._get_backend(
+                torch.device("cuda" if cfg.backend == "nccl" else "cpu")
+            )
+            self.plan = plan
+            self.round = plan.round
+        self._store = store
+        self._switch_at = None
+        self.rank = rank
+        self.world_size = plan.world_size
+        mine = plan.local_ranks(plan.slots[rank].member_id)
+        self.local_rank = mine.index(cfg.worker_id)
+        self.local_world_size = len(mine)
+        self.events.rank, self.events.round = rank, plan.round
+        # Keep torchrun's variables true for user code that reads them.
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(plan.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
+            GROUP_RANK=str(plan.member_order().index(plan.slots[rank].member_id)),
+        )
+
+    def _arrive(self, store, plan: RoundPlan) -> bool:
+        """Wait until every worker of ``plan`` has arrived; False if superseded."""
+        store.add("arrived", 1)
+        deadline = time.monotonic() + self.config.rdzv_timeout
+        while store.add("arrived", 0) < plan.world_size:
+            newest = self._control.plan
+            if newest is not None and newest.round > plan.round and newest.rank_of(self.config.worker_id) is not None:
+                log.info("round %d superseded by round %d before it formed", plan.round, newest.round)
+                return False
+            if self._control.status.over:
+                raise LeftJob(f"job {self._control.status.state}")
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(
+                    f"round {plan.round}: not every worker arrived within {self.config.rdzv_timeout:g}s"
+                )
+            time.sleep(_ARRIVAL_POLL)
+        return True
+
+    # -- end --------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.release_group()
+        if self._control is not None:
+            self._control.close()
+        if self._etcd is not None:
+            self._etcd.close()

@@ -1,0 +1,269 @@
+"""ElasticSampler: each sample of an epoch is seen exactly once, across resizes.
+
+The sampler is part of the committed state. Its state is the epoch and the set of
+indices already processed (by every rank) in that epoch; the permutation itself is
+derived from ``seed + epoch`` and never stored. Because every global batch is a
+contiguous run of the remaining permutation, the processed set is (almost always) a
+prefix of the permutation: the state stores that prefix's length plus the few
+indices processed out of order, so a commit every step costs O(1), not O(dataset).
+
+Layout of one pass
+------------------
+A *pass* starts when the sampler is iterated (and after ``set_epoch``,
+``set_rank`` or ``load_state_dict``). Its index list ``R`` is the epoch's
+permutation minus the processed indices, in permutation order, frozen for the
+pass (later ``record_batch`` calls refer to it). With ``W`` ranks and batch
+size ``B``:
+
+* rank ``r`` yields the strided share ``R[r::W]`` (shares differ by at most one
+  sample and are disjoint, so nothing is duplicated and nothing is dropped);
+* a ``DataLoader(batch_size=B)`` over that share gives, on every rank, batch
+  ``k`` = the strided slice of the *global batch* ``R[k*W*B:(k+1)*W*B]``;
+* so ``record_batch(k, B)``, called on every rank after the synchronous step,
+  marks the whole global batch ``k`` processed without any communication.
+
+Equal step counts (what DDP needs)
+----------------------------------
+Every rank gets ``ceil(len(share) / B)`` batches; that is the same on every rank
+unless the last global batch holds fewer than ``W`` samples (then some ranks have
+one more batch than others, and a DDP loop would hang). Two ways out, both keep
+exactly-once:
+
+* ``DataLoader(dataset, batch_sampler=sampler.batches(B))`` - the same layout,
+  except that such a short final remainder is folded into the previous global
+  batch (some ranks' last batch then has ``B + 1`` samples). Every rank gets the
+  same number of batches whenever at least ``W`` samples remain.
+* ``drop_last=True`` - the pass is truncated to a multiple of ``W`` (at most
+  ``W - 1`` samples of the epoch are not seen; they are not marked processed).
+
+The one case no layout can serve is fewer remaining samples than ranks (a world
+that grew at the very end of an epoch): ``batches()`` then yields nothing and
+those samples are skipped for this epoch, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Iterator, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEYS = ("epoch", "length", "prefix", "processed")
+
+
+class ElasticSampler(Sampler[int]):
+    """A distributed sampler whose progress survives re-formations of the world."""
+
+    def __init__(
+        self,
+        dataset_or_len: Sized | int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        length = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"ElasticSampler needs a dataset or a length >= 0, got {dataset_or_len!r}")
+        self.length = length
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        # Until the runtime calls set_rank, this process is a world of one.
+        self.rank = 0
+        self.num_replicas = 1
+        self._processed: set[int] = set()
+        self._prefix = 0  # permutation[:_prefix] is processed
+        self._extra: set[int] = set()  # processed, but beyond that prefix
+        self._permutation: list[int] | None = None
+        self._pass: list[int] | None = None  # R of the current pass (see module doc)
+
+    # -- epoch and world -------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``: new permutation, empty processed set.
+
+        Calling it again with the current epoch keeps the progress: the intended user
+        loop calls ``set_epoch(state.epoch)`` every time ``train`` is re-entered after
+        a re-formation, mid-epoch.
+        """
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._permutation = None
+            self._clear_progress()
+        self._pass = None
+
+    def set_rank(self, rank: int, num_replicas: int) -> None:
+        """Re-partition the epoch's remaining indices among a new world."""
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        self.rank = int(rank)
+        self.num_replicas = int(num_replicas)
+        self._pass = None
+
+    # -- progress --------------------------------------------------------------------
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Mark global batch ``batch_idx`` of the current pass processed (on every rank).
+
+        Call it on every rank after the synchronous step of the loader's batch
+        ``batch_idx`` (its index within the current iteration). Works for both a
+        ``DataLoader(batch_size=...)`` over the sampler and ``batches()``.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_idx < 0:
+            raise ValueError(f"batch_idx must be >= 0, got {batch_idx}")
+        start, end = _global_batch_bounds(len(self._current_pass()), self.num_replicas, batch_size, batch_idx)
+        self._mark(self._current_pass()[start:end])
+
+    def record_indices(self, indices: Iterable[int]) -> None:
+        """Mark specific global dataset indices processed (an alternative to record_batch)."""
+        indices = [int(i) for i in indices]
+        for index in indices:
+            if not 0 <= index < self.length:
+                raise ValueError(f"index {index} is outside the dataset (length {self.length})")
+        self._mark(indices)
+
+    @property
+    def processed_count(self) -> int:
+        return len(self._processed)
+
+    @property
+    def remaining_count(self) -> int:
+        return self.length - len(self._processed)
+
+    # -- committed state -------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Plain python values (JSON-able): committed and broadcast by the runtime.
+
+        ``prefix``: the first ``prefix`` indices of the epoch's permutation are
+        processed; ``processed``: the other processed indices (usually none).
+        """
+        return {"epoch": self.epoch, "length": self.length, "prefix": self._prefix,
+                "processed": sorted(self._extra)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        missing = [key for key in _STATE_KEYS if key not in sd]
+        if missing:
+            raise ValueError(f"sampler state lacks {missing}: got keys {sorted(sd)}")
+        if int(sd["length"]) != self.length:
+            raise ValueError(f"sampler state is for a data set of {sd['length']} samples, this one has {self.length}")
+        prefix = int(sd["prefix"])
+        if not 0 <= prefix <= self.length:
+            raise ValueError(f"sampler state prefix {prefix} is outside [0, {self.length}]")
+        epoch = int(sd["epoch"])
+        if epoch != self.epoch:
+            self._permutation = None
+        self.epoch = epoch
+        self._clear_progress()
+        self._mark(self._epoch_permutation()[:prefix])
+        self.record_indices(sd["processed"])
+        self._pass = None
+
+    # -- iteration -------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[int]:
+        self._pass = self._remaining()
+        return iter(self._pass[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return len(self._current_pass()[self.rank :: self.num_replicas])
+
+    def batches(self, batch_size: int) -> "ElasticBatchSampler":
+        """A batch sampler with the same number of batches on every rank (see module doc)."""
+        return ElasticBatchSampler(self, batch_size)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _epoch_permutation(self) -> list[int]:
+        if self._permutation is None:
+            if self.shuffle:
+                generator = torch.Generator()
+                generator.manual_seed(self.seed + self.epoch)
+                self._permutation = torch.randperm(self.length, generator=generator).tolist()
+            else:
+                self._permutation = list(range(self.length))
+        return self._permutation
+
+    def _clear_progress(self) -> None:
+        self._processed, self._extra, self._prefix = set(), set(), 0
+
+    def _mark(self, indices: Iterable[int]) -> None:
+        for index in indices:
+            if index not in self._processed:
+                self._processed.add(index)
+                self._extra.add(index)
+        # Advance the prefix (amortised O(1) per index over an epoch).
+        permutation = self._epoch_permutation()
+        while self._prefix < self.length and permutation[self._prefix] in self._processed:
+            self._extra.discard(permutation[self._prefix])
+            self._prefix += 1
+
+    def _remaining(self) -> list[int]:
+        remaining = [i for i in self._epoch_permutation() if i not in self._processed]
+        if self.drop_last:
+            remaining = remaining[: len(remaining) - len(remaining) % self.num_replicas]
+        return remaining
+
+    def _current_pass(self) -> list[int]:
+        if self._pass is None:
+            self._pass = self._remaining()
+        return self._pass
+
+
+class ElasticBatchSampler(Sampler[list[int]]):
+    """Yields this rank's batches of a pass; equal batch counts on every rank."""
+
+    def __init__(self, sampler: ElasticSampler, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.sampler = sampler
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sampler = self.sampler
+        sampler._pass = sampler._remaining()
+        pass_indices, world = sampler._pass, sampler.num_replicas
+        if 0 < len(pass_indices) < world:
+            logger.warning(
+                "sampler: %d remaining samples for %d ranks; skipping them this epoch",
+                len(pass_indices), world,
+            )
+        for batch_idx in range(self._count(len(pass_indices))):
+            start, end = _global_batch_bounds(len(pass_indices), world, self.batch_size, batch_idx)
+            yield pass_indices[start:end][sampler.rank :: world]
+
+    def __len__(self) -> int:
+        return self._count(len(self.sampler._current_pass()))
+
+    def _count(self, pass_len: int) -> int:
+        world, per_step = self.sampler.num_replicas, self.sampler.num_replicas * self.batch_size
+        if pass_len < world:
+            return 0
+        full, rest = divmod(pass_len, per_step)
+        # A remainder shorter than the world is folded into the last full batch.
+        return full + (1 if rest >= world else 0)
+
+
+def _global_batch_bounds(pass_len: int, world: int, batch_size: int, batch_idx: int) -> tuple[int, int]:
+    """[start, end) of global batch ``batch_idx`` within a pass of ``pass_len`` indices.
+
+    Global batch k is R[k*W*B : (k+1)*W*B]; when what would follow it is a remainder
+    shorter than W (which not every rank could take a sample of), it is folded into
+    batch k, so that batches() and record_batch agree on where the pass ends.
+    """
+    per_step = world * batch_size
+    start = min(batch_idx * per_step, pass_len)
+    end = min(start + per_step, pass_len)
+    if pass_len - end < world:
+        end = pass_len
+    return start, end

@@ -1,0 +1,66 @@
+"""What the agent tells a worker: the only place a worker reads its environment.
+
+The agent sets torchrun's variables (RANK, WORLD_SIZE, ...) for scripts written
+for torchrun, and the ``ELASTIC_WORKER_*`` variables below for the elastic
+runtime. Without ``ELASTIC_WORKER_ID`` the process was not started by an agent
+and ``elastic.init()`` gives a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+PREFIX = "ELASTIC_WORKER_"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    job_id: str
+    endpoints: str
+    worker_id: str
+    member_id: str
+    host_id: str
+    round: int
+    backend: str = "gloo"
+    collective_timeout: float = 60.0
+    rdzv_timeout: float = 600.0
+    max_resets: int = 20
+    events_file: Optional[str] = None
+    error_file: Optional[str] = None
+    marker_file: Optional[str] = None
+    etcd_ca: Optional[str] = None
+    etcd_cert: Optional[str] = None
+    etcd_key: Optional[str] = None
+    etcd_user: Optional[str] = None
+    etcd_password: Optional[str] = None
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: Optional[int] = None
+    checkpoint_interval: Optional[float] = None
+    checkpoint_keep: int = 3
+
+    def to_env(self) -> dict[str, str]:
+        env = {}
+        for name, value in self.__dict__.items():
+            if value is not None:
+                env[PREFIX + name.upper()] = str(value)
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Optional["WorkerConfig"]:
+        if PREFIX + "WORKER_ID" not in environ:
+            return None
+        kwargs = {}
+        for name, field in cls.__dataclass_fields__.items():
+            raw = environ.get(PREFIX + name.upper())
+            if raw is None:
+                continue
+            kind = str(field.type)
+            if "int" in kind and name != "checkpoint_interval":
+                kwargs[name] = int(raw)
+            elif "float" in kind:
+                kwargs[name] = float(raw)
+            else:
+                kwargs[name] = raw
+        return cls(**kwargs)

@@ -1,0 +1,118 @@
+"""Local worker processes: start, prefix their output, see them exit, stop them."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A worker process ended; posted to the agent's inbox by its waiter thread."""
+
+    worker_id: str
+    exit_code: Optional[int]  # None when killed by a signal
+    signal: Optional[int]
+    error: Optional[str]  # the one-line report the worker left before dying, if any
+
+
+class WorkerProcess:
+    def __init__(
+        self,
+        worker_id: str,
+        argv: Sequence[str],
+        env: dict,
+        *,
+        started_round: int,
+        label: Callable[[], str],
+        inbox: "queue.Queue",
+        log_path: Optional[str],
+        error_file: str,
+        marker_file: str,
+        out=None,
+    ):
+        self.worker_id = worker_id
+        self.started_round = started_round
+        self.error_file = error_file
+        self.marker_file = marker_file
+        self.stopping = False  # we asked it to stop: its exit is not a failure
+        self._label = label
+        self._out = out or sys.stdout
+        self._log = open(log_path, "ab", buffering=0) if log_path else None
+        for path in (error_file, marker_file):
+            if os.path.exists(path):
+                os.unlink(path)
+        # Own session: a Ctrl-C at the terminal reaches the agent, which decides.
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+        self._pump = threading.Thread(target=self._forward_output, name=f"out-{worker_id}", daemon=True)
+        self._pump.start()
+        self._waiter = threading.Thread(
+            target=self._wait, args=(inbox,), name=f"wait-{worker_id}", daemon=True
+        )
+        self._waiter.start()
+
+    @property
+    def elastic(self) -> bool:
+        """The worker called elastic.init(): it follows rounds itself."""
+        return os.path.exists(self.marker_file)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _forward_output(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace")
+            if self._log is not None:
+                self._log.write(raw)
+            self._out.write(f"[{self._label()}]: {line}")
+            self._out.flush()
+        self.proc.stdout.close()
+
+    def _wait(self, inbox: "queue.Queue") -> None:
+        code = self.proc.wait()
+        self._pump.join(timeout=5)  # the last lines of output come before the exit event
+        error = None
+        if os.path.exists(self.error_file):
+            with open(self.error_file) as f:
+                error = f.read().strip() or None
+        if self._log is not None:
+            self._log.close()
+        inbox.put(Exited(self.worker_id, code if code >= 0 else None, -code if code < 0 else None, error))
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            try:
+                os.killpg(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL; the exit still arrives through the inbox."""
+        self.stopping = True
+        self.signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.stopping = True
+        self.signal(signal.SIGKILL)
+
+    def join(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False

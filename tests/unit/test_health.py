@@ -1,0 +1,185 @@
+"""HealthState verdicts (with an injected clock) and HealthServer over real HTTP."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from elastic.health import HealthServer, HealthState
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of GET http://127.0.0.1:port/path, without raising on 4xx/5xx."""
+    url = f"http://127.0.0.1:{port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, err.read().decode()
+
+
+# --- HealthState -------------------------------------------------------------------
+
+
+def test_state_is_unhealthy_until_registered():
+    state = HealthState(ttl=10, clock=FakeClock())
+    assert state.probe() == (False, "not registered yet")
+    state.mark_registered()
+    healthy, detail = state.probe()
+    assert healthy and "session ok" in detail
+
+
+def test_state_tolerates_a_session_loss_shorter_than_the_ttl():
+    clock = FakeClock()
+    state = HealthState(ttl=10, clock=clock)
+    state.mark_registered()
+    state.mark_session_lost(since=clock.now)
+    clock.now += 9.9
+    healthy, detail = state.probe()
+    assert healthy
+    assert "within ttl 10s" in detail
+
+
+def test_state_fails_once_the_session_is_lost_longer_than_the_ttl():
+    clock = FakeClock()
+    state = HealthState(ttl=10, clock=clock)
+    state.mark_registered()
+    state.mark_session_lost(since=clock.now)
+    clock.now += 12.3
+    assert state.probe() == (False, "etcd session lost for 12.3s (ttl 10s)")
+
+
+def test_state_recovers_when_the_session_is_ok_again():
+    clock = FakeClock()
+    state = HealthState(ttl=10, clock=clock)
+    state.mark_registered()
+    state.mark_session_lost(since=clock.now - 60)
+    assert state.probe()[0] is False
+    state.mark_session_ok()
+    assert state.probe() == (True, "registered, etcd session ok")
+
+
+def test_repeated_loss_reports_keep_the_start_of_the_outage():
+    clock = FakeClock()
+    state = HealthState(ttl=10, clock=clock)
+    state.mark_registered()
+    state.mark_session_lost(since=clock.now - 11)
+    state.mark_session_lost(since=clock.now - 1)  # a later retry failing again
+    assert state.probe() == (False, "etcd session lost for 11.0s (ttl 10s)")
+
+
+def test_a_lost_session_before_registration_still_reads_not_registered():
+    clock = FakeClock()
+    state = HealthState(ttl=5, clock=clock)
+    state.mark_session_lost(since=clock.now - 100)
+    assert state.probe() == (False, "not registered yet")
+
+
+@pytest.mark.parametrize("ttl", [0, -1.5])
+def test_state_rejects_a_non_positive_ttl(ttl):
+    with pytest.raises(ValueError, match="ttl must be > 0"):
+        HealthState(ttl=ttl)
+
+
+def test_state_uses_the_monotonic_clock_by_default():
+    state = HealthState(ttl=0.5)
+    state.mark_registered()
+    state.mark_session_lost(since=time.monotonic() - 1.0)
+    healthy, detail = state.probe()
+    assert not healthy and detail.startswith("etcd session lost for 1.")
+
+
+# --- HealthServer ------------------------------------------------------------------
+
+
+@pytest.fixture
+def verdict():
+    """A mutable verdict the served probe reads, so tests can flip it."""
+    return {"value": (True, "fine")}
+
+
+@pytest.fixture
+def server(verdict):
+    srv = HealthServer(port=0, probe=lambda: verdict["value"], host="127.0.0.1").start()
+    yield srv
+    srv.stop()
+
+
+def test_server_binds_a_real_port_when_given_zero(server):
+    assert server.port > 0
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/healthz?verbose=1"])
+def test_server_answers_200_with_the_detail_when_healthy(server, path):
+    assert get(server.port, path) == (200, "ok: fine\n")
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz"])
+def test_server_answers_503_with_the_detail_when_unhealthy(server, verdict, path):
+    verdict["value"] = (False, "etcd session lost for 12.3s (ttl 10s)")
+    assert get(server.port, path) == (503, "etcd session lost for 12.3s (ttl 10s)\n")
+
+
+def test_server_answers_404_for_other_paths(server):
+    status, body = get(server.port, "/metrics")
+    assert status == 404 and "/healthz" in body
+
+
+def test_server_answers_503_when_the_probe_raises():
+    def broken() -> tuple[bool, str]:
+        raise RuntimeError("agent state unreadable")
+
+    with HealthServer(port=0, probe=broken, host="127.0.0.1") as srv:
+        status, body = get(srv.port, "/healthz")
+    assert status == 503
+    assert body == "probe failed: RuntimeError: agent state unreadable\n"
+
+
+def test_server_follows_a_health_state_through_registration_and_loss():
+    clock = FakeClock()
+    state = HealthState(ttl=10, clock=clock)
+    with HealthServer(port=0, probe=state.probe, host="127.0.0.1") as srv:
+        assert get(srv.port, "/readyz") == (503, "not registered yet\n")
+        state.mark_registered()
+        assert get(srv.port, "/readyz")[0] == 200
+        state.mark_session_lost(since=clock.now)
+        clock.now += 30
+        assert get(srv.port, "/healthz") == (503, "etcd session lost for 30.0s (ttl 10s)\n")
+
+
+def test_stop_closes_the_port_and_ends_the_thread():
+    threads_before = set(threading.enumerate())
+    srv = HealthServer(port=0, probe=lambda: (True, "x"), host="127.0.0.1").start()
+    port = srv.port
+    assert get(port, "/healthz")[0] == 200
+    srv.stop()
+    srv.stop()  # idempotent
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    leaked = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    assert leaked == []
+
+
+def test_start_twice_is_an_error(server):
+    with pytest.raises(RuntimeError, match="already started"):
+        server.start()
+
+
+@pytest.mark.parametrize("port", [-1, 65536])
+def test_server_rejects_an_invalid_port(port):
+    with pytest.raises(ValueError, match="health port"):
+        HealthServer(port=port, probe=lambda: (True, ""))
