@@ -220,10 +220,12 @@ class Agent:
             **cfg.checkpoint,
         )
         env.update(worker_config.to_env())
+        env["ELASTIC_WORKER_AGENT_PID"] = str(os.getpid())
         log_path = os.path.join(cfg.log_dir, f"worker-{worker_id}.log") if cfg.log_dir else None
         proc = WorkerProcess(
             worker_id,
-            [sys.executable, "-u", *cfg.command],
+            # The bootstrap ties the worker's life to ours (parent-death signal).
+            [sys.executable, "-u", "-m", "elastic.bootstrap", *cfg.command],
             env,
             started_round=plan.round,
             label=lambda w=worker_id: self._label(w),

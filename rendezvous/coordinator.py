@@ -145,6 +145,8 @@ class Coordinator:
     # -- leading ------------------------------------------------------------
     def _lead(self, token: int) -> None:
         log.info("coordinator: %s leads (token %d)", self._member_id, token)
+        # A previous term's view is stale: the below-min clock starts afresh.
+        self._below_min_since = None
         self.leading.set()
         deposed = threading.Event()
 

@@ -98,8 +98,22 @@ class Participant:
     def set_status(self, status: JobStatus) -> None:
         self.control.set_status(status)
 
-    def leave(self) -> None:
-        """Graceful: delete our key at once and revoke the lease."""
+    def leave(self, drain_timeout: float = 0.0) -> None:
+        """Graceful: withdraw our workers, then delete our key and revoke the lease.
+
+        With ``drain_timeout``, first mark the member draining and wait (bounded)
+        for a plan without our workers, so the coordinator reports them as having
+        left rather than lost (a loss makes their ring partners abort the ring).
+        """
+        plan = self.control.plan
+        if drain_timeout > 0 and self.registration is not None and plan is not None:
+            mine = set(self.registration.member.workers)
+            if mine & set(plan.worker_ids()):
+                self.registration.set_workers((), draining=True)
+                self.control.wait_for(
+                    lambda p, s: s.over or (p is not None and not mine & set(p.worker_ids())),
+                    drain_timeout,
+                )
         if self.coordinator is not None:
             self.coordinator.stop()
         if self.registration is not None:

@@ -1,0 +1,178 @@
+"""Wake every rank of a broken gloo ring at once, from another thread.
+
+gloo has no working abort: ``ProcessGroupGloo.abort()``/``shutdown()`` and
+``ProcessGroup.abort()`` return at once but leave an operation that is already
+waiting for a peer blocked until the collective timeout (measured, torch 2.13).
+Only the dead rank's ring neighbours see a broken socket; the other survivors
+wait on live peers that are themselves stuck.
+
+What does wake a gloo operation is an error on one of its TCP pairs. So
+``RingHandle.abort()`` calls ``shutdown(SHUT_RDWR)`` on this process's gloo
+connections: gloo's event loop reads end-of-stream, marks each pair failed and
+fails every pending and future operation on it ("Connection closed by peer"),
+whether the caller waits on a Work (``dist.all_reduce``) or on its Future (DDP's
+reducer). The FIN also reaches the peers, which is harmless: they abort too.
+``shutdown`` changes only the connection state; the descriptors stay gloo's, so
+gloo closes them itself when the group is destroyed (no double close).
+
+Which sockets are gloo's: the ones that appear across ``init_process_group``
+(the TCPStore client is opened before it). The caller takes a ``SocketSnapshot``
+just before init and hands it to ``prepare_ring``. Listening sockets are never
+touched: shutting gloo's listener makes its accept loop terminate the process.
+Every descriptor is re-checked by inode on a duplicate before the shutdown, so a
+number that gloo closed and the OS handed to someone else is left alone.
+
+Needs Linux or macOS (``/proc/self/fd`` or ``/dev/fd``). Other backends (NCCL)
+have a real abort, which ``abort()`` calls instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_FD_DIRS = ("/proc/self/fd", "/dev/fd")
+
+
+@dataclass(frozen=True)
+class SocketSnapshot:
+    """The (fd, inode) pairs of this process's sockets at one moment."""
+
+    sockets: FrozenSet[Tuple[int, int]]
+
+
+def _fd_dir() -> str:
+    for path in _FD_DIRS:
+        if os.path.isdir(path):
+            return path
+    raise RuntimeError("ring_abort needs /proc/self/fd or /dev/fd to list this process's sockets")
+
+
+def _open_sockets() -> Dict[int, int]:
+    """fd -> inode for every socket this process has open."""
+    found = {}
+    for name in os.listdir(_fd_dir()):
+        try:
+            info = os.fstat(int(name))
+        except (OSError, ValueError):  # closed meanwhile, or the directory's own fd
+            continue
+        if stat.S_ISSOCK(info.st_mode):
+            found[int(name)] = info.st_ino
+    return found
+
+
+def socket_snapshot() -> SocketSnapshot:
+    """Take this right before ``init_process_group`` (after creating the store)."""
+    return SocketSnapshot(frozenset(_open_sockets().items()))
+
+
+def _is_connected_tcp(fd: int) -> bool:
+    dup = socket.socket(fileno=os.dup(fd))  # closing the duplicate leaves fd open
+    try:
+        if dup.family not in (socket.AF_INET, socket.AF_INET6) or dup.type != socket.SOCK_STREAM:
+            return False
+        return not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    finally:
+        dup.close()
+
+
+def _shutdown_if_same(fd: int, inode: int) -> bool:
+    """Shut the connection down if ``fd`` still names socket ``inode``."""
+    try:
+        dup_fd = os.dup(fd)
+    except OSError:  # gloo closed it already
+        return False
+    # Checking on the duplicate pins the socket: no reuse of the number can slip in
+    # between the check and the shutdown.
+    dup = socket.socket(fileno=dup_fd)
+    try:
+        if os.fstat(dup_fd).st_ino != inode:
+            return False
+        dup.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:  # already shut down or reset by the peer
+        return False
+    finally:
+        dup.close()
+
+
+class RingHandle:
+    """Aborts one process group's ring from any thread; see the module docstring."""
+
+    def __init__(self, connections: FrozenSet[Tuple[int, int]], other_backend=None):
+        # No reference to a gloo group: holding one would keep its sockets open after
+        # destroy_process_group(). ``other_backend`` is a non-gloo backend to abort().
+        self._connections = connections
+        self._other_backend = other_backend
+        self._lock = threading.Lock()
+        self._aborted = False
+
+    @property
+    def connections(self) -> int:
+        """How many gloo TCP connections abort() would shut down."""
+        return len(self._connections)
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def abort(self) -> None:
+        """Make every pending and future collective of the group raise now.
+
+        Safe to call from any thread, more than once, and after the group was
+        destroyed (then it does nothing).
+        """
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            backend, self._other_backend = self._other_backend, None
+        if backend is not None:
+            backend.abort()
+            return
+        closed = sum(_shutdown_if_same(fd, inode) for fd, inode in self._connections)
+        log.info("ring aborted: shut down %d of %d gloo connections", closed, len(self._connections))
+
+    def release(self) -> None:
+        """Forget the group (call before destroying it); abort() becomes a no-op."""
+        with self._lock:
+            self._aborted = True
+            self._other_backend = None
+
+
+def prepare_ring(group=None, *, before: SocketSnapshot) -> RingHandle:
+    """Call right after ``init_process_group`` / ``new_group`` built ``group``.
+
+    ``before`` is the ``socket_snapshot()`` taken just before that call; the
+    sockets that are new since then and are connected TCP streams are gloo's pairs
+    (gloo connects the full mesh during init).
+    """
+    if not isinstance(before, SocketSnapshot):
+        raise TypeError(f"before must be a SocketSnapshot from socket_snapshot(), got {type(before).__name__}")
+    group = dist.group.WORLD if group is None else group
+    if group is None:
+        raise RuntimeError("prepare_ring: no process group; call it after init_process_group")
+    name = dist.get_backend(group)
+    if name != "gloo":
+        return RingHandle(frozenset(), other_backend=group._get_backend(torch.device("cuda")))
+    new = frozenset(
+        (fd, inode)
+        for fd, inode in _open_sockets().items()
+        if (fd, inode) not in before.sockets and _is_connected_tcp(fd)
+    )
+    peers = dist.get_world_size(group) - 1
+    if len(new) < peers:
+        # gloo's lazy init (TORCH_GLOO_LAZY_INIT) connects on first use; then abort
+        # can only shut the connections that exist now.
+        log.warning("prepare_ring: found %d gloo connections for %d peers", len(new), peers)
+    return RingHandle(new)

@@ -1,0 +1,96 @@
+"""Run ``elastic-run`` as a real process and watch what its workers write."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_JOB = REPO / "tests" / "fakes" / "train_job.py"
+ELASTIC_RUN = [sys.executable, "-m", "elastic.cli"]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written right now
+    return out
+
+
+class Job:
+    """One elastic-run process (one agent) with its own output file."""
+
+    def __init__(self, tmp: Path, args: list[str], *, name: str = "job", env: Optional[dict] = None):
+        self.tmp = tmp
+        self.out = tmp / "out"
+        self.log_dir = tmp / "logs"
+        self.output = tmp / f"{name}.txt"
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+        full_env.update(env or {})
+        full_env["PYTHONPATH"] = str(REPO)
+        self._file = open(self.output, "wb")
+        self.proc = subprocess.Popen(
+            [*ELASTIC_RUN, *args], cwd=REPO, env=full_env, stdout=self._file, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @staticmethod
+    def train_args(out: Path, log_dir: Path, launcher: list[str], script_args: list[str]) -> list[str]:
+        return [*launcher, "--log-dir", str(log_dir), str(TRAIN_JOB), "--out", str(out), *script_args]
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def steps(self) -> list[dict]:
+        return read_jsonl(self.out / "steps.jsonl")
+
+    def pids(self) -> list[dict]:
+        return read_jsonl(self.out / "pids.jsonl")
+
+    def events(self) -> list[dict]:
+        return read_jsonl(self.log_dir / "events.jsonl")
+
+    def wait_for_step(self, step: int, timeout: float = 60) -> None:
+        wait_until(lambda: any(s["step"] >= step for s in self.steps()), timeout, f"step {step}")
+
+    def worker_pid(self, rank: int) -> int:
+        """The live worker holding ``rank`` in the newest round."""
+        entries = self.pids()
+        newest = max(e["round"] for e in entries)
+        return next(e["pid"] for e in entries if e["round"] == newest and e["rank"] == rank)
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"elastic-run did not finish within {timeout}s:\n{self.text()[-3000:]}")
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._file.close()

@@ -1,0 +1,107 @@
+"""A small, fully deterministic elastic training job for the integration tests.
+
+Each step uses the global batch ``step`` of a fixed synthetic data set; rank r
+takes rows r::world of it, so with a mean loss and DDP's gradient averaging the
+result equals single-process training on the whole global batch.
+
+Files written to --out (one line per event, flushed at once, so tests can watch):
+  pids.jsonl      {"pid", "rank", "round", "world"} at every (re-)entry
+  steps.jsonl     {"pid", "rank", "world", "round", "step", "indices"} per completed step
+  final-<pid>.pt  the final parameters (float64 when --float64)
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import elastic
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=50)
+p.add_argument("--commit-every", type=int, default=1)
+p.add_argument("--step-delay", type=float, default=0.0)
+p.add_argument("--global-batch", type=int, default=32)
+p.add_argument("--float64", action="store_true")
+p.add_argument("--fail-rank", type=int, default=None)
+p.add_argument("--fail-step", type=int, default=None)
+p.add_argument("--epochs", type=int, default=0, help="sampler mode: epochs over --dataset-size samples")
+p.add_argument("--dataset-size", type=int, default=240)
+p.add_argument("--out", required=True)
+args = p.parse_args()
+
+dtype = torch.float64 if args.float64 else torch.float32
+torch.set_default_dtype(dtype)
+elastic.init()
+os.makedirs(args.out, exist_ok=True)
+
+
+def append(name, record):
+    with open(os.path.join(args.out, name), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+gen = torch.Generator().manual_seed(1234)
+X = torch.randn(max(args.steps * args.global_batch, args.dataset_size), 16, generator=gen)
+Y = torch.randint(0, 4, (X.shape[0],), generator=gen)
+sampler = elastic.ElasticSampler(args.dataset_size, shuffle=True, seed=7) if args.epochs else None
+state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, step=0, epoch=0)
+
+
+def one_step(ddp, rows):
+    loss = F.cross_entropy(ddp(X[rows]), Y[rows])
+    state.optimizer.zero_grad()
+    loss.backward()
+    state.optimizer.step()
+
+
+def record_step(indices):
+    append("steps.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
+                           "round": elastic.round(), "step": state.step, "epoch": state.epoch,
+                           "indices": indices})
+
+
+@elastic.run
+def train(state):
+    rank, world = elastic.rank(), elastic.size()
+    append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world})
+    ddp = DDP(state.model)
+    if args.epochs:
+        for state.epoch in range(state.epoch, args.epochs):
+            if state.sampler.processed_count == 0:
+                state.sampler.set_epoch(state.epoch)
+            state.sampler.set_rank(rank, world)
+            batches = list(state.sampler.batches(4))
+            for batch_idx, rows in enumerate(batches):
+                one_step(ddp, torch.tensor(rows))
+                state.sampler.record_batch(batch_idx, 4)
+                state.step += 1
+                record_step(rows)
+                time.sleep(args.step_delay)
+                state.commit()
+            state.sampler.set_epoch(state.epoch + 1)
+        return
+    while state.step < args.steps:
+        start = state.step * args.global_batch
+        rows = torch.arange(start, start + args.global_batch)[rank::world]
+        if args.fail_step is not None and state.step == args.fail_step and rank == args.fail_rank:
+            raise ValueError(f"bad batch at step {state.step}")
+        one_step(ddp, rows)
+        state.step += 1
+        record_step(None)
+        time.sleep(args.step_delay)
+        if state.step % args.commit_every == 0:
+            state.commit()
+
+
+train(state)
+torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+           os.path.join(args.out, f"final-{os.getpid()}.pt"))

@@ -1,0 +1,132 @@
+"""elastic-run end to end: real etcd, real worker processes, real gloo all-reduces."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.fakes.jobs import ELASTIC_RUN, REPO, TRAIN_JOB, Job, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def finals(out):
+    return [torch.load(p, weights_only=True) for p in sorted(out.glob("final-*.pt"))]
+
+
+def assert_identical(params: list[dict]):
+    assert params, "no worker wrote its final parameters"
+    for other in params[1:]:
+        for name, value in params[0].items():
+            assert torch.equal(value, other[name]), name
+
+
+def start(tmp_path, launcher, script_args, **kw):
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    return Job(tmp_path, Job.train_args(out, logs, launcher, script_args), **kw)
+
+
+def test_four_workers_train_to_the_end_with_identical_parameters(tmp_path):
+    job = start(tmp_path, ["--np", "4"], ["--steps", "30"])
+    assert job.wait() == 0, job.text()[-3000:]
+    params = finals(job.out)
+    assert len(params) == 4
+    assert_identical(params)
+    formed = [e for e in job.events() if e["event"] == "round_formed"]
+    assert [e["world_size"] for e in formed] == [4]
+
+
+def test_four_workers_equal_single_process_training_in_float64(tmp_path):
+    job = start(tmp_path, ["--np", "4"], ["--steps", "50", "--float64"])
+    assert job.wait() == 0, job.text()[-3000:]
+    elastic_params = finals(job.out)[0]
+    single_out = tmp_path / "single"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+    env["PYTHONPATH"] = str(REPO)
+    subprocess.run(
+        [sys.executable, str(TRAIN_JOB), "--steps", "50", "--float64", "--out", str(single_out)],
+        env=env, check=True, timeout=120, capture_output=True,
+    )
+    single = finals(single_out)[0]
+    for name, value in single.items():
+        assert value.dtype == torch.float64
+        assert torch.allclose(elastic_params[name], value, rtol=0, atol=1e-9), name
+
+
+@pytest.mark.parametrize("victim_rank", [2, 0])
+def test_sigkill_of_a_worker_survivors_finish(tmp_path, victim_rank):
+    job = start(tmp_path, ["--np", "4", "--min-np", "2", "--collective-timeout", "10"],
+                ["--steps", "200", "--step-delay", "0.02"])
+    job.wait_for_step(20)
+    os.kill(job.worker_pid(victim_rank), signal.SIGKILL)
+    assert job.wait() == 0, job.text()[-3000:]
+    params = finals(job.out)
+    assert len(params) == 3
+    assert_identical(params)
+    events = job.events()
+    assert [e["world_size"] for e in events if e["event"] == "round_formed"] == [4, 3]
+    reforms = [e for e in events if e["event"] == "reform_done"]
+    assert len(reforms) == 3 and all(e["failed"] and e["world_size"] == 3 for e in reforms)
+    # Commit every step: at most one step is done again after the rollback.
+    steps = [s["step"] for s in job.steps() if s["rank"] == 0]
+    assert len(steps) - len(set(steps)) <= 1
+    assert max(steps) == 200
+
+
+def test_a_second_agent_joins_and_gets_rank0_state(tmp_path, etcd_server):
+    endpoint = ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", f"grow-{os.getpid()}-{id(tmp_path)}"]
+    first = start(tmp_path, [*endpoint, "--nproc-per-node", "2", "--min-np", "2", "--max-np", "3"],
+                  ["--steps", "150", "--step-delay", "0.03"], name="first")
+    first.wait_for_step(15)
+    second = start(tmp_path, [*endpoint, "--nproc-per-node", "1", "--min-np", "2", "--max-np", "3"],
+                   ["--steps", "150", "--step-delay", "0.03"], name="second")
+    assert first.wait() == 0, first.text()[-3000:]
+    assert second.wait() == 0, second.text()[-3000:]
+    params = finals(first.out)
+    assert len(params) == 3
+    assert_identical(params)
+    events = first.events()
+    assert [e["world_size"] for e in events if e["event"] == "round_formed"] == [2, 3]
+    switches = [e for e in events if e["event"] == "reform_done"]
+    assert switches and not any(e["failed"] for e in switches)
+    # Nothing committed is rolled back on a planned switch: every step runs once.
+    steps = [s["step"] for s in first.steps() if s["rank"] == 0]
+    assert sorted(steps) == list(range(1, 151))
+
+
+def test_user_error_fails_the_job_without_reform_loop(tmp_path):
+    job = start(tmp_path, ["--np", "3"], ["--steps", "100", "--fail-rank", "1", "--fail-step", "5"])
+    code = job.wait()
+    assert code == 1
+    text = job.text()
+    assert "ValueError: bad batch at step 5" in text
+    assert "failed" in text.splitlines()[-2] + text.splitlines()[-1] or "job local failed" in text
+    assert not [e for e in job.events() if e["event"] == "reform_done"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--min-np", "5", "--max-np", "4", "x.py"], "max_np (4) must be at least min_np (5)"),
+        (["--np", "2", "missing_script.py"], "script not found: missing_script.py"),
+        (["--np", "0", "x.py"], "--np"),
+        (["--rdzv-endpoint", "127.0.0.1:2379", "--np", "1", "x.py"], "--job-id is required"),
+        (["--bogus", "x.py"], "unrecognized arguments: --bogus"),
+        (["--rdzv-endpoint", "nohost:", "--job-id", "j", "--np", "1", "x.py"], "nohost:"),
+    ],
+)
+def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "x.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+    env["PYTHONPATH"] = str(REPO)
+    result = subprocess.run([*ELASTIC_RUN, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
