@@ -1,0 +1,197 @@
+"""Recovery benchmark: SIGKILL of 1 of 4 local workers -> next completed step.
+
+    python -m benchmarks.recovery [--reps 3] [--plain-reps 2] [--json PATH] [--only torchrun|elastic]
+
+Variants (same script core, benchmarks/workload.py):
+  torchrun          torchrun --standalone --nproc-per-node 4 --max-restarts 3 (may never
+                    recover: stale peer addresses in the shared store, pytorch issue 135712)
+  torchrun-noshare  the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the workaround)
+  elastic           elastic-run --np 4 --min-np 2 --max-np 4, commit every step
+
+Each rep: start the job, wait for a warm-up, run on to a random step, SIGKILL one
+random non-zero rank, then measure from the timing files the time to the next step
+completed on any survivor and to the first step completed by every worker of the new
+world. A variant that shows no step within --recover-timeout is "did not recover".
+For elastic-run the phases of the re-formation come from events.jsonl (reform_done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import harness
+
+NPROC = 4
+PHASES = ("detect_s", "rendezvous_s", "pg_init_s", "sync_s", "total_s")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3, help="reps per variant")
+    parser.add_argument("--plain-reps", type=int, default=2,
+                        help="reps of plain torchrun (it is expected not to recover: each costs the full timeout)")
+    parser.add_argument("--only", choices=["torchrun", "elastic"], help="run only these variants")
+    parser.add_argument("--warmup-steps", type=int, default=30)
+    parser.add_argument("--recover-timeout", type=float, default=60.0)
+    parser.add_argument("--start-timeout", type=float, default=180.0)
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="torchrun: checkpoint file every N steps")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random kill points")
+    parser.add_argument("--json", help="write the results here")
+    return parser.parse_args(argv)
+
+
+def variant_commands(name: str, workdir: Path, args) -> tuple[list[str], dict[str, str]]:
+    timing = ["--steps", "1000000", "--timing-dir", str(workdir / "timing")]
+    if name.startswith("torchrun"):
+        workload = [*timing, "--checkpoint", str(workdir / "ckpt.pt"), "--checkpoint-every", str(args.checkpoint_every)]
+        extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if name == "torchrun-noshare" else {}
+        return harness.torchrun_command(NPROC, workload, max_restarts=3), harness.benchmark_env(**extra)
+    command = harness.elastic_command(NPROC, 2, NPROC, workdir / "logs", [*timing, "--commit-every", "1"])
+    return command, harness.benchmark_env()
+
+
+def one_rep(name: str, args, rng: random.Random) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "timing").mkdir()
+        command, env = variant_commands(name, workdir, args)
+        with harness.Job(command, env, workdir / "launcher.log") as job:
+            result = kill_and_measure(job, workdir, args, rng, name)
+            result["launcher_exit_code"] = job.proc.poll()
+            if result.get("error") or not result.get("recovered"):
+                result["launcher_log_tail"] = (workdir / "launcher.log").read_text(errors="replace")[-2000:]
+        return result
+
+
+def kill_and_measure(job: harness.Job, workdir: Path, args, rng: random.Random, name: str) -> dict:
+    timing_dir = workdir / "timing"
+
+    def warmed_up():
+        workers = harness.read_timings(timing_dir)
+        return len(workers) >= NPROC and all(len(w.steps) >= args.warmup_steps for w in workers) and workers
+
+    if not harness.wait_for(lambda: warmed_up() or not job.running(), args.start_timeout) or not job.running():
+        return {"error": "job did not start (or exited) before warm-up"}
+    target = max(len(w.steps) for w in harness.read_timings(timing_dir)) + rng.randint(0, 20)
+    harness.wait_for(lambda: max(len(w.steps) for w in harness.read_timings(timing_dir)) >= target, 30)
+
+    workers = harness.read_timings(timing_dir)
+    ours = harness.descendants(job.proc.pid)
+    candidates = [w for w in workers if w.rank != 0 and w.pid in ours]
+    if not candidates:
+        return {"error": "no killable non-zero rank found among the launcher's descendants"}
+    victim = rng.choice(candidates)
+    kill_time = time.time()
+    os.kill(victim.pid, signal.SIGKILL)
+
+    def recovered():
+        timings = harness.read_timings(timing_dir)
+        recovery = harness.measure_recovery(timings, victim.pid, kill_time, expected_workers(name))
+        return recovery if recovery.kill_to_all_survivors_s is not None else None
+
+    harness.wait_for(lambda: recovered() or not job.running(), args.recover_timeout, interval=0.1)
+    recovery = harness.measure_recovery(harness.read_timings(timing_dir), victim.pid, kill_time, expected_workers(name))
+    result = {
+        "victim_rank": victim.rank,
+        "killed_after_step": recovery.last_step_before_kill,
+        "recovered": recovery.kill_to_next_step_s is not None,
+        "kill_to_next_step_s": recovery.kill_to_next_step_s,
+        "kill_to_all_survivors_s": recovery.kill_to_all_survivors_s,
+        "first_step_after_kill": recovery.first_step_after_kill,
+        "launcher_exited": not job.running(),
+    }
+    if name == "elastic":
+        result["phases"] = reform_phases(workdir / "logs" / "events.jsonl", kill_time)
+    return result
+
+
+def expected_workers(name: str) -> int:
+    # torchrun restarts the whole local group (4 fresh workers); elastic-run goes on with 3.
+    return NPROC if name.startswith("torchrun") else NPROC - 1
+
+
+def reform_phases(events_path: Path, kill_time: float) -> dict | None:
+    """The first reform_done event after the kill (one per worker: take the slowest)."""
+    if not events_path.exists():
+        return None
+    events = []
+    for line in events_path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "reform_done" and event.get("time", 0) > kill_time:
+            events.append(event)
+    if not events:
+        return None
+    first_round = min(e.get("round") or 0 for e in events)
+    same_round = [e for e in events if (e.get("round") or 0) == first_round]
+    return {phase: max(e.get(phase) or 0.0 for e in same_round) for phase in PHASES}
+
+
+def summarize(name: str, reps: list[dict]) -> dict:
+    times = [r["kill_to_next_step_s"] for r in reps if r.get("recovered")]
+    everyone = [r["kill_to_all_survivors_s"] for r in reps if r.get("kill_to_all_survivors_s") is not None]
+    summary = {
+        "variant": name,
+        "reps": len(reps),
+        "recovered": len(times),
+        "median_s": statistics.median(times) if times else None,
+        "p90_s": harness.percentile(times, 0.9),
+        "median_all_survivors_s": statistics.median(everyone) if everyone else None,
+    }
+    phases = [r["phases"] for r in reps if r.get("phases")]
+    if phases:
+        summary["phases_median_s"] = {p: statistics.median(ph[p] for ph in phases) for p in PHASES}
+    return summary
+
+
+def print_table(summaries: list[dict]) -> None:
+    print(f"\n{'variant':18} {'recovered':>10} {'median':>9} {'p90':>9} {'all survivors':>14}  phases (median)")
+    for s in summaries:
+        recovered = f"{s['recovered']}/{s['reps']}"
+        phases = s.get("phases_median_s")
+        phase_text = " ".join(f"{k[:-2]}={v:.3f}" for k, v in phases.items()) if phases else ""
+        if not s["recovered"]:
+            phase_text = "did not recover"
+        print(f"{s['variant']:18} {recovered:>10} {harness.fmt(s['median_s']):>9} {harness.fmt(s['p90_s']):>9} "
+              f"{harness.fmt(s['median_all_survivors_s']):>14}  {phase_text}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    variants = {"torchrun": args.plain_reps, "torchrun-noshare": args.reps, "elastic": args.reps}
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k.startswith(args.only)}
+    results, summaries = {}, []
+    for name, reps in variants.items():
+        if reps < 1:
+            continue
+        results[name] = []
+        for rep in range(reps):
+            started = time.monotonic()
+            result = one_rep(name, args, rng)
+            results[name].append(result)
+            print(f"{name} rep {rep + 1}/{reps}: "
+                  f"{'did not recover' if not result.get('recovered') else harness.fmt(result['kill_to_next_step_s'])}"
+                  f"{' ' + result['error'] if result.get('error') else ''} "
+                  f"(killed rank {result.get('victim_rank')} after step {result.get('killed_after_step')}, "
+                  f"resumed at step {result.get('first_step_after_kill')}; rep took {time.monotonic() - started:.0f}s)",
+                  flush=True)
+        summaries.append(summarize(name, results[name]))
+    print_table(summaries)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summaries": summaries, "reps": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

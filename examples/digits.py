@@ -1,0 +1,143 @@
+"""A small real training job on the elastic API: an MLP on scikit-learn's digits.
+
+    python examples/digits.py --epochs 2                  # alone: a world of one
+    elastic-run --np 4 --min-np 2 examples/digits.py --epochs 20 --step-delay 0.05
+
+The data set ships with scikit-learn (no download). The train/test split is fixed by
+--seed, so every worker holds the same split; the ElasticSampler hands each rank its
+share of the epoch, and its progress is part of the committed state, so after a
+resize every training sample of an epoch is still seen exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+import elastic
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--float64", action="store_true", help="train in float64 (bit-for-bit comparisons)")
+    parser.add_argument("--commit-every", type=int, default=1, help="commit every N steps")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (demos, kill tests)")
+    parser.add_argument("--out", help="rank 0 writes final params + accuracy here (JSON)")
+    args = parser.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1 or args.commit_every < 1:
+        parser.error("--epochs, --batch-size and --commit-every must be >= 1")
+    return args
+
+
+def load_split(seed: int, dtype: torch.dtype) -> tuple[TensorDataset, TensorDataset]:
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.data / 16.0, digits.target, test_size=0.25, random_state=seed, stratify=digits.target
+    )
+
+    def dataset(x, y):
+        return TensorDataset(torch.tensor(x, dtype=dtype), torch.tensor(y, dtype=torch.long))
+
+    return dataset(x_train, y_train), dataset(x_test, y_test)
+
+
+def make_model(hidden: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TensorDataset) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) on the whole data set; identical on every rank."""
+    x, y = data.tensors
+    logits = model(x)
+    return F.cross_entropy(logits, y).item(), (logits.argmax(dim=1) == y).float().mean().item()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    dtype = torch.float64 if args.float64 else torch.float32
+    torch.set_default_dtype(dtype)
+    torch.manual_seed(args.seed)
+    elastic.init()
+
+    train_data, test_data = load_split(args.seed, dtype)
+    model = make_model(args.hidden)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    sampler = elastic.ElasticSampler(train_data, shuffle=True, seed=args.seed)
+    state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
+
+    @elastic.run
+    def train(state):
+        # DDP is bound to the current ring: re-created every time train is re-entered.
+        ddp = DDP(state.model) if dist.is_initialized() else state.model
+        for state.epoch in range(state.epoch, args.epochs):
+            state.sampler.set_epoch(state.epoch)  # same epoch again after a re-form: keeps progress
+            # batches() gives every rank the same number of batches (DDP needs that).
+            loader = DataLoader(train_data, batch_sampler=state.sampler.batches(args.batch_size))
+            for batch_idx, (x, y) in enumerate(loader):
+                loss = F.cross_entropy(ddp(x), y)
+                state.optimizer.zero_grad()
+                loss.backward()
+                state.optimizer.step()
+                state.sampler.record_batch(batch_idx, args.batch_size)
+                state.step += 1
+                if args.step_delay:
+                    time.sleep(args.step_delay)
+                if state.step % args.commit_every == 0:
+                    state.commit()
+            if elastic.rank() == 0:
+                train_loss, _ = evaluate(state.model, train_data)
+                print(f"epoch {state.epoch} step {state.step} world {elastic.size()} "
+                      f"train_loss {train_loss:.4f}", flush=True)
+        state.commit()
+
+    train(state)
+
+    test_loss, accuracy = evaluate(state.model, test_data)
+    if elastic.rank() == 0:
+        print(f"test_loss {test_loss:.4f} test_accuracy {accuracy:.4f}", flush=True)
+        if args.out:
+            write_result(args.out, state, accuracy, test_loss)
+
+
+def write_result(path: str, state, accuracy: float, test_loss: float) -> None:
+    """Atomically: the final parameters (as lists) and the test accuracy."""
+    result = {
+        "test_accuracy": accuracy,
+        "test_loss": test_loss,
+        "epoch": state.epoch,
+        "step": state.step,
+        "world_size": elastic.size(),
+        "params": {name: p.detach().flatten().tolist() for name, p in state.model.named_parameters()},
+    }
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()
