@@ -34,7 +34,7 @@ import socket
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Dict, FrozenSet, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,15 @@ def _shutdown_if_same(fd: int, inode: int) -> bool:
         dup.close()
 
 
+def _connections_since(before: SocketSnapshot) -> FrozenSet[Tuple[int, int]]:
+    """Connected TCP sockets opened since ``before`` (listeners excluded)."""
+    return frozenset(
+        (fd, inode)
+        for fd, inode in _open_sockets().items()
+        if (fd, inode) not in before.sockets and _is_connected_tcp(fd)
+    )
+
+
 class RingHandle:
     """Aborts one process group's ring from any thread; see the module docstring."""
 
@@ -116,6 +125,7 @@ class RingHandle:
         self._other_backend = other_backend
         self._lock = threading.Lock()
         self._aborted = False
+        self._released = False
 
     @property
     def connections(self) -> int:
@@ -133,7 +143,7 @@ class RingHandle:
         destroyed (then it does nothing).
         """
         with self._lock:
-            if self._aborted:
+            if self._aborted or self._released:
                 return
             self._aborted = True
             backend, self._other_backend = self._other_backend, None
@@ -146,7 +156,7 @@ class RingHandle:
     def release(self) -> None:
         """Forget the group (call before destroying it); abort() becomes a no-op."""
         with self._lock:
-            self._aborted = True
+            self._released = True
             self._other_backend = None
 
 
@@ -165,11 +175,7 @@ def prepare_ring(group=None, *, before: SocketSnapshot) -> RingHandle:
     name = dist.get_backend(group)
     if name != "gloo":
         return RingHandle(frozenset(), other_backend=group._get_backend(torch.device("cuda")))
-    new = frozenset(
-        (fd, inode)
-        for fd, inode in _open_sockets().items()
-        if (fd, inode) not in before.sockets and _is_connected_tcp(fd)
-    )
+    new = _connections_since(before)
     peers = dist.get_world_size(group) - 1
     if len(new) < peers:
         # gloo's lazy init (TORCH_GLOO_LAZY_INIT) connects on first use; then abort

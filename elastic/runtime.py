@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from rendezvous import ControlChannel, Etcd, EtcdConfig, JobKeys, RoundPlan
@@ -32,6 +31,7 @@ from rendezvous.errors import RendezvousTimeoutError
 
 from .errors import LeftJob
 from .events import EventLog
+from .ring_abort import RingHandle, prepare_ring, socket_snapshot
 from .worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Runtime:
         self._store = None  # the round's PrefixStore
         self._switch_at: Optional[int] = None
         self._commits = 0  # commits in the current round
-        self._backend = None  # the current round's gloo/NCCL backend, for abort()
+        self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
         self._backend_lock = threading.Lock()
 
     @property
@@ -154,12 +154,13 @@ class Runtime:
         """Control-watch thread: abort a ring that a newer plan declares broken.
 
         gloo wakes only the dead worker's neighbours at once; the others would sit
-        in their collective until the timeout. Aborting the backend fails their
-        pending operations now, and the recovery path takes over.
+        in their collective until the timeout (gloo's own abort() does not wake
+        them: see ring_abort.py). Aborting fails their pending operations now,
+        and the recovery path takes over.
         """
         with self._backend_lock:
             current = self.plan
-            if current is None or self._backend is None:
+            if current is None or self._ring is None:
                 return
             if status.state == "failed":
                 why = f"job failed: {status.reason}"
@@ -168,12 +169,14 @@ class Runtime:
             else:
                 return
             log.info("round %d: aborting the ring (%s)", current.round, why)
-            self._backend.abort()
-            self._backend = None
+            self._ring.abort()
 
     def release_group(self) -> None:
         with self._backend_lock:
-            self._backend = None
+            ring, self._ring = self._ring, None
+        aborted = ring is not None and ring.aborted
+        if ring is not None:
+            ring.release()
         self._store = None
         self._switch_at = None
         if dist.is_initialized():
@@ -181,8 +184,11 @@ class Runtime:
                 dist.destroy_process_group()
             except Exception as exc:  # a broken group may complain on the way out
                 log.debug("destroy_process_group: %s", exc)
-        # Frees the old gloo pairs now, which also wakes peers still blocked on them.
-        gc.collect()
+        if not aborted:
+            # Nobody shut the old connections down: freeing the old gloo pairs now
+            # is what wakes peers still blocked on them (costly under load, so
+            # skipped when the ring was aborted).
+            gc.collect()
 
     def _wait_for_plan(self, accept) -> RoundPlan:
         cfg = self.config
@@ -217,6 +223,8 @@ class Runtime:
             if self._arrive(store, plan):
                 break
             plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
+        # gloo connects to every peer inside init: sockets that appear across it are its.
+        before = socket_snapshot()
         dist.init_process_group(
             cfg.backend,
             store=dist.PrefixStore("pg/", store),
@@ -225,9 +233,7 @@ class Runtime:
             timeout=datetime.timedelta(seconds=cfg.collective_timeout),
         )
         with self._backend_lock:
-            self._backend = dist.group.WORLD._get_backend(
-                torch.device("cuda" if cfg.backend == "nccl" else "cpu")
-            )
+            self._ring = prepare_ring(before=before)
             self.plan = plan
             self.round = plan.round
         self._store = store
