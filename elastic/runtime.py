@@ -63,6 +63,7 @@ class Runtime:
         self._store = None  # the round's PrefixStore
         self._switch_at: Optional[int] = None
         self._commits = 0  # commits in the current round
+        self._next_store = None  # (round, store) of a pending plan, for rank 0's look at joiners
         self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
         self._backend_lock = threading.Lock()
 
@@ -121,7 +122,7 @@ class Runtime:
         if self._switch_at is None:
             if self.rank == 0:
                 newest = self._control.plan
-                if newest is not None and newest.round > self.round:
+                if newest is not None and newest.round > self.round and self._newcomers_ready(newest):
                     # Everyone is within one step of us (each step has a collective
                     # with rank 0), so all will read this before their commit+1.
                     self._switch_at = commits + 1
@@ -130,13 +131,29 @@ class Runtime:
                 self._switch_at = int(self._store.get("switch_at"))
         return self._switch_at is not None and commits >= self._switch_at
 
+    def _newcomers_ready(self, plan: RoundPlan) -> bool:
+        """Have the workers new in ``plan`` arrived at its store? Until they have,
+        the running ring keeps training instead of waiting for a joiner that is
+        still importing torch (seconds)."""
+        current = set(self.plan.worker_ids())
+        newcomers = sum(1 for w in plan.worker_ids() if w not in current)
+        if newcomers == 0:
+            return True
+        if self._next_store is None or self._next_store[0] != plan.round:
+            host, port = plan.store_addr.rsplit(":", 1)
+            base = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=self.config.rdzv_timeout))
+            self._next_store = (plan.round, dist.PrefixStore(f"/round/{plan.round}/", base))
+        return self._next_store[1].add("arrived", 0) >= newcomers
+
     # -- moving to the next round ----------------------------------------------
     def reform(self, reason: str, *, failed: bool) -> ReformTimes:
         """Leave the current ring and join the next round's. Call outside any
         ``except`` block: a live traceback keeps the old group's sockets open."""
         t0 = time.monotonic()
         old_round = self.round
-        self.release_group()
+        # A planned switch leaves together: nobody is blocked, no garbage to chase.
+        self.release_group(collect=failed)
         t1 = time.monotonic()
         if failed:
             self.events.emit("failure_detected", reason=reason)
@@ -171,20 +188,21 @@ class Runtime:
             log.info("round %d: aborting the ring (%s)", current.round, why)
             self._ring.abort()
 
-    def release_group(self) -> None:
+    def release_group(self, collect: bool = True) -> None:
         with self._backend_lock:
             ring, self._ring = self._ring, None
         aborted = ring is not None and ring.aborted
         if ring is not None:
             ring.release()
         self._store = None
+        self._next_store = None
         self._switch_at = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # a broken group may complain on the way out
                 log.debug("destroy_process_group: %s", exc)
-        if not aborted:
+        if collect and not aborted:
             # Nobody shut the old connections down: freeing the old gloo pairs now
             # is what wakes peers still blocked on them (costly under load, so
             # skipped when the ring was aborted).
