@@ -84,13 +84,15 @@ def round() -> int:  # noqa: A001 - mirrors the event field name
 
 
 def _configure_logging() -> None:
-    logger = logging.getLogger("elastic")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("elastic: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    # The runtime's packages log one line per event; user code's logging is left alone.
+    for name in ("elastic", "checkpoint", "rendezvous"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter(f"{name}: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO if name != "rendezvous" else logging.WARNING)
+            logger.propagate = False
 
 
 def _report_errors_to(path: str) -> None:

@@ -4,6 +4,14 @@
 never a fresh deep copy, then asks the runtime whether the ring changes at this
 commit. ``sync()`` broadcasts rank 0's committed state to every worker of a new
 ring: the layout (small, pickled) first, then one flat buffer per dtype.
+
+Durable checkpoints (``elastic-run --checkpoint-dir``) are written by rank 0 in the
+background from its last commit. Disk is only read by a *fresh* rank 0 (one that has
+never committed or synced in this process), at its first sync: that is a full
+restart. A running job never rolls back to disk, because its rank 0 always holds
+the newest committed state in memory. The commit count travels with the state
+(``"commits"`` in the tree), so a new rank 0 numbers its checkpoints on from where
+the job is, not from where its own process started.
 """
 
 from __future__ import annotations
@@ -23,6 +31,19 @@ from .errors import HostsUpdatedInterrupt
 log = logging.getLogger(__name__)
 
 _RESERVED = ("model", "optimizer", "sampler")
+_COMMITS = "commits"  # key of the commit count in committed and durable trees
+
+
+def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
+    """The durable-checkpoint policy that ``elastic-run --checkpoint-*`` asked for."""
+    if config is None or not getattr(config, "checkpoint_dir", None):
+        return None
+    return CheckpointPolicy(
+        config.checkpoint_dir,
+        every_commits=config.checkpoint_every,
+        every_seconds=config.checkpoint_interval,
+        keep=config.checkpoint_keep,
+    )
 
 
 class State:
@@ -34,7 +55,10 @@ class State:
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_commits", 0)
         object.__setattr__(self, "_rng", None)
-        object.__setattr__(self, "_writer", None)
+        object.__setattr__(self, "_policy", None)  # durable checkpoints, if any
+        object.__setattr__(self, "_policy_resolved", False)  # runtime's config looked at
+        object.__setattr__(self, "_writer", None)  # created when this worker is rank 0
+        object.__setattr__(self, "_durable_step", None)  # newest step on disk or being written
         object.__setattr__(self, "_fresh", True)  # never committed or synced in this process
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -51,7 +75,9 @@ class State:
 
     # -- the API --------------------------------------------------------------
     def save(self) -> None:
-        self._snapshot.capture(self.state_tree())
+        tree = self.state_tree()
+        tree[_COMMITS] = self._commits
+        self._snapshot.capture(tree)
         # RNG state is per worker: restored on this worker, never broadcast.
         object.__setattr__(self, "_rng", torch.get_rng_state())
         object.__setattr__(self, "_fresh", False)
@@ -60,17 +86,14 @@ class State:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
         from . import _runtime  # the process-wide runtime, set by elastic.init()
 
-        self.save()
-        object.__setattr__(self, "_commits", self._commits + 1)
         runtime = _runtime()
-        if self._writer is not None and runtime.rank == 0 and self._writer.due(self._commits):
-            self._writer.submit(
-                self.state_tree(),
-                step=self._commits,
-                epoch=self._int_value("epoch"),
-                round=runtime.round,
-                world_size=runtime.world_size,
-            )
+        self._resolve_policy(runtime)
+        object.__setattr__(self, "_commits", self._commits + 1)
+        self.save()
+        if self._policy is not None and runtime.rank == 0:
+            writer = self._rank0_writer()
+            if writer.due(self._commits):
+                self._submit(writer, runtime)
         if runtime.note_commit():
             raise HostsUpdatedInterrupt(f"ring changes after commit {self._commits}")
 
@@ -78,7 +101,7 @@ class State:
         """Roll the live state back to the last commit."""
         if self._snapshot.empty:
             return
-        self.load_tree(self._snapshot.tree())
+        self._load(self._snapshot.tree())
         if self._rng is not None:
             torch.set_rng_state(self._rng)
 
@@ -87,6 +110,7 @@ class State:
         from . import _runtime
 
         runtime = _runtime()
+        self._resolve_policy(runtime)
         if runtime.rank == 0:
             if self._fresh:
                 self._load_durable()
@@ -101,7 +125,7 @@ class State:
         for buffer in self._snapshot.buffers():
             dist.broadcast(buffer, src=0)
         if runtime.rank != 0:
-            self.load_tree(self._snapshot.tree())
+            self._load(self._snapshot.tree())
             object.__setattr__(self, "_rng", torch.get_rng_state())
             object.__setattr__(self, "_fresh", False)
         log.debug("sync of %d bytes took %.3fs", self._snapshot.nbytes, time.monotonic() - started)
@@ -115,38 +139,79 @@ class State:
 
     # -- durable checkpoints ----------------------------------------------------
     def enable_checkpoints(self, policy: CheckpointPolicy) -> None:
-        object.__setattr__(self, "_writer", DurableWriter(policy))
+        """Write durable checkpoints per ``policy`` (elastic-run's options do this)."""
+        if not isinstance(policy, CheckpointPolicy):
+            raise TypeError(f"enable_checkpoints needs a CheckpointPolicy, got {type(policy).__name__}")
+        object.__setattr__(self, "_policy", policy)
+        object.__setattr__(self, "_policy_resolved", True)  # an explicit policy wins
+        object.__setattr__(self, "_writer", None)
 
     def flush_checkpoints(self, final: bool = False) -> None:
-        """Wait for the in-flight write; with ``final``, write the last commit first."""
+        """Wait for the in-flight write; with ``final``, make the last commit durable."""
         from . import _runtime
 
-        if self._writer is None or _runtime().rank != 0:
+        runtime = _runtime()
+        if self._policy is None or runtime.rank != 0:
             return
-        if final and not self._snapshot.empty:
-            self._writer.flush()
-            self._writer.submit(
-                self._snapshot.tree(),
-                step=self._commits,
-                epoch=self._int_value("epoch"),
-                round=_runtime().round,
-                world_size=_runtime().world_size,
-            )
-        self._writer.flush()
+        writer = self._rank0_writer()
+        writer.flush()
+        already_durable = self._durable_step == self._commits and writer.last_error is None
+        if final and not self._snapshot.empty and not already_durable:
+            self._submit(writer, runtime)
+            writer.flush()
+
+    def _resolve_policy(self, runtime) -> None:
+        """Take the policy from the worker's config once (on the first sync or commit)."""
+        if self._policy_resolved:
+            return
+        object.__setattr__(self, "_policy_resolved", True)
+        object.__setattr__(self, "_policy", checkpoint_policy(runtime.config))
+
+    def _rank0_writer(self) -> DurableWriter:
+        # Created only on rank 0, and only when first needed: a new writer removes
+        # stale temporary directories, which must never be a live rank 0's write.
+        if self._writer is None:
+            object.__setattr__(self, "_writer", DurableWriter(self._policy))
+        return self._writer
+
+    def _submit(self, writer: DurableWriter, runtime) -> None:
+        """Write the last commit (the snapshot just taken) in the background."""
+        if writer.submit(
+            self._snapshot.tree(),
+            step=self._commits,
+            epoch=self._int_value("epoch"),
+            round=runtime.round,
+            world_size=runtime.world_size,
+        ):
+            object.__setattr__(self, "_durable_step", self._commits)
+
+    def _load(self, tree: dict) -> None:
+        """Make the live state ``tree``'s, commit count included."""
+        self.load_tree(tree)
+        commits = tree.get(_COMMITS)
+        if isinstance(commits, int):
+            object.__setattr__(self, "_commits", commits)
 
     def _load_durable(self) -> None:
-        if self._writer is None:
+        if self._policy is None:
             return
-        found = load_latest(self._writer.policy.directory)
+        directory = self._policy.directory
+        try:
+            found = load_latest(directory)
+        except OSError as exc:
+            # A failing checkpoint directory must not stop training (the writer
+            # reports each failed write too).
+            log.error("cannot read checkpoints in %s: %s; starting from the initial state", directory, exc)
+            return
         if found is None:
+            log.info("no durable checkpoint in %s: starting from the initial state", directory)
             return
         tree, manifest = found
-        self.load_tree(tree)
-        object.__setattr__(self, "_commits", int(manifest.get("step") or 0))
-        log.info(
-            "resumed from durable checkpoint step %s (epoch %s) in %s",
-            manifest.get("step"), manifest.get("epoch"), self._writer.policy.directory,
-        )
+        self._load(tree)
+        step = int(manifest.get("step") or 0)
+        object.__setattr__(self, "_commits", step)  # the manifest names the step
+        object.__setattr__(self, "_durable_step", step)
+        log.info("resumed from durable checkpoint step %s (epoch %s) in %s", step, manifest.get("epoch"), directory)
 
     def _int_value(self, name: str) -> Optional[int]:
         value = getattr(self, name, None) if name in self._value_names else None

@@ -1,0 +1,209 @@
+"""Durable checkpoints end to end: elastic-run, real worker processes, real files.
+
+A job whose every process is killed resumes from the newest durable step (with any
+world size) and ends exactly where an uninterrupted run ends; a job that is still
+running never rolls back to disk; a graceful end leaves the last step on disk; a
+failing checkpoint directory costs log lines, never the training.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import list_checkpoints, load_latest
+from elastic import ElasticSampler
+from tests.fakes.jobs import REPO, TRAIN_JOB, Job, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+DATASET = 240  # --dataset-size of the sampler-mode jobs
+SAMPLER_SEED = 7  # train_job.py's ElasticSampler seed
+
+
+def start(run_dir: Path, launcher: list[str], script_args: list[str]) -> Job:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Job(run_dir, Job.train_args(run_dir / "out", run_dir / "logs", launcher, script_args))
+
+
+def newest_valid_step(directory: Path) -> int:
+    steps = [c.step for c in list_checkpoints(str(directory)) if c.valid]
+    return max(steps, default=-1)
+
+
+def finals(out: Path) -> list[dict]:
+    return [torch.load(p, weights_only=True) for p in sorted(out.glob("final-*.pt"))]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def kill_everything(job: Job) -> None:
+    """SIGKILL the elastic-run process group; its workers (own sessions) must die with it."""
+    workers = {e["pid"] for e in job.pids()}
+    assert workers, "no worker started"
+    agent_group = os.getpgid(job.proc.pid)
+    # The workers are not in the agent's process group: only the parent-death
+    # signal that elastic.bootstrap sets can take them down with the agent.
+    assert all(os.getpgid(pid) != agent_group for pid in workers)
+    job.kill()
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 15, "the workers to die with their agent")
+
+
+def single_process_params(tmp_path: Path, steps: int) -> dict:
+    """The uninterrupted reference: train_job.py as a plain process (a world of one)."""
+    out = tmp_path / "single"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+    env["PYTHONPATH"] = str(REPO)
+    subprocess.run([sys.executable, str(TRAIN_JOB), "--steps", str(steps), "--float64", "--out", str(out)],
+                   env=env, check=True, timeout=120, capture_output=True)
+    return finals(out)[0]
+
+
+def assert_close(params: dict, reference: dict) -> None:
+    for name, value in reference.items():
+        assert params[name].dtype == torch.float64
+        assert torch.allclose(params[name], value, rtol=0, atol=1e-9), name
+
+
+def test_full_restart_with_four_workers_resumes_from_the_newest_durable_step(tmp_path):
+    steps, ckpt = 82, tmp_path / "ckpt"  # not a multiple of 5: the last step is the final write
+    ckpt_args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
+    script = ["--steps", str(steps), "--float64", "--step-delay", "0.02"]
+    first = start(tmp_path / "first", ["--np", "4", *ckpt_args], script)
+    wait_until(lambda: newest_valid_step(ckpt) >= 15, 60, "a durable checkpoint of step >= 15")
+    kill_everything(first)
+
+    tree, manifest = load_latest(str(ckpt))
+    durable = manifest["step"]
+    assert 15 <= durable < steps and durable % 5 == 0
+    assert tree["values"]["step"] == durable
+    momentum = [s["momentum_buffer"] for s in tree["optimizer"]["state"].values()]
+    assert momentum and all(m.abs().sum() > 0 for m in momentum)  # momentum is on disk too
+
+    second = start(tmp_path / "second", ["--np", "4", *ckpt_args], script)
+    assert second.wait() == 0, second.text()[-3000:]
+    assert f"resumed from durable checkpoint step {durable} " in second.text()
+    # Resumed exactly after the newest durable step; nothing before it done again.
+    assert sorted(s["step"] for s in second.steps() if s["rank"] == 0) == list(range(durable + 1, steps + 1))
+    params = finals(second.out)
+    assert len(params) == 4
+    reference = single_process_params(tmp_path, steps)
+    for p in params:
+        assert_close(p, reference)  # equal to an uninterrupted run: momentum came back
+
+    # A graceful end writes the last commit durably: the final parameters are on disk.
+    final_tree, final_manifest = load_latest(str(ckpt))
+    assert final_manifest["step"] == steps
+    assert_close(final_tree["model"], params[0])
+
+
+def test_full_restart_with_three_workers_finishes_the_interrupted_epoch_exactly_once(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt_args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+    script = ["--epochs", "2", "--dataset-size", str(DATASET), "--step-delay", "0.05"]
+    first = start(tmp_path / "first", ["--np", "4", *ckpt_args], script)
+    wait_until(lambda: newest_valid_step(ckpt) >= 6, 60, "a durable checkpoint of step >= 6")
+    kill_everything(first)
+
+    tree, manifest = load_latest(str(ckpt))
+    durable, sampler_state = manifest["step"], tree["sampler"]
+    epoch = sampler_state["epoch"]
+    assert tree["values"]["epoch"] == epoch == manifest["epoch"]
+    consumed = sampler_state["prefix"] + len(sampler_state["processed"])
+    assert 0 < consumed < DATASET, "the checkpoint must be in the middle of an epoch"
+    # What the checkpoint had not consumed yet, by the sampler's own state.
+    sampler = ElasticSampler(DATASET, shuffle=True, seed=SAMPLER_SEED)
+    sampler.load_state_dict(sampler_state)
+    not_consumed = list(sampler)  # a world of one: the whole rest of the epoch
+    assert len(not_consumed) == DATASET - consumed
+    # Cross-check with what the first job recorded up to the durable step.
+    before = [i for s in first.steps() if s["step"] <= durable and s["epoch"] == epoch for i in s["indices"]]
+    assert len(before) == consumed and set(before).isdisjoint(not_consumed)
+
+    second = start(tmp_path / "second", ["--np", "3", *ckpt_args], script)
+    assert second.wait() == 0, second.text()[-3000:]
+    after = second.steps()
+    assert {s["world"] for s in after} == {3}
+    assert min(s["step"] for s in after) == durable + 1
+    rest_of_epoch = [i for s in after if s["epoch"] == epoch for i in s["indices"]]
+    assert sorted(rest_of_epoch) == sorted(not_consumed)  # each not-yet-consumed sample once
+    assert sorted(before + rest_of_epoch) == list(range(DATASET))
+    last_epoch = [i for s in after if s["epoch"] == 1 for i in s["indices"]]
+    assert sorted(last_epoch) == list(range(DATASET))
+    assert load_latest(str(ckpt))[1]["step"] == max(s["step"] for s in after)  # final checkpoint
+
+
+def test_a_running_job_continues_from_memory_not_from_an_older_durable_step(tmp_path):
+    steps, ckpt = 120, tmp_path / "ckpt"
+    job = start(tmp_path / "job",
+                ["--np", "4", "--min-np", "2", "--collective-timeout", "10",
+                 "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50"],
+                ["--steps", str(steps), "--step-delay", "0.02"])
+    wait_until(lambda: newest_valid_step(ckpt) == 50, 60, "the durable checkpoint of step 50")
+    job.wait_for_step(60)
+    victim = job.worker_pid(0)  # rank 0, the writer: its successor has never read the disk
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait() == 0, job.text()[-3000:]
+
+    assert "resumed from durable checkpoint" not in job.text()
+    records = job.steps()
+    survivors = {s["pid"] for s in records} - {victim}
+    assert len(survivors) == 3
+    for pid in survivors:
+        done = [s["step"] for s in records if s["pid"] == pid]  # in the order done
+        assert done[:60] == list(range(1, 61))
+        assert len(done) - len(set(done)) <= 1, "more than one step done again"
+        assert all(b >= a for a, b in zip(done, done[1:])), "rolled back (to the durable step 50?)"
+        assert max(done) == steps
+    # The new rank 0 numbers its checkpoints on from the job's commits, and the
+    # graceful end leaves the last step on disk.
+    assert [c.step for c in list_checkpoints(str(ckpt)) if c.valid] == [steps, 100, 50]
+
+
+def _read_only_dir(tmp_path: Path) -> tuple[Path, str, callable]:
+    """A read-only tmpfs (root ignores file modes), else a path below a regular file."""
+    mount_point = tmp_path / "ro"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True, timeout=30)
+    if result.returncode == 0:
+        return mount_point, "Read-only file system", lambda: subprocess.run(
+            ["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    return blocker / "ckpt", "Not a directory", lambda: None
+
+
+def test_a_failing_checkpoint_directory_does_not_stop_training(tmp_path):
+    directory, errno_text, cleanup = _read_only_dir(tmp_path)
+    try:
+        job = start(tmp_path / "job", ["--np", "4", "--checkpoint-dir", str(directory), "--checkpoint-every", "10"],
+                    ["--steps", "42", "--step-delay", "0.01"])
+        assert job.wait() == 0, job.text()[-3000:]
+    finally:
+        cleanup()
+    params = finals(job.out)
+    assert len(params) == 4
+    assert max(s["step"] for s in job.steps()) == 42
+    text = job.text()
+    assert "Traceback" not in text
+    failures = re.findall(r"checkpoint of step (\d+) to (\S+) failed: (.*)", text)
+    failed_steps = [int(step) for step, _, _ in failures]
+    # One line per failed write: every 10 commits, and the final one at the graceful end.
+    assert len(failed_steps) == len(set(failed_steps))
+    assert {10, 42} <= set(failed_steps) <= {10, 20, 30, 40, 42}
+    for _, path, why in failures:
+        assert path.startswith(str(directory)) and errno_text in why
