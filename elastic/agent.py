@@ -48,7 +48,8 @@ from rendezvous import (
 )
 
 from .events import EventLog
-from .health import HealthServer, HealthState
+from .plain_store import PlainStores
+from .health import HealthServer, HealthState, SessionMonitor
 from .worker_config import WorkerConfig
 from .workers import Exited, WorkerProcess
 
@@ -101,6 +102,8 @@ class Agent:
         )
         self.health = HealthState(ttl=config.ttl)
         self._health_server: Optional[HealthServer] = None
+        self._session_monitor: Optional[SessionMonitor] = None
+        self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
         self.member_id = new_member_id(config.host_id)
         self._store = None
         self.participant: Optional[Participant] = None
@@ -129,8 +132,15 @@ class Agent:
             self._etcd, JobKeys(cfg.job_id), cfg.settings, member, ttl=cfg.ttl, on_round=self._on_round
         )
         self.participant.start()
+        self._plain_stores = PlainStores(
+            self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr, cfg.settings.timeout
+        )
         self.participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
         self.health.mark_registered()
+        if self._health_server is not None:
+            # The session's own verdict comes only after max(ttl, retry deadline);
+            # the probe must fail once our lease has not been seen alive for a TTL.
+            self._session_monitor = SessionMonitor(self.health, self._lease_alive, cfg.ttl / 3).start()
         self.events.emit("agent_started", member=self.member_id, workers=len(self._wanted))
         self.events.emit("member_joined", member=self.member_id)
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -166,6 +176,7 @@ class Agent:
             return
         self._plan = plan
         self.events.round = plan.round
+        self._plain_stores.serve_if_rank0(plan)
         mine = set(plan.local_ranks(self.member_id))
         for worker_id in self._wanted:
             proc = self._workers.get(worker_id)
@@ -183,7 +194,9 @@ class Agent:
         cfg = self.config
         rank = plan.rank_of(worker_id)
         local = plan.local_ranks(self.member_id)
-        host, port = plan.store_addr.rsplit(":", 1)
+        # MASTER_ADDR:PORT is for torchrun scripts only (the elastic runtime uses the
+        # plan's store): a fresh store per round, so no stale peer addresses.
+        host, port = self._plain_stores.address(plan)
         env = dict(os.environ)
         env.update(
             RANK=str(rank),
@@ -252,8 +265,8 @@ class Agent:
     # -- what happened to a worker --------------------------------------------------------
     def _on_exit(self, exited: Exited) -> None:
         proc = self._workers.get(exited.worker_id)
-        if proc is None:
-            return
+        if proc is None or proc.pid != exited.pid:
+            return  # a process we replaced ourselves
         self.events.emit(
             "worker_exited", worker=exited.worker_id, exit_code=exited.exit_code, signal=exited.signal,
             rank=self._plan.rank_of(exited.worker_id) if self._plan else None,
@@ -310,7 +323,7 @@ class Agent:
         name = signal.Signals(signum).name
         if self._leaving_since is not None:
             log.warning("%s again: stopping workers now", name)
-            self._kill_workers()
+            self._force_leave(f"{name} again during the graceful leave")
             return
         self._leaving_since = time.monotonic()
         self.events.emit("graceful_leave", signal=name, grace_period=self.config.grace_period)
@@ -321,17 +334,22 @@ class Agent:
                 proc.stop()
 
     def _check_grace(self) -> None:
-        if self._leaving_since is None:
+        if self._leaving_since is None or self._outcome is not None:
             return
         if not any(p.alive for p in self._workers.values()):
             self._outcome = 0
-            self.events.emit("member_left", member=self.member_id)
+            self.events.emit("member_left", member=self.member_id, graceful=self._forced_leave is None)
             return
-        if time.monotonic() - self._leaving_since > self.config.grace_period:
+        if self._forced_leave is None and time.monotonic() - self._leaving_since > self.config.grace_period:
             log.warning("grace period of %gs over: stopping workers", self.config.grace_period)
-            self._kill_workers()
+            self._force_leave(f"grace period of {self.config.grace_period:g}s over")
 
-    def _kill_workers(self) -> None:
+    def _force_leave(self, reason: str) -> None:
+        """Kill our workers mid-step: for the ring this is a failure, not a leave."""
+        self._forced_leave = reason
+        alive = [w for w, p in self._workers.items() if p.alive]
+        if alive:
+            self.events.emit("failure_detected", reason=f"graceful leave forced: {reason}", workers=alive)
         for proc in self._workers.values():
             proc.kill()
 
@@ -351,7 +369,12 @@ class Agent:
         session = self.participant.session
         if session is not None and session.lost.is_set() and not self._session_lost:
             self._session_lost = True
-            self.health.mark_session_lost(time.monotonic())
+            self.health.mark_session_dead(session.lost_reason or "lease lost")
+
+    def _lease_alive(self) -> bool:
+        """Health check (monitor thread): is our member's lease alive in etcd?"""
+        session = self.participant.session
+        return session is not None and self._etcd.lease_time_to_live(session.lease_id) > 0
 
     def _teardown(self) -> None:
         for proc in self._workers.values():
@@ -359,6 +382,8 @@ class Agent:
             proc.join(5)
         if self.participant is not None:
             self.participant.leave()
+        if self._session_monitor is not None:
+            self._session_monitor.stop()
         if self._health_server is not None:
             self._health_server.stop()
         shutil.rmtree(self._scratch, ignore_errors=True)

@@ -5,6 +5,10 @@ Two small pieces, kept apart so each can be tested alone:
 - `HealthState` is what the agent drives: it is told when the agent has registered
   in the rendezvous and when its etcd session (the lease behind its member key) is
   lost or healthy again, and turns that into a `(healthy, detail)` verdict.
+- `SessionMonitor` checks from a daemon thread that the agent's lease is still
+  alive in etcd and tells the `HealthState`; the probe fails once no check has
+  succeeded for longer than the TTL, even while a check is still blocked retrying
+  (the session itself only gives up after max(ttl, retry deadline)).
 - `HealthServer` serves any such verdict over HTTP from a daemon thread:
   GET /healthz and /readyz -> 200 "ok: <detail>" or 503 "<detail>".
 
@@ -48,17 +52,34 @@ class HealthState:
         self._lock = threading.Lock()
         self._registered = False
         self._lost_since: float | None = None
+        self._checked = False  # a SessionMonitor reports: stale checks count as an outage
+        self._last_ok: float | None = None  # clock() of the last successful check
+        self._dead: str | None = None  # the session gave up for good: why
 
     def mark_registered(self) -> None:
         """The agent holds a member key in the rendezvous: healthy from now on."""
         with self._lock:
             self._registered = True
             self._lost_since = None
+            self._last_ok = self._clock()  # registering took a working session
 
     def mark_session_ok(self) -> None:
         """A keep-alive (or a new session) succeeded: the outage, if any, is over."""
         with self._lock:
             self._lost_since = None
+            self._last_ok = self._clock()
+
+    def expect_checks(self) -> None:
+        """From now on, no successful check for longer than the TTL is an outage."""
+        with self._lock:
+            self._checked = True
+            if self._last_ok is None:
+                self._last_ok = self._clock()
+
+    def mark_session_dead(self, reason: str) -> None:
+        """The session gave up (its lease is gone for good): unhealthy from now on."""
+        with self._lock:
+            self._dead = reason
 
     def mark_session_lost(self, since: float) -> None:
         """The etcd session has been failing since `since` (a `clock` reading).
@@ -74,14 +95,57 @@ class HealthState:
         """(healthy, detail) for the health endpoint."""
         with self._lock:
             registered, lost_since = self._registered, self._lost_since
+            checked, last_ok, dead = self._checked, self._last_ok, self._dead
         if not registered:
             return False, "not registered yet"
+        if dead is not None:
+            return False, f"etcd session lost: {dead}"
+        if checked and last_ok is not None and self._clock() - last_ok > self.ttl:
+            # No check has worked for a TTL: the outage began right after the last one that did.
+            lost_since = last_ok if lost_since is None else min(lost_since, last_ok)
         if lost_since is None:
             return True, "registered, etcd session ok"
         lost_for = max(0.0, self._clock() - lost_since)
         if lost_for > self.ttl:
             return False, f"etcd session lost for {lost_for:.1f}s (ttl {self.ttl:g}s)"
         return True, f"etcd session lost for {lost_for:.1f}s, within ttl {self.ttl:g}s"
+
+
+class SessionMonitor:
+    """Run `check()` (True: our lease is alive in etcd) every `interval` seconds.
+
+    A check may block for a long time while the etcd client retries; the verdict
+    does not wait for it, because `HealthState` ages the last successful check.
+    """
+
+    def __init__(self, state: HealthState, check: Callable[[], bool], interval: float) -> None:
+        if not interval > 0:
+            raise ValueError(f"SessionMonitor interval must be > 0 seconds, got {interval!r}")
+        self._state = state
+        self._check = check
+        self._interval = float(interval)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-session-monitor", daemon=True)
+
+    def start(self) -> "SessionMonitor":
+        self._state.expect_checks()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop checking; a check blocked in etcd ends on its own (daemon thread)."""
+        self._stop.set()
+        self._thread.join(timeout=0.5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                ok = bool(self._check())
+            except Exception as exc:  # etcd unreachable: the verdict ages on its own
+                logger.debug("session check failed: %s: %s", type(exc).__name__, exc)
+                ok = False
+            if ok and not self._stop.is_set():
+                self._state.mark_session_ok()
 
 
 class _ProbeHandler(http.server.BaseHTTPRequestHandler):

@@ -50,6 +50,7 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
         while True:
             interruption = _call(_resume, func, state, args, kwargs, runtime, finished_reform)
             if interruption is None:
+                state.flush_checkpoints(final=True)  # a graceful end leaves the last commit on disk
                 return _result.pop()
             # -- we are outside the except block: the old ring can be freed now.
             if interruption.failed:
@@ -73,6 +74,7 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
 
 def _resume(func, state, args, kwargs, runtime, finished_reform):
     """Sync the new ring from rank 0, then (re-)enter the training function."""
+    runtime.ensure_joined()  # a joiner arrives only now, ready to receive the state
     started_sync = time.monotonic()
     state.sync()
     runtime.begin_round()

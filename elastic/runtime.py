@@ -64,6 +64,7 @@ class Runtime:
         self._switch_at: Optional[int] = None
         self._commits = 0  # commits in the current round
         self._next_store = None  # (round, store) of a pending plan, for rank 0's look at joiners
+        self._deferred: Optional[RoundPlan] = None  # a joiner's round, entered at its first sync
         self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
         self._backend_lock = threading.Lock()
 
@@ -103,6 +104,23 @@ class Runtime:
         self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()
         self._control.add_listener(self._on_control)
         plan = self._wait_for_plan(lambda p: p.round >= cfg.round)
+        self._take_position(plan)
+        if plan.round > 1:
+            # Joining a job under way: the running ring switches to this round only
+            # once we have arrived, so arrive when ready to sync (in @elastic.run),
+            # not now, before the script's own set-up (data, model) has run.
+            self._deferred = plan
+        else:
+            self._enter(plan)
+
+    def ensure_joined(self) -> None:
+        """Join the ring whose position ``start`` took, if that was deferred."""
+        if self._deferred is None:
+            return
+        plan, self._deferred = self._deferred, None
+        newest = self._control.plan
+        if newest is not None and newest.round > plan.round and newest.rank_of(self.config.worker_id) is not None:
+            plan = newest
         self._enter(plan)
 
     # -- the switch at a commit (scale-up, graceful leave) ----------------------
@@ -161,7 +179,9 @@ class Runtime:
             if newest is None or newest.round <= old_round:
                 # No plan explains the failure (a hang, a partition): ask for one.
                 self._control.request_reset(self.config.worker_id, old_round, reason)
-        plan = self._wait_for_plan(lambda p: p.round > old_round)
+        # [graceful-leave] A planned switch to a round without us: our host withdrew
+        # us (SIGTERM to its agent); leave with exit 0 instead of waiting for a round.
+        plan = self._wait_for_plan(lambda p: p.round > old_round, leave_if_withdrawn=not failed)
         t2 = time.monotonic()
         self._enter(plan)
         t3 = time.monotonic()
@@ -208,11 +228,13 @@ class Runtime:
             # skipped when the ring was aborted).
             gc.collect()
 
-    def _wait_for_plan(self, accept) -> RoundPlan:
+    def _wait_for_plan(self, accept, *, leave_if_withdrawn: bool = False) -> RoundPlan:
         cfg = self.config
         worker = cfg.worker_id
         ok = self._control.wait_for(
-            lambda p, s: s.over or (p is not None and accept(p) and p.rank_of(worker) is not None),
+            lambda p, s: s.over or (
+                p is not None and accept(p) and (leave_if_withdrawn or p.rank_of(worker) is not None)
+            ),
             cfg.rdzv_timeout,
         )
         status = self._control.status
@@ -222,7 +244,10 @@ class Runtime:
             raise RendezvousTimeoutError(
                 f"worker {worker}: no round including it within {cfg.rdzv_timeout:g}s"
             )
-        return self._control.plan
+        plan = self._control.plan
+        if plan.rank_of(worker) is None:  # [graceful-leave] only with leave_if_withdrawn
+            raise LeftJob(f"withdrawn from round {plan.round} (graceful leave)")
+        return plan
 
     def _enter(self, plan: RoundPlan) -> None:
         """Join ``plan``'s ring; if a newer plan supersedes it meanwhile, join that."""
@@ -256,6 +281,12 @@ class Runtime:
             self.round = plan.round
         self._store = store
         self._switch_at = None
+        self._take_position(plan)
+
+    def _take_position(self, plan: RoundPlan) -> None:
+        """Our rank, world and local rank in ``plan`` (torchrun's variables too)."""
+        cfg = self.config
+        rank = plan.rank_of(cfg.worker_id)
         self.rank = rank
         self.world_size = plan.world_size
         mine = plan.local_ranks(plan.slots[rank].member_id)

@@ -17,6 +17,7 @@ class Exited:
     """A worker process ended; posted to the agent's inbox by its waiter thread."""
 
     worker_id: str
+    pid: int  # a restarted worker keeps its id: the pid tells the two apart
     exit_code: Optional[int]  # None when killed by a signal
     signal: Optional[int]
     error: Optional[str]  # the one-line report the worker left before dying, if any
@@ -92,7 +93,7 @@ class WorkerProcess:
                 error = f.read().strip() or None
         if self._log is not None:
             self._log.close()
-        inbox.put(Exited(self.worker_id, code if code >= 0 else None, -code if code < 0 else None, error))
+        inbox.put(Exited(self.worker_id, self.pid, code if code >= 0 else None, -code if code < 0 else None, error))
 
     def signal(self, signum: int) -> None:
         if self.alive:

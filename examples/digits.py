@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--commit-every", type=int, default=1, help="commit every N steps")
     parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (demos, kill tests)")
     parser.add_argument("--out", help="rank 0 writes final params + accuracy here (JSON)")
+    parser.add_argument("--progress", help="every worker appends one JSON line per step here (tests)")
+    parser.add_argument("--stop-file", help="finish early, at one step on every rank, once this file exists (tests)")
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.commit_every < 1:
         parser.error("--epochs, --batch-size and --commit-every must be >= 1")
@@ -96,12 +98,17 @@ def main(argv=None) -> None:
             # batches() gives every rank the same number of batches (DDP needs that).
             loader = DataLoader(train_data, batch_sampler=state.sampler.batches(args.batch_size))
             for batch_idx, (x, y) in enumerate(loader):
+                if args.stop_file and stop_requested(args.stop_file):
+                    state.commit()
+                    return
                 loss = F.cross_entropy(ddp(x), y)
                 state.optimizer.zero_grad()
                 loss.backward()
                 state.optimizer.step()
                 state.sampler.record_batch(batch_idx, args.batch_size)
                 state.step += 1
+                if args.progress:
+                    record_progress(args.progress, state)
                 if args.step_delay:
                     time.sleep(args.step_delay)
                 if state.step % args.commit_every == 0:
@@ -119,6 +126,22 @@ def main(argv=None) -> None:
         print(f"test_loss {test_loss:.4f} test_accuracy {accuracy:.4f}", flush=True)
         if args.out:
             write_result(args.out, state, accuracy, test_loss)
+
+
+def stop_requested(path: str) -> bool:
+    """Rank 0 looks for the file and tells the ring, so every rank stops at the same step."""
+    flag = torch.tensor([1 if elastic.rank() == 0 and os.path.exists(path) else 0])
+    if dist.is_initialized():
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def record_progress(path: str, state) -> None:
+    """One line per finished step (before its commit): who ran which step in which ring."""
+    line = json.dumps({"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
+                       "round": elastic.round(), "epoch": state.epoch, "step": state.step})
+    with open(path, "a") as f:  # one short append per line: concurrent writers do not interleave
+        f.write(line + "\n")
 
 
 def write_result(path: str, state, accuracy: float, test_loss: float) -> None:

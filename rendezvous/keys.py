@@ -12,6 +12,8 @@ never read or watch each other's keys.
     /elastic/<job>/rounds/<n>            JSON RoundPlan of round n, written once ever.
     /elastic/<job>/control/plan          JSON RoundPlan of the newest round.
     /elastic/<job>/control/status        JSON JobStatus (running / succeeded / failed).
+    /elastic/<job>/plainstores/<n>       "host:port" of round n's fresh TCPStore for
+                                         workers that use torchrun's env:// init.
 
 Agents and workers watch only ``control/`` (a handful of keys), so the etcd
 traffic of a round is O(N) in the number of members: N member writes seen by
@@ -69,6 +71,9 @@ class JobKeys:
 
     def round(self, number: int) -> str:
         return f"{self.prefix}rounds/{number:08d}"
+
+    def plain_store(self, number: int) -> str:
+        return f"{self.prefix}plainstores/{number:08d}"
 
     @property
     def control(self) -> str:

@@ -16,6 +16,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -32,6 +33,10 @@ p.add_argument("--fail-rank", type=int, default=None)
 p.add_argument("--fail-step", type=int, default=None)
 p.add_argument("--epochs", type=int, default=0, help="sampler mode: epochs over --dataset-size samples")
 p.add_argument("--dataset-size", type=int, default=240)
+p.add_argument("--slow-rank", type=int, default=None, help="this rank stalls once, mid-step (grace tests)")
+p.add_argument("--slow-step", type=int, default=None, help="... in the first step >= this it runs, between finishing and committing it")
+p.add_argument("--slow-delay", type=float, default=0.0)
+p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -67,6 +72,22 @@ def record_step(indices):
     append("steps.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
                            "round": elastic.round(), "step": state.step, "epoch": state.epoch,
                            "indices": indices})
+    if args.slow_step is not None and state.step >= args.slow_step and elastic.rank() == args.slow_rank \
+            and not stalled:
+        stalled.append(state.step)  # once per process
+        time.sleep(args.slow_delay)
+
+
+stalled: list = []
+
+
+def told_to_stop() -> bool:
+    """Rank 0 looks for --stop-file and tells the ring, so every rank stops at the same step."""
+    if args.stop_file is None:
+        return False
+    flag = torch.tensor([1 if elastic.rank() == 0 and os.path.exists(args.stop_file) else 0])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 @elastic.run
@@ -89,7 +110,7 @@ def train(state):
                 state.commit()
             state.sampler.set_epoch(state.epoch + 1)
         return
-    while state.step < args.steps:
+    while state.step < args.steps and not told_to_stop():
         start = state.step * args.global_batch
         rows = torch.arange(start, start + args.global_batch)[rank::world]
         if args.fail_step is not None and state.step == args.fail_step and rank == args.fail_rank:

@@ -80,11 +80,12 @@ def test_sigkill_of_a_worker_survivors_finish(tmp_path, victim_rank):
 
 def test_a_second_agent_joins_and_gets_rank0_state(tmp_path, etcd_server):
     endpoint = ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", f"grow-{os.getpid()}-{id(tmp_path)}"]
+    # Long enough that a joiner importing torch on a loaded machine still finds it running.
     first = start(tmp_path, [*endpoint, "--nproc-per-node", "2", "--min-np", "2", "--max-np", "3"],
-                  ["--steps", "150", "--step-delay", "0.03"], name="first")
+                  ["--steps", "400", "--step-delay", "0.03"], name="first")
     first.wait_for_step(15)
     second = start(tmp_path, [*endpoint, "--nproc-per-node", "1", "--min-np", "2", "--max-np", "3"],
-                   ["--steps", "150", "--step-delay", "0.03"], name="second")
+                   ["--steps", "400", "--step-delay", "0.03"], name="second")
     assert first.wait() == 0, first.text()[-3000:]
     assert second.wait() == 0, second.text()[-3000:]
     params = finals(first.out)
@@ -96,7 +97,7 @@ def test_a_second_agent_joins_and_gets_rank0_state(tmp_path, etcd_server):
     assert switches and not any(e["failed"] for e in switches)
     # Nothing committed is rolled back on a planned switch: every step runs once.
     steps = [s["step"] for s in first.steps() if s["rank"] == 0]
-    assert sorted(steps) == list(range(1, 151))
+    assert sorted(steps) == list(range(1, 401))
 
 
 def test_user_error_fails_the_job_without_reform_loop(tmp_path):

@@ -1,0 +1,63 @@
+"""A fresh TCPStore per round for scripts written for torchrun.
+
+A torchrun script initializes with ``env://``: every rank connects to
+MASTER_ADDR:MASTER_PORT and gloo exchanges its addresses under fixed key names.
+torch 2.13 no longer prefixes those keys per restart ("a new TCPStore for every
+retry"), so re-using one store across rounds hands the restarted workers stale
+peer addresses and ``connectFullMesh`` fails. The agent of the round's rank 0
+therefore serves a new store for each round and publishes its address in etcd;
+every agent reads it before starting a worker of that round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from rendezvous import Etcd, JobKeys, RoundPlan
+from rendezvous.errors import RendezvousTimeoutError
+
+_KEEP_ROUNDS = 2  # the current round's store, and the previous one while it drains
+
+
+class PlainStores:
+    def __init__(self, etcd: Etcd, keys: JobKeys, member_id: str, host_addr: str, timeout: float):
+        self._etcd = etcd
+        self._keys = keys
+        self._member_id = member_id
+        self._host_addr = host_addr
+        self._timeout = timeout
+        self._served: dict[int, dist.TCPStore] = {}
+
+    def serve_if_rank0(self, plan: RoundPlan) -> None:
+        """If rank 0 of ``plan`` is ours, start the round's store and publish it."""
+        if plan.slots[0].member_id != self._member_id or plan.round in self._served:
+            return
+        store = dist.TCPStore(
+            "0.0.0.0", 0, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self._timeout),
+        )
+        self._served[plan.round] = store
+        self._etcd.put(self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode())
+        for old in sorted(self._served)[:-_KEEP_ROUNDS]:
+            del self._served[old]
+
+    def address(self, plan: RoundPlan, timeout: float = 30.0) -> tuple[str, int]:
+        """The round's store address (waits, bounded, for rank 0's agent to publish it)."""
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            kv = self._etcd.get(self._keys.plain_store(plan.round))
+            if kv is not None:
+                host, port = kv.value.decode().rsplit(":", 1)
+                return host, int(port)
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(f"round {plan.round}: no store published within {timeout:g}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def close(self) -> None:
+        self._served.clear()
