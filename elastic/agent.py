@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from rendezvous import (
     FAILED,
+    STOPPING,
     SUCCEEDED,
     Etcd,
     JobKeys,
@@ -172,6 +173,10 @@ class Agent:
         if status.over:
             self._finish(status)
             return
+        if status.state == STOPPING and not any(p.alive for p in self._workers.values()):
+            self.events.emit("job_finished", status=STOPPING, reason=status.reason)
+            self._outcome = 0
+            return
         if plan is None or (self._plan is not None and plan.round <= self._plan.round):
             return
         self._plan = plan
@@ -277,6 +282,8 @@ class Agent:
         if exited.exit_code == 0:
             if self._leaving_since is not None or exited.worker_id not in self._wanted:
                 return
+            if self.participant.control.status.state == STOPPING:
+                return  # it stopped at the job's last commit; _follow_control ends us
             # The training function returned: the job is done for everyone.
             self.participant.set_status(JobStatus(SUCCEEDED, f"worker {exited.worker_id} finished"))
             return
@@ -327,6 +334,15 @@ class Agent:
             return
         self._leaving_since = time.monotonic()
         self.events.emit("graceful_leave", signal=name, grace_period=self.config.grace_period)
+        plan = self._plan
+        mine = len(plan.local_ranks(self.member_id)) if plan is not None else 0
+        if plan is not None and mine and plan.world_size - mine < self.config.settings.min_np:
+            # Without us the job could not go on: stop it as a whole, at a commit,
+            # with a final durable checkpoint, instead of leaving it below min-np.
+            self.participant.set_status(
+                JobStatus(STOPPING, f"{name} on {self.config.host_id}: too few workers would remain")
+            )
+            return
         self._wanted = []
         self.participant.set_workers((), draining=True)
         if not any(p.elastic for p in self._workers.values()):

@@ -17,6 +17,11 @@ class HostsUpdatedInterrupt(ElasticError):
     """
 
 
+class JobStopping(ElasticError):
+    """Raised by ``state.commit()`` on every worker at the same commit when the job
+    was told to stop (SIGTERM/SIGINT that leaves too few workers to go on)."""
+
+
 class ResetLimitExceeded(ElasticError):
     """More re-formations than ``--max-resets``: something keeps breaking the ring."""
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
-from .errors import HostsUpdatedInterrupt, LeftJob, ResetLimitExceeded, is_communication_error, summarize
+from .errors import HostsUpdatedInterrupt, JobStopping, LeftJob, ResetLimitExceeded, is_communication_error, summarize
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class _Interruption:
     reason: str
     failed: bool  # True: the ring broke, roll back; False: a planned switch at a commit
     detected: float  # monotonic time of detection
+    stop: bool = False  # the job was told to stop: save the last commit and leave
 
 
 def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
@@ -52,6 +53,12 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
             if interruption is None:
                 state.flush_checkpoints(final=True)  # a graceful end leaves the last commit on disk
                 return _result.pop()
+            if interruption.stop:
+                # Every worker stops at the same commit; rank 0 makes it durable first.
+                state.flush_checkpoints(final=True)
+                log.info("job stopped at a commit: %s", interruption.reason)
+                runtime.shutdown()
+                raise SystemExit(0)
             # -- we are outside the except block: the old ring can be freed now.
             if interruption.failed:
                 resets += 1
@@ -105,6 +112,8 @@ def _call(body, *args) -> Optional[_Interruption]:
     try:
         _result.append(body(*args))
         return None
+    except JobStopping as exc:
+        return _Interruption(str(exc), failed=False, detected=time.monotonic(), stop=True)
     except HostsUpdatedInterrupt as exc:
         return _Interruption(str(exc), failed=False, detected=time.monotonic())
     except Exception as exc:

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from rendezvous import ControlChannel, Etcd, EtcdConfig, JobKeys, RoundPlan
+from rendezvous import STOPPING, ControlChannel, Etcd, EtcdConfig, JobKeys, RoundPlan
 from rendezvous.errors import RendezvousTimeoutError
 
 from .errors import LeftJob
@@ -128,10 +128,13 @@ class Runtime:
         """The training function is (re-)entered on the current ring."""
         self._commits = 0
 
-    def note_commit(self) -> bool:
-        """Count a commit; True when the ring switches to a newer round here."""
+    def note_commit(self) -> Optional[str]:
+        """Count a commit; at the commit where the whole ring acts together, say
+        what it does: "stop" (the job was told to stop) or "switch" (a newer round)."""
         self._commits += 1
-        return self.should_switch(self._commits)
+        if not self.should_switch(self._commits):
+            return None
+        return "stop" if self._control is not None and self._control.status.state == STOPPING else "switch"
 
     def should_switch(self, commits: int) -> bool:
         """Called at every commit (``commits`` counts this round's commits)."""
@@ -140,7 +143,8 @@ class Runtime:
         if self._switch_at is None:
             if self.rank == 0:
                 newest = self._control.plan
-                if newest is not None and newest.round > self.round and self._newcomers_ready(newest):
+                stopping = self._control.status.state == STOPPING
+                if stopping or (newest is not None and newest.round > self.round and self._newcomers_ready(newest)):
                     # Everyone is within one step of us (each step has a collective
                     # with rank 0), so all will read this before their commit+1.
                     self._switch_at = commits + 1

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_tree, load_latest
 
-from .errors import HostsUpdatedInterrupt
+from .errors import HostsUpdatedInterrupt, JobStopping
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,10 @@ class State:
             writer = self._rank0_writer()
             if writer.due(self._commits):
                 self._submit(writer, runtime)
-        if runtime.note_commit():
+        action = runtime.note_commit()
+        if action == "stop":
+            raise JobStopping(f"job stops after commit {self._commits}")
+        if action == "switch":
             raise HostsUpdatedInterrupt(f"ring changes after commit {self._commits}")
 
     def restore(self) -> None:

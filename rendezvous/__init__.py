@@ -1,6 +1,6 @@
 """etcd v3 rendezvous: leases, members, rounds and plans (see keys.py for the layout)."""
 
-from .control import FAILED, RUNNING, SUCCEEDED, ControlChannel, JobStatus
+from .control import FAILED, RUNNING, STOPPING, SUCCEEDED, ControlChannel, JobStatus
 from .coordinator import Coordinator
 from .embedded import EmbeddedEtcd, find_etcd_binary
 from .errors import (
@@ -24,6 +24,6 @@ __all__ = [
     "FAILED", "JobKeys", "JobStatus", "KeyValue", "LeaseLostError", "Member",
     "MemberRegistration", "Participant", "RUNNING", "RendezvousAuthError",
     "RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",
-    "RendezvousSettings", "RendezvousTimeoutError", "RoundPlan", "SUCCEEDED", "Session",
+    "RendezvousSettings", "RendezvousTimeoutError", "RoundPlan", "STOPPING", "SUCCEEDED", "Session",
     "Slot", "decide", "find_etcd_binary", "new_member_id", "validate_job_id",
 ]

@@ -20,7 +20,7 @@ from .rounds import RoundPlan
 
 log = logging.getLogger(__name__)
 
-RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
+RUNNING, STOPPING, SUCCEEDED, FAILED = "running", "stopping", "succeeded", "failed"
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class JobStatus:
 
     @property
     def over(self) -> bool:
-        return self.state != RUNNING
+        """No more training: succeeded or failed ("stopping" still runs to a commit)."""
+        return self.state in (SUCCEEDED, FAILED)
 
     def to_json(self) -> bytes:
         return json.dumps({"state": self.state, "reason": self.reason}).encode()

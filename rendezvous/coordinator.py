@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .control import FAILED, ControlChannel, JobStatus
+from .control import FAILED, RUNNING, ControlChannel, JobStatus
 from .errors import RendezvousError
 from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
 from .keys import JobKeys
@@ -169,7 +169,7 @@ class Coordinator:
                 )
             )
             while not (self._stop.is_set() or deposed.is_set() or self._session.lost.is_set()):
-                if self._control.status.over:
+                if self._control.status.state != RUNNING:  # no new rounds once stopping
                     self._stop.wait(0.5)
                     continue
                 self._step(token)

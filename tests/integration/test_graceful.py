@@ -148,3 +148,29 @@ def assert_failure_path(stay, forced_reason):
     steps = rank0_steps(stay)
     assert set(steps) == set(range(1, max(steps) + 1))
     assert len(steps) - len(set(steps)) <= 1  # commit every step: at most one step done again
+
+
+def test_sigterm_that_leaves_too_few_workers_stops_the_job_with_a_final_checkpoint(tmp_path):
+    from checkpoint import list_checkpoints
+
+    from tests.fakes.jobs import Job
+
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path, Job.train_args(
+        tmp_path / "out", tmp_path / "logs",
+        ["--np", "3", "--min-np", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000"],
+        ["--steps", "100000", "--step-delay", "0.02"]))
+    job.wait_for_step(20)
+    job.proc.send_signal(signal.SIGTERM)  # this agent holds every worker: the job must stop
+    assert job.wait(90) == 0, job.text()[-3000:]
+    events = job.events()
+    assert [(e["exit_code"], e["signal"]) for e in events if e["event"] == "worker_exited"] == [(0, None)] * 3
+    assert any(e["event"] == "job_finished" and e["status"] == "stopping" for e in events)
+    assert not any(e["event"] in ("failure_detected", "reform_done") for e in events)
+    # Every worker stopped at the same commit, and that commit is on disk.
+    steps = [s["step"] for s in job.steps()]
+    last = max(steps)
+    assert all(max(s["step"] for s in job.steps() if s["pid"] == pid) == last
+               for pid in {s["pid"] for s in job.steps()})
+    valid = [c for c in list_checkpoints(str(ckpt)) if c.valid]
+    assert valid and valid[0].step == last
