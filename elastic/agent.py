@@ -368,6 +368,12 @@ class Agent:
             self.events.emit("failure_detected", reason=f"graceful leave forced: {reason}", workers=alive)
         for proc in self._workers.values():
             proc.kill()
+        if alive and self._plan is not None:
+            # The ring they were in may still be blocked on them; a round that names
+            # them lost makes its survivors abort it now, not at the collective timeout.
+            self.participant.control.request_reset(
+                f"{self.member_id}.forced", self._plan.round, f"graceful leave forced: {reason}", lost=alive
+            )
 
     def _finish(self, status: JobStatus) -> None:
         """The job is over: let our workers end on their own for a moment, then stop them."""

@@ -147,6 +147,7 @@ class ControlChannel:
             return
         self._etcd.put(self._keys.status, status.to_json())
 
-    def request_reset(self, worker_id: str, round_number: int, reason: str) -> None:
-        body = json.dumps({"round": round_number, "reason": reason[:500]}).encode()
+    def request_reset(self, worker_id: str, round_number: int, reason: str, lost: tuple = ()) -> None:
+        """Ask for a round after ``round_number``; ``lost`` names workers known dead."""
+        body = json.dumps({"round": round_number, "reason": reason[:500], "lost": list(lost)}).encode()
         self._etcd.put(self._keys.request(worker_id), body)

@@ -210,7 +210,8 @@ class Coordinator:
                 if kind == "put" and kv.value:
                     body = json.loads(kv.value)
                     self._requests[worker_id] = ResetRequest(
-                        worker_id, int(body["round"]), body.get("reason", ""), self._clock()
+                        worker_id, int(body["round"]), body.get("reason", ""), self._clock(),
+                        tuple(body.get("lost", ())),
                     )
                 else:
                     self._requests.pop(worker_id, None)

@@ -163,6 +163,7 @@ class ResetRequest:
     round: int
     reason: str
     seen_at: float  # coordinator's monotonic time when the request arrived
+    lost: tuple[str, ...] = ()  # workers the requester knows to be dead (killed by their agent)
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,10 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
 
     requests = [r for r in snapshot.requests if r.round >= plan.round]
     if requests:
+        known_lost = tuple(dict.fromkeys(w for r in requests for w in r.lost))
+        if known_lost:
+            # An agent killed these itself: nothing more to wait for.
+            return FormRound(admitted, f"reset requested: {requests[0].reason}", known_lost)
         # Give the agents a moment to report the crash behind the broken ring, so the
         # new round does not include a dead worker; then re-form with whoever is there.
         first = min(r.seen_at for r in requests)

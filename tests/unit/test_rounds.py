@@ -119,3 +119,13 @@ def test_plan_json_round_trip():
 def test_settings_validation(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RendezvousSettings(**kwargs)
+
+
+def test_reset_request_naming_killed_workers_forms_at_once_and_marks_them_lost():
+    # Round 3 already excludes "b0" (its host is leaving); the ring of round 2 that the
+    # survivors are still in is blocked on it, so the next round must name it lost.
+    p = plan(3, ("a", "a0"), ("c", "c0"))
+    ms = (member("a", ["a0"], 1), member("c", ["c0"], 3))
+    req = (ResetRequest("b.forced", 3, "graceful leave forced", seen_at=7.0, lost=("b0",)),)
+    decision = decide(Snapshot(p, ms, req), S, now=7.0)
+    assert workers(decision) == ["a0", "c0"] and decision.lost == ("b0",)
