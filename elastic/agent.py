@@ -220,6 +220,9 @@ class Agent:
         )
         if cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.backend == "nccl":
+            # A failed NCCL collective raises instead of hanging; the ring is then aborted.
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         worker_config = WorkerConfig(
             job_id=cfg.job_id,
             endpoints=self._endpoints,

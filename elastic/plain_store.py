@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Optional
 
 import torch.distributed as dist
 

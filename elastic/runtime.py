@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from rendezvous import STOPPING, ControlChannel, Etcd, EtcdConfig, JobKeys, RoundPlan
@@ -296,6 +297,9 @@ class Runtime:
         mine = plan.local_ranks(plan.slots[rank].member_id)
         self.local_rank = mine.index(cfg.worker_id)
         self.local_world_size = len(mine)
+        if cfg.backend == "nccl":
+            # One GPU per worker: NCCL communicators and DDP use the current device.
+            torch.cuda.set_device(self.local_rank)
         self.events.rank, self.events.round = rank, plan.round
         # Keep torchrun's variables true for user code that reads them.
         os.environ.update(

@@ -126,7 +126,7 @@ class State:
         if runtime.rank != 0:
             object.__setattr__(self, "_snapshot", Snapshot.from_layout(layout[0]))
         for buffer in self._snapshot.buffers():
-            dist.broadcast(buffer, src=0)
+            _broadcast_from_rank0(buffer, runtime.backend)
         if runtime.rank != 0:
             self._load(self._snapshot.tree())
             object.__setattr__(self, "_rng", torch.get_rng_state())
@@ -222,6 +222,16 @@ class State:
 
 
 ObjectState = State
+
+
+def _broadcast_from_rank0(buffer: torch.Tensor, backend: str) -> None:
+    """Snapshot buffers live in (pinned) host memory; NCCL only moves device memory."""
+    if backend != "nccl":
+        dist.broadcast(buffer, src=0)
+        return
+    on_device = buffer.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+    dist.broadcast(on_device, src=0)
+    buffer.copy_(on_device)
 
 
 class TorchState(State):

@@ -68,7 +68,7 @@ def main() -> int:
         os.kill(victim["pid"], signal.SIGKILL)
         wait_for(lambda: sum(e["event"] == "reform_done" for e in events(events_file)) >= 3, 90, "the ring to re-form")
         time.sleep(2.0)
-        print(f"\ndemo: a second elastic-run joins with one more worker\n", flush=True)
+        print("\ndemo: a second elastic-run joins with one more worker\n", flush=True)
         join = [sys.executable, "-m", "elastic.cli", "--rdzv-endpoint", endpoint, "--job-id", "local",
                 "--nproc-per-node", "1", "--min-np", "2", "--max-np", "4", "--log-dir", str(logs), DIGITS, *TRAIN_ARGS]
         second = subprocess.Popen(join, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -38,6 +37,8 @@ from etcd3.client import MultiEndpointEtcd3Client
 from etcd3.utils import prefix_range_end
 
 from .errors import ConfigError, LeaseLostError, RendezvousAuthError, RendezvousConnectionError, RendezvousError
+
+from .etcd_config import EtcdConfig, netloc
 
 if TYPE_CHECKING:
     from .watch import Watch
@@ -64,84 +65,6 @@ _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEED
 _TRANSIENT_MESSAGES = ("leader changed", "no leader", "request timed out", "too many requests", "not capable")
 # Handshake failures surface as UNAVAILABLE, but retrying cannot fix a certificate.
 _TLS_MESSAGES = ("ssl", "handshake", "certificate", "tls")
-
-
-# ----------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class EtcdConfig:
-    """Where etcd is and how to talk to it. Validated on construction."""
-
-    endpoints: tuple[tuple[str, int], ...]
-    ca_cert: str | None = None  # path to the CA PEM; enables TLS
-    cert_cert: str | None = None  # client certificate PEM
-    cert_key: str | None = None  # client key PEM
-    user: str | None = None
-    password: str | None = None
-    call_timeout: float = 5.0  # one gRPC call
-    retry_deadline: float = 30.0  # how long a call keeps retrying while etcd is unavailable
-
-    def __post_init__(self) -> None:
-        if not self.endpoints:
-            raise ConfigError("no etcd endpoint given: expected HOST:PORT[,HOST:PORT...]")
-        for host, port in self.endpoints:
-            if not host or not isinstance(host, str):
-                raise ConfigError(f"invalid etcd endpoint {host!r}:{port!r}: host is empty")
-            if not isinstance(port, int) or not 1 <= port <= 65535:
-                raise ConfigError(f"invalid etcd endpoint {host}:{port}: port must be in 1..65535")
-        for name in ("call_timeout", "retry_deadline"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-                raise ConfigError(f"invalid etcd {name} {value!r}: must be a positive number of seconds")
-        if (self.cert_cert is None) != (self.cert_key is None):
-            raise ConfigError("etcd client certificate and key must be given together (got only one)")
-        if (self.user is None) != (self.password is None):
-            raise ConfigError("etcd user and password must be given together (got only one)")
-        if self.cert_cert is not None and self.ca_cert is None:
-            raise ConfigError("etcd client certificate given without a CA certificate: TLS needs the CA")
-        for name in ("ca_cert", "cert_cert", "cert_key"):
-            path = getattr(self, name)
-            if path is not None and not os.path.isfile(path):
-                raise ConfigError(f"etcd {name} file not found: {path}")
-
-    @classmethod
-    def from_string(cls, spec: str, **kwargs) -> "EtcdConfig":
-        """Parse "host:port[,host:port...]"; an http:// or https:// prefix is accepted."""
-        endpoints = []
-        for item in str(spec).split(","):
-            endpoints.append(_parse_endpoint(item.strip()))
-        return cls(endpoints=tuple(endpoints), **kwargs)
-
-    @property
-    def secure(self) -> bool:
-        return self.ca_cert is not None
-
-    def describe(self) -> str:
-        """The endpoints as "host:port,host:port", for messages."""
-        return ",".join(_netloc(host, port) for host, port in self.endpoints)
-
-
-def _parse_endpoint(text: str) -> tuple[str, int]:
-    bad = ConfigError(f"invalid etcd endpoint {text!r}: expected HOST:PORT")
-    rest = text
-    for scheme in ("http://", "https://"):
-        if rest.lower().startswith(scheme):
-            rest = rest[len(scheme):]
-    rest = rest.rstrip("/")
-    if rest.startswith("["):  # [IPv6]:port
-        host, sep, port = rest[1:].partition("]:")
-    else:
-        host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or any(c in host for c in "/ "):
-        raise bad
-    if not 1 <= int(port) <= 65535:
-        raise ConfigError(f"invalid etcd endpoint {text!r}: port must be in 1..65535")
-    return host, int(port)
-
-
-def _netloc(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ----------------------------------------------------------------------------- values
@@ -292,7 +215,7 @@ class Etcd:
                 raise RendezvousError("etcd client is closed")
             index = self._current
             if self._channels[index] is None:
-                target = _netloc(*self.config.endpoints[index])
+                target = netloc(*self.config.endpoints[index])
                 if self._credentials is not None:
                     channel = grpc.secure_channel(target, self._credentials, options=_CHANNEL_OPTIONS)
                 else:
@@ -304,8 +227,8 @@ class Etcd:
         with self._lock:
             if self._current == failed_index and len(self._channels) > 1:
                 self._current = (failed_index + 1) % len(self._channels)
-                log.debug("etcd endpoint %s unavailable; trying %s", _netloc(*self.config.endpoints[failed_index]),
-                         _netloc(*self.config.endpoints[self._current]))
+                log.debug("etcd endpoint %s unavailable; trying %s", netloc(*self.config.endpoints[failed_index]),
+                         netloc(*self.config.endpoints[self._current]))
 
     def _count_request(self) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ joined, and workers beyond ``max_np`` wait as spares.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 from .errors import ConfigError

@@ -12,7 +12,6 @@ import os
 import random
 import time
 
-import pytest
 import torch
 
 from checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints, load_latest

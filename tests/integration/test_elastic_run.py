@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.fakes.jobs import ELASTIC_RUN, REPO, TRAIN_JOB, Job, wait_until
+from tests.fakes.jobs import ELASTIC_RUN, REPO, TRAIN_JOB, Job
 
 pytestmark = pytest.mark.timeout(240)
 

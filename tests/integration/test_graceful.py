@@ -8,7 +8,6 @@ finishing a step and committing it, so a signal lands in the middle of a step.
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import uuid
 

@@ -1,0 +1,45 @@
+"""NCCL on GPUs: runs only where CUDA with two devices exists (never on CPU-only CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fakes.jobs import Job
+
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs CUDA with at least 2 GPUs"),
+]
+
+SCRIPT = '''
+import torch, elastic
+from torch.nn.parallel import DistributedDataParallel as DDP
+elastic.init()
+device = torch.device("cuda", torch.cuda.current_device())
+assert device.index == elastic.local_rank(), (device, elastic.local_rank())
+model = torch.nn.Linear(8, 8).to(device)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+state = elastic.TorchState(model=model, optimizer=opt, step=0)
+
+@elastic.run
+def train(state):
+    ddp = DDP(state.model, device_ids=[device.index])
+    while state.step < 20:
+        ddp(torch.randn(4, 8, device=device)).sum().backward()
+        state.optimizer.step(); state.optimizer.zero_grad()
+        state.step += 1
+        state.commit()
+
+train(state)
+print("final", float(sum(p.sum() for p in model.parameters())))
+'''
+
+
+def test_two_gpu_workers_train_with_nccl(tmp_path):
+    script = tmp_path / "gpu_job.py"
+    script.write_text(SCRIPT)
+    job = Job(tmp_path, ["--np", "2", "--backend", "nccl", "--log-dir", str(tmp_path / "logs"), str(script)])
+    assert job.wait(180) == 0, job.text()[-3000:]
+    finals = {line.split()[-1] for line in job.text().splitlines() if "final" in line}
+    assert len(finals) == 1, finals  # both ranks hold the same parameters
