@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DIGITS = str(HERE / "digits.py")
-TRAIN_ARGS = ["--epochs", "12", "--step-delay", "0.03"]
+TRAIN_ARGS = ["--epochs", "30", "--step-delay", "0.03"]
 
 
 def stream(proc, prefix, lines):

@@ -51,10 +51,10 @@ class MemberRegistration:
                 self._put()
 
     def leave(self) -> None:
+        """Stop re-registering. The key itself goes with the session's lease, which
+        the owner revokes: one request, and nothing to retry if etcd is gone."""
         with self._lock:
-            if self._registered:
-                self._registered = False
-                self._etcd.delete(self._keys.member(self._member.member_id))
+            self._registered = False
 
     def _put(self) -> Member:
         key = self._keys.member(self._member.member_id)

@@ -117,10 +117,7 @@ class Participant:
         if self.coordinator is not None:
             self.coordinator.stop()
         if self.registration is not None:
-            try:
-                self.registration.leave()
-            except Exception as exc:  # leaving is best effort; the TTL cleans up
-                log.warning("leave: %s", exc)
+            self.registration.leave()
         if self.session is not None:
             self.session.close()
         self.control.close()

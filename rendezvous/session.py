@@ -26,6 +26,8 @@ from .etcd import Etcd
 
 log = logging.getLogger(__name__)
 
+_CLOSE_DEADLINE_S = 3.0
+
 # After a failed refresh, try again this soon (capped by ttl/3): the sooner we
 # reach a restarted etcd, the more of the TTL is left.
 _RETRY_INTERVAL = 0.25
@@ -65,8 +67,11 @@ class Session:
         """Stop the keep-alive and revoke the lease: its keys vanish at once."""
         self._stop()
         try:
-            # Bounded: if etcd is away, the keys still vanish when the TTL runs out.
-            self._etcd.revoke_lease(self.lease_id, retry_deadline=min(self._etcd.config.retry_deadline, self.ttl))
+            # Bounded and short: if etcd is away, the keys still vanish when the TTL
+            # runs out, so a process on its way out should not wait long for it.
+            self._etcd.revoke_lease(
+                self.lease_id, retry_deadline=min(self._etcd.config.retry_deadline, self.ttl, _CLOSE_DEADLINE_S)
+            )
         except RendezvousError as exc:
             log.warning("session %s: could not revoke lease %x (%s); its keys expire within %gs",
                         self.name, self.lease_id, exc, self.ttl)
