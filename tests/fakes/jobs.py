@@ -7,9 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Optional
+
+from tests.fakes.waiting import poll
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_JOB = REPO / "tests" / "fakes" / "train_job.py"
@@ -17,13 +18,10 @@ ELASTIC_RUN = [sys.executable, "-m", "elastic.cli"]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    value = poll(predicate, timeout, interval)
+    if not value:
+        raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    return value
 
 
 def read_jsonl(path: Path) -> list[dict]:

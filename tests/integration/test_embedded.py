@@ -16,6 +16,7 @@ from rendezvous import embedded
 from rendezvous.embedded import EmbeddedEtcd, find_etcd_binary
 from rendezvous.errors import RendezvousError
 from rendezvous.etcd import Etcd
+from tests.fakes.waiting import poll as wait_until
 
 from ..conftest import etcd_binary_or_skip
 
@@ -31,13 +32,6 @@ def process_gone(pid: int) -> bool:
         return True
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 # ----------------------------------------------------------------------------- finding the binary

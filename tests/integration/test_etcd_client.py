@@ -19,6 +19,7 @@ from rendezvous.etcd import (
     Put,
     ValueEquals,
 )
+from tests.fakes.waiting import poll as wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,13 +31,6 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 # ----------------------------------------------------------------------------- KV and txn

@@ -37,20 +37,13 @@ from rendezvous import (
 from rendezvous.etcd import CreateRevisionEquals, ModRevisionEquals, Put
 from rendezvous.rounds import FormRound
 from tests.fakes.members import plans_seen, read_records
+from tests.fakes.waiting import poll as wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.02):
-    """Poll `predicate` until it returns something truthy or `timeout` passes; return its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)
 
 
 def worker(member_id: str, index: int = 0) -> str:

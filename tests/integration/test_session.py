@@ -10,17 +10,11 @@ import pytest
 from rendezvous.errors import ConfigError
 from rendezvous.etcd import Etcd
 from rendezvous.session import Session
+from tests.fakes.waiting import poll as wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def test_close_revokes_the_lease_at_once(etcd, job_prefix, no_leaked_threads):
