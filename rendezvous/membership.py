@@ -36,19 +36,19 @@ class MemberRegistration:
     def register(self) -> Member:
         with self._lock:
             self._registered = True
-            return self._put()
+            return self._put(creates_key=True)
 
     def set_workers(self, workers: tuple[str, ...], *, draining: bool = False) -> Member:
         with self._lock:
             self._member = dataclasses.replace(self._member, workers=tuple(workers), draining=draining)
-            return self._put() if self._registered else self._member
+            return self._put(creates_key=False) if self._registered else self._member
 
     def on_new_lease(self, lease_id: int) -> None:
         """Session callback: the old lease expired (etcd was away too long)."""
         with self._lock:
             if self._registered:
                 log.warning("member %s: lease renewed, re-registering", self._member.member_id)
-                self._put()
+                self._put(creates_key=True)  # the old key went with the old lease
 
     def leave(self) -> None:
         """Stop re-registering. The key itself goes with the session's lease, which
@@ -56,10 +56,11 @@ class MemberRegistration:
         with self._lock:
             self._registered = False
 
-    def _put(self) -> Member:
+    def _put(self, *, creates_key: bool) -> Member:
+        """One request: a put that creates the key has the key's create revision
+        (member ids are unique per registration); an update keeps it."""
         key = self._keys.member(self._member.member_id)
-        self._etcd.put(key, self._member.to_json(), lease=self._session.lease_id)
-        kv = self._etcd.get(key)
-        if kv is not None:
-            self._member = dataclasses.replace(self._member, revision=kv.create_revision)
+        revision = self._etcd.put(key, self._member.to_json(), lease=self._session.lease_id)
+        if creates_key:
+            self._member = dataclasses.replace(self._member, revision=revision)
         return self._member
