@@ -58,7 +58,3 @@ def _short(value: Any) -> str:
     text = str(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
-
-def read_events(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

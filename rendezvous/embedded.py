@@ -69,14 +69,11 @@ def _free_ports(host: str, count: int) -> list[int]:
             sock.close()
 
 
-def die_with_parent() -> None:
+def _die_with_parent() -> None:
     """preexec_fn: SIGKILL the child when the thread that forked it dies."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-_die_with_parent = die_with_parent
 
 
 class EmbeddedEtcd:

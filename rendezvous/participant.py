@@ -8,7 +8,6 @@ follow) and a ``Coordinator`` (which leads while we hold the election key).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Optional
 
 from .control import ControlChannel, JobStatus
@@ -139,6 +138,3 @@ def new_member_id(host: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in host)[:40]
     return f"{safe}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
-
-def now_wall() -> float:
-    return time.time()
