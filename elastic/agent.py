@@ -97,6 +97,7 @@ class Agent:
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
         self._session_lost = False
+        self._stopping: Optional[JobStatus] = None  # the stop this agent asked for, if any
         self._scratch = tempfile.mkdtemp(prefix="elastic-agent-")
         self.events = EventLog(
             os.path.join(config.log_dir, "events.jsonl") if config.log_dir else None, host=config.host_id
@@ -342,9 +343,8 @@ class Agent:
         if plan is not None and mine and plan.world_size - mine < self.config.settings.min_np:
             # Without us the job could not go on: stop it as a whole, at a commit,
             # with a final durable checkpoint, instead of leaving it below min-np.
-            self.participant.set_status(
-                JobStatus(STOPPING, f"{name} on {self.config.host_id}: too few workers would remain")
-            )
+            self._stopping = JobStatus(STOPPING, f"{name} on {self.config.host_id}: too few workers would remain")
+            self.participant.set_status(self._stopping)
             return
         self._wanted = []
         self.participant.set_workers((), draining=True)
@@ -357,7 +357,12 @@ class Agent:
             return
         if not any(p.alive for p in self._workers.values()):
             self._outcome = 0
-            self.events.emit("member_left", member=self.member_id, graceful=self._forced_leave is None)
+            if self._stopping is not None:
+                # We stopped the job ourselves: say so even if our own control watch
+                # has not yet delivered the status our workers already acted on.
+                self.events.emit("job_finished", status=STOPPING, reason=self._stopping.reason)
+            else:
+                self.events.emit("member_left", member=self.member_id, graceful=self._forced_leave is None)
             return
         if self._forced_leave is None and time.monotonic() - self._leaving_since > self.config.grace_period:
             log.warning("grace period of %gs over: stopping workers", self.config.grace_period)
