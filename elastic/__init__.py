@@ -101,9 +101,10 @@ def _report_errors_to(path: str) -> None:
 
     def hook(kind, value, tb):
         try:
-            # A broken ring that escaped elastic.run is a crash, not a user error:
-            # the agent then drops this worker and the others re-form.
-            if not is_communication_error(value):
+            # A broken ring or an unreachable etcd that escaped elastic.run is a
+            # crash, not a user error: the agent then drops this worker and the
+            # others re-form, instead of failing the whole job.
+            if not (is_communication_error(value) or isinstance(value, RendezvousError)):
                 with open(path, "w") as f:
                     f.write(summarize(value) + "\n")
         finally:

@@ -43,6 +43,7 @@ from rendezvous import (
     JobStatus,
     Member,
     Participant,
+    RendezvousError,
     RendezvousSettings,
     RoundPlan,
     new_member_id,
@@ -68,6 +69,7 @@ class AgentConfig:
     ttl: float
     collective_timeout: float
     max_resets: int
+    reset_window: float
     max_restarts: int
     backend: str
     grace_period: float
@@ -93,11 +95,14 @@ class Agent:
         self._next_worker = 0
         self._restarts = 0
         self._plan: Optional[RoundPlan] = None
+        self._plan_started: Optional[RoundPlan] = None  # the plan before the one being acted on
         self._plain_failure_rounds: set[int] = set()
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
         self._session_lost = False
-        self._stopping: Optional[JobStatus] = None  # the stop this agent asked for, if any
+        # etcd writes that failed (etcd away, or this host cut off): retried in order on
+        # every turn of the loop, so an outage delays what we report but loses nothing.
+        self._pending: list = []
         self._scratch = tempfile.mkdtemp(prefix="elastic-agent-")
         self.events = EventLog(
             os.path.join(config.log_dir, "events.jsonl") if config.log_dir else None, host=config.host_id
@@ -163,9 +168,35 @@ class Agent:
                 self._on_exit(item)
             elif isinstance(item, _Signal):
                 self._on_signal(item.signum)
-            self._follow_control()
+            self._flush_pending()
+            try:
+                self._follow_control()
+            except RendezvousError as exc:
+                self._plan = self._plan_started  # not acted on yet: the next turn tries again
+                log.warning("round %s: cannot follow the plan yet (%s); retrying", self.events.round, exc)
             self._check_grace()
         return self._outcome
+
+    def _write_etcd(self, what: str, op) -> None:
+        """Run an etcd write now, or queue it for the next turn if etcd is away."""
+        if self._pending:
+            self._pending.append((what, op))  # keep the order of what we report
+            return
+        try:
+            op()
+        except RendezvousError as exc:
+            log.warning("etcd unreachable (%s): will retry to %s", exc, what)
+            self._pending.append((what, op))
+
+    def _flush_pending(self) -> None:
+        while self._pending:
+            what, op = self._pending[0]
+            try:
+                op()
+            except RendezvousError:
+                return
+            self._pending.pop(0)
+            log.info("etcd is back: did %s", what)
 
     # -- following the plan -----------------------------------------------------------
     def _follow_control(self) -> None:
@@ -180,9 +211,10 @@ class Agent:
             return
         if plan is None or (self._plan is not None and plan.round <= self._plan.round):
             return
-        self._plan = plan
+        self._plan_started, self._plan = self._plan, plan
         self.events.round = plan.round
         self._plain_stores.serve_if_rank0(plan)
+        self._prune_store(plan.round)
         mine = set(plan.local_ranks(self.member_id))
         for worker_id in self._wanted:
             proc = self._workers.get(worker_id)
@@ -195,6 +227,19 @@ class Agent:
                 proc = None
             if worker_id in mine and proc is None and self._leaving_since is None:
                 self._start_worker(worker_id, plan)
+
+    def _prune_store(self, current_round: int) -> None:
+        """Delete the keys of rounds before the previous one from our TCPStore: a job
+        that re-forms a thousand times must not keep a thousand rounds of keys."""
+        try:
+            keys = self._store.list_keys()
+        except (AttributeError, RuntimeError):  # an older torch without list_keys
+            return
+        for key in keys:
+            # "/round/<n>/..." (see runtime.Runtime._enter)
+            parts = key.split("/", 3)
+            if len(parts) > 2 and parts[1] == "round" and parts[2].isdigit() and int(parts[2]) < current_round - 1:
+                self._store.delete_key(key)
 
     def _start_worker(self, worker_id: str, plan: RoundPlan) -> None:
         cfg = self.config
@@ -235,6 +280,7 @@ class Agent:
             collective_timeout=cfg.collective_timeout,
             rdzv_timeout=cfg.settings.timeout,
             max_resets=cfg.max_resets,
+            reset_window=cfg.reset_window,
             events_file=self.events.path,
             error_file=os.path.join(self._scratch, f"{worker_id}.error"),
             marker_file=os.path.join(self._scratch, f"{worker_id}.elastic"),
@@ -289,7 +335,8 @@ class Agent:
             if self.participant.control.status.state == STOPPING:
                 return  # it stopped at the job's last commit; _follow_control ends us
             # The training function returned: the job is done for everyone.
-            self.participant.set_status(JobStatus(SUCCEEDED, f"worker {exited.worker_id} finished"))
+            done = JobStatus(SUCCEEDED, f"worker {exited.worker_id} finished")
+            self._write_etcd("report the job succeeded", lambda: self.participant.set_status(done))
             return
         if self._leaving_since is not None:
             return
@@ -298,7 +345,7 @@ class Agent:
             # up). Re-forming would only hit it again, so the job fails, once.
             reason = f"worker {exited.worker_id} failed: {exited.error}"
             self.events.emit("failure_detected", reason=reason, user_error=True)
-            self.participant.set_status(JobStatus(FAILED, reason))
+            self._write_etcd("report the job failed", lambda: self.participant.set_status(JobStatus(FAILED, reason)))
             return
         how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
         if not proc.elastic and exited.signal is None:
@@ -312,7 +359,8 @@ class Agent:
             self._restarts += 1
             self._wanted.append(self._new_worker_id())
         # Reported at once: the coordinator re-forms without waiting for any TTL.
-        self.participant.set_workers(tuple(self._wanted))
+        wanted = tuple(self._wanted)
+        self._write_etcd(f"drop worker {exited.worker_id}", lambda: self.participant.set_workers(wanted))
 
     def _on_plain_failure(self, worker_id: str, proc: WorkerProcess, how: str) -> None:
         """torchrun semantics: any failure restarts every worker, counted once per round."""
@@ -322,12 +370,12 @@ class Agent:
             return
         self._plain_failure_rounds.add(failed_round)
         if self._restarts >= self.config.max_restarts:
-            self.participant.set_status(
-                JobStatus(FAILED, f"worker {worker_id} died ({how}); --max-restarts {self.config.max_restarts} used up")
-            )
+            failed = JobStatus(FAILED, f"worker {worker_id} died ({how}); --max-restarts {self.config.max_restarts} used up")
+            self._write_etcd("report the job failed", lambda: self.participant.set_status(failed))
             return
         self._restarts += 1
-        self.participant.control.request_reset(worker_id, failed_round, f"worker died ({how})")
+        self._write_etcd(f"ask for a round after {failed_round}", lambda: self.participant.control.request_reset(
+            worker_id, failed_round, f"worker died ({how})"))
 
     # -- leaving -------------------------------------------------------------------------
     def _on_signal(self, signum: int) -> None:
@@ -338,16 +386,11 @@ class Agent:
             return
         self._leaving_since = time.monotonic()
         self.events.emit("graceful_leave", signal=name, grace_period=self.config.grace_period)
-        plan = self._plan
-        mine = len(plan.local_ranks(self.member_id)) if plan is not None else 0
-        if plan is not None and mine and plan.world_size - mine < self.config.settings.min_np:
-            # Without us the job could not go on: stop it as a whole, at a commit,
-            # with a final durable checkpoint, instead of leaving it below min-np.
-            self._stopping = JobStatus(STOPPING, f"{name} on {self.config.host_id}: too few workers would remain")
-            self.participant.set_status(self._stopping)
-            return
+        # Withdraw our workers. Whether the ring goes on without them or the whole job
+        # stops at a commit (with a final checkpoint) because too few would remain is
+        # the coordinator's decision (rounds.decide): other hosts may be leaving too.
         self._wanted = []
-        self.participant.set_workers((), draining=True)
+        self._write_etcd("withdraw our workers", lambda: self.participant.set_workers((), draining=True))
         if not any(p.elastic for p in self._workers.values()):
             for proc in self._workers.values():
                 proc.stop()
@@ -357,16 +400,24 @@ class Agent:
             return
         if not any(p.alive for p in self._workers.values()):
             self._outcome = 0
-            if self._stopping is not None:
-                # We stopped the job ourselves: say so even if our own control watch
-                # has not yet delivered the status our workers already acted on.
-                self.events.emit("job_finished", status=STOPPING, reason=self._stopping.reason)
+            stopping = self._job_status()
+            if stopping.state == STOPPING:
+                self.events.emit("job_finished", status=STOPPING, reason=stopping.reason)
             else:
                 self.events.emit("member_left", member=self.member_id, graceful=self._forced_leave is None)
             return
         if self._forced_leave is None and time.monotonic() - self._leaving_since > self.config.grace_period:
             log.warning("grace period of %gs over: stopping workers", self.config.grace_period)
             self._force_leave(f"grace period of {self.config.grace_period:g}s over")
+
+    def _job_status(self) -> JobStatus:
+        """The job's status, read afresh: our workers may have acted on a stop that our
+        own control watch has not delivered yet."""
+        try:
+            kv = self._etcd.get(self.participant.keys.status)
+        except RendezvousError:
+            return self.participant.control.status
+        return JobStatus.from_json(kv.value) if kv is not None else self.participant.control.status
 
     def _force_leave(self, reason: str) -> None:
         """Kill our workers mid-step: for the ring this is a failure, not a leave."""

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--rdzv-timeout", _positive_float, 600.0, "seconds to wait for min-np workers before failing")
     opt("--rdzv-settle", float, 0.5, "seconds to wait for more joiners once min-np are present")
     opt("--collective-timeout", _positive_float, 60.0, "seconds a collective may block before it counts as failed")
-    opt("--max-resets", _non_negative_int, 20, "re-formations of the ring a worker survives")
+    opt("--max-resets", _non_negative_int, 20, "re-formations of the ring a worker survives within --reset-window")
+    opt("--reset-window", _positive_float, 3600.0, "seconds over which --max-resets counts re-formations")
     opt("--max-restarts", _non_negative_int, 0, "crashed workers this agent replaces")
     opt("--backend", str, "auto", "auto (nccl with CUDA, else gloo), gloo or nccl")
     opt("--log-dir", help="per-worker logs and events.jsonl")
@@ -185,6 +186,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         ttl=args.rdzv_ttl,
         collective_timeout=args.collective_timeout,
         max_resets=args.max_resets,
+        reset_window=args.reset_window,
         max_restarts=args.max_restarts,
         backend=backend,
         grace_period=args.grace_period,

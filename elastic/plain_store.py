@@ -43,6 +43,7 @@ class PlainStores:
         self._etcd.put(self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode())
         for old in sorted(self._served)[:-_KEEP_ROUNDS]:
             del self._served[old]
+            self._etcd.delete(self._keys.plain_store(old))
 
     def address(self, plan: RoundPlan, timeout: float = 30.0) -> tuple[str, int]:
         """The round's store address (waits, bounded, for rank 0's agent to publish it)."""

@@ -2,9 +2,13 @@
 
     detect    a collective raises (or a commit says the ring changes)
     classify  a broken ring re-forms; a bug in user code fails this worker
+    budget    more than --max-resets failures within --reset-window fail it too
     abort     leave the except block, destroy the old group, collect its garbage
     restore   roll back to the last commit (only after a failure)
-    re-rendezvous and re-form: wait for the next plan, build its process group
+    re-rendezvous and re-form: wait for the next plan, build its process group;
+              a failure while doing so (a peer dies during init, etcd is away, the
+              round is superseded) is one more failure of the ring, never a user
+              error: it is counted against the budget and the next round is tried
     sync      broadcast rank 0's committed state to the new ring
     resume    call the training function again
 
@@ -12,7 +16,8 @@ The order of "leave the except block, then destroy" matters: the exception's
 traceback holds the user's frames, hence the old DDP wrapper and process group;
 while it lives the old gloo sockets stay open and the peers that are still
 blocked in the dead ring wait for the collective timeout instead of failing
-at once.
+at once. For the same reason ``_call`` and ``_try_reform`` turn exceptions into
+plain values before the recovery path acts on them.
 """
 
 from __future__ import annotations
@@ -21,9 +26,19 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar, Union
 
-from .errors import HostsUpdatedInterrupt, JobStopping, LeftJob, ResetLimitExceeded, is_communication_error, summarize
+from rendezvous import RendezvousError
+
+from .errors import (
+    HostsUpdatedInterrupt,
+    JobStopping,
+    LeftJob,
+    ResetLimitExceeded,
+    is_communication_error,
+    summarize,
+)
+from .reset_budget import ResetBudget
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +51,7 @@ class _Interruption:
     failed: bool  # True: the ring broke, roll back; False: a planned switch at a commit
     detected: float  # monotonic time of detection
     stop: bool = False  # the job was told to stop: save the last commit and leave
+    left: bool = False  # this worker is no longer part of the job (withdrawn, job over)
 
 
 def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
@@ -46,13 +62,15 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
         from . import _runtime
 
         runtime = _runtime()
-        resets = 0
+        budget = ResetBudget(runtime.max_resets, runtime.reset_window)
         finished_reform = None  # (interruption, times) of the re-formation being completed
         while True:
             interruption = _call(_resume, func, state, args, kwargs, runtime, finished_reform)
             if interruption is None:
                 state.flush_checkpoints(final=True)  # a graceful end leaves the last commit on disk
                 return _result.pop()
+            if interruption.left:
+                _leave(runtime, interruption.reason)
             if interruption.stop:
                 # Every worker stops at the same commit; rank 0 makes it durable first.
                 state.flush_checkpoints(final=True)
@@ -61,22 +79,62 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
                 raise SystemExit(0)
             # -- we are outside the except block: the old ring can be freed now.
             if interruption.failed:
-                resets += 1
-                if resets > runtime.max_resets:
-                    raise ResetLimitExceeded(
-                        f"ring re-formed {resets - 1} times (--max-resets {runtime.max_resets}); "
-                        f"last failure: {interruption.reason}"
-                    )
+                _spend(budget, runtime, interruption.reason)
                 state.restore()
-            try:
-                times = runtime.reform(interruption.reason, failed=interruption.failed)
-            except LeftJob as exc:
-                log.info("worker leaves the job: %s", exc)
-                runtime.shutdown()
-                raise SystemExit(0)
-            finished_reform = (interruption, times)
+            finished_reform = (interruption, _reform(runtime, interruption, budget))
 
     return wrapper
+
+
+def _reform(runtime, interruption: _Interruption, budget: ResetBudget):
+    """Re-rendezvous and build the next ring, trying again while re-forming fails."""
+    reason, failed = interruption.reason, interruption.failed
+    while True:
+        outcome = _try_reform(runtime, reason, failed)
+        if not isinstance(outcome, str):
+            return outcome
+        if outcome.startswith(_LEFT):
+            _leave(runtime, outcome[len(_LEFT):])
+        # The next ring broke while it formed (a peer died in init, etcd went away):
+        # one more failure, whose new round the next attempt waits for.
+        log.warning("round %d: re-forming failed (%s); trying the next round", runtime.round, outcome)
+        _spend(budget, runtime, outcome)
+        reason, failed = outcome, True
+
+
+_LEFT = "left: "
+
+
+def _try_reform(runtime, reason: str, failed: bool) -> Union[object, str]:
+    """``runtime.reform``'s times, or a one-line reason why it failed (no exception
+    object outlives this frame: it would pin the half-built group)."""
+    try:
+        return runtime.reform(reason, failed=failed)
+    except LeftJob as exc:
+        return _LEFT + str(exc)
+    except Exception as exc:
+        if not _is_infrastructure_error(exc):
+            raise
+        return summarize(exc)
+
+
+def _spend(budget: ResetBudget, runtime, reason: str) -> None:
+    if not budget.spend(time.monotonic()):
+        raise ResetLimitExceeded(
+            f"ring re-formed {budget.recent - 1} times within {budget.window_s:g}s "
+            f"(--max-resets {budget.limit} per --reset-window); last failure: {reason}"
+        )
+
+
+def _leave(runtime, reason: str) -> None:
+    log.info("worker leaves the job: %s", reason)
+    runtime.shutdown()
+    raise SystemExit(0)
+
+
+def _is_infrastructure_error(exc: BaseException) -> bool:
+    """The network, a peer or etcd failed us: not a bug in the user's code."""
+    return is_communication_error(exc) or isinstance(exc, RendezvousError)
 
 
 def _resume(func, state, args, kwargs, runtime, finished_reform):
@@ -116,8 +174,11 @@ def _call(body, *args) -> Optional[_Interruption]:
         return _Interruption(str(exc), failed=False, detected=time.monotonic(), stop=True)
     except HostsUpdatedInterrupt as exc:
         return _Interruption(str(exc), failed=False, detected=time.monotonic())
+    except LeftJob as exc:
+        return _Interruption(str(exc), failed=False, detected=time.monotonic(), left=True)
     except Exception as exc:
-        if not is_communication_error(exc):
+        if not _is_infrastructure_error(exc):
             raise  # a bug in user code: this worker fails, the agent reports it
         log.warning("ring broken: %s", summarize(exc))
         return _Interruption(summarize(exc), failed=True, detected=time.monotonic())
+

@@ -27,7 +27,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rendezvous import STOPPING, ControlChannel, Etcd, EtcdConfig, JobKeys, RoundPlan
+from rendezvous import (
+    STOPPING,
+    ControlChannel,
+    Etcd,
+    EtcdConfig,
+    JobKeys,
+    RendezvousError,
+    RoundPlan,
+    evict_if_dead,
+)
 from rendezvous.errors import RendezvousTimeoutError
 
 from .errors import LeftJob
@@ -38,6 +47,14 @@ from .worker_config import WorkerConfig
 log = logging.getLogger(__name__)
 
 _ARRIVAL_POLL = 0.005  # seconds between looks at the arrival counter
+# A round's store is rank 0's agent. Connect in short attempts and look at the plan
+# between them: if that agent is dead, a newer plan (without it) replaces the round,
+# and waiting out a long connect timeout would hide it.
+_STORE_CONNECT_ATTEMPT_S = 1.0
+# While waiting for the round after a failure: how long before we look for a dead
+# coordinator, and how often we post our reset request again if etcd refused it.
+_NUDGE_AFTER_S = 1.0
+_NUDGE_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,7 @@ class Runtime:
         self._control: Optional[ControlChannel] = None
         self._store = None  # the round's PrefixStore
         self._switch_at: Optional[int] = None
+        self._switch_action = "switch"  # what the ring does at _switch_at: "switch" or "stop"
         self._commits = 0  # commits in the current round
         self._next_store = None  # (round, store) of a pending plan, for rank 0's look at joiners
         self._deferred: Optional[RoundPlan] = None  # a joiner's round, entered at its first sync
@@ -72,6 +90,10 @@ class Runtime:
     @property
     def max_resets(self) -> int:
         return self.config.max_resets if self.config else 0
+
+    @property
+    def reset_window(self) -> float:
+        return self.config.reset_window if self.config else 3600.0
 
     @property
     def elastic(self) -> bool:
@@ -135,7 +157,7 @@ class Runtime:
         self._commits += 1
         if not self.should_switch(self._commits):
             return None
-        return "stop" if self._control is not None and self._control.status.state == STOPPING else "switch"
+        return self._switch_action
 
     def should_switch(self, commits: int) -> bool:
         """Called at every commit (``commits`` counts this round's commits)."""
@@ -148,10 +170,14 @@ class Runtime:
                 if stopping or (newest is not None and newest.round > self.round and self._newcomers_ready(newest)):
                     # Everyone is within one step of us (each step has a collective
                     # with rank 0), so all will read this before their commit+1.
+                    # The action travels with the commit number: every worker does
+                    # what rank 0 decided, never what its own copy of the status says.
+                    self._switch_action = "stop" if stopping else "switch"
                     self._switch_at = commits + 1
-                    self._store.set("switch_at", str(self._switch_at))
+                    self._store.set("switch_at", f"{self._switch_at} {self._switch_action}")
             elif self._store.check(["switch_at"]):
-                self._switch_at = int(self._store.get("switch_at"))
+                at, action = self._store.get("switch_at").decode().split()
+                self._switch_at, self._switch_action = int(at), action
         return self._switch_at is not None and commits >= self._switch_at
 
     def _newcomers_ready(self, plan: RoundPlan) -> bool:
@@ -178,15 +204,14 @@ class Runtime:
         # A planned switch leaves together: nobody is blocked, no garbage to chase.
         self.release_group(collect=failed)
         t1 = time.monotonic()
+        nudge = None
         if failed:
             self.events.emit("failure_detected", reason=reason)
-            newest = self._control.plan
-            if newest is None or newest.round <= old_round:
-                # No plan explains the failure (a hang, a partition): ask for one.
-                self._control.request_reset(self.config.worker_id, old_round, reason)
+            nudge = _Nudge(self, old_round, reason)
+            nudge()  # ask for a round at once; the wait below repeats it if etcd refused
         # [graceful-leave] A planned switch to a round without us: our host withdrew
         # us (SIGTERM to its agent); leave with exit 0 instead of waiting for a round.
-        plan = self._wait_for_plan(lambda p: p.round > old_round, leave_if_withdrawn=not failed)
+        plan = self._wait_for_plan(lambda p: p.round > old_round, leave_if_withdrawn=not failed, on_idle=nudge)
         t2 = time.monotonic()
         self._enter(plan)
         t3 = time.monotonic()
@@ -222,6 +247,7 @@ class Runtime:
         self._store = None
         self._next_store = None
         self._switch_at = None
+        self._switch_action = "switch"
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -233,15 +259,23 @@ class Runtime:
             # skipped when the ring was aborted).
             gc.collect()
 
-    def _wait_for_plan(self, accept, *, leave_if_withdrawn: bool = False) -> RoundPlan:
+    def _wait_for_plan(self, accept, *, leave_if_withdrawn: bool = False, on_idle=None) -> RoundPlan:
+        """Wait (bounded by --rdzv-timeout) for a plan that ``accept``s and includes us;
+        ``on_idle()`` runs every so often meanwhile (it must not raise)."""
         cfg = self.config
         worker = cfg.worker_id
-        ok = self._control.wait_for(
-            lambda p, s: s.over or (
-                p is not None and accept(p) and (leave_if_withdrawn or p.rank_of(worker) is not None)
-            ),
-            cfg.rdzv_timeout,
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        ready = lambda p, s: s.over or (  # noqa: E731
+            p is not None and accept(p) and (leave_if_withdrawn or p.rank_of(worker) is not None)
         )
+        while True:
+            step = deadline - time.monotonic()
+            if on_idle is not None:
+                step = min(step, on_idle.next_in())
+            ok = self._control.wait_for(ready, max(0.0, step))
+            if ok or time.monotonic() >= deadline:
+                break
+            on_idle()
         status = self._control.status
         if status.over:
             raise LeftJob(f"job {status.state}: {status.reason}")
@@ -259,17 +293,11 @@ class Runtime:
         cfg = self.config
         while True:
             rank = plan.rank_of(cfg.worker_id)
-            host, port = plan.store_addr.rsplit(":", 1)
-            base = dist.TCPStore(
-                host,
-                int(port),
-                is_master=False,
-                timeout=datetime.timedelta(seconds=cfg.rdzv_timeout),
-                wait_for_workers=False,
-            )
-            store = dist.PrefixStore(f"/round/{plan.round}/", base)
-            if self._arrive(store, plan):
-                break
+            base = self._connect_store(plan)
+            if base is not None:
+                store = dist.PrefixStore(f"/round/{plan.round}/", base)
+                if self._arrive(store, plan):
+                    break
             plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
         # gloo connects to every peer inside init: sockets that appear across it are its.
         before = socket_snapshot()
@@ -287,6 +315,39 @@ class Runtime:
         self._store = store
         self._switch_at = None
         self._take_position(plan)
+
+    def _connect_store(self, plan: RoundPlan):
+        """The round's store, or None once a newer plan that includes us exists."""
+        cfg = self.config
+        host, port = plan.store_addr.rsplit(":", 1)
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        while True:
+            try:
+                base = dist.TCPStore(
+                    host, int(port), is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=_STORE_CONNECT_ATTEMPT_S),
+                )
+            except (RuntimeError, dist.DistError) as exc:
+                if self._superseded(plan):
+                    return None
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeoutError(
+                        f"round {plan.round}: store {plan.store_addr} unreachable for {cfg.rdzv_timeout:g}s ({exc})"
+                    ) from None
+                continue
+            # gloo's init reads its peers' addresses from here: a peer that died after
+            # arriving must fail the init within the collective timeout, not --rdzv-timeout.
+            base.set_timeout(datetime.timedelta(seconds=min(cfg.rdzv_timeout, cfg.collective_timeout)))
+            return base
+
+    def _superseded(self, plan: RoundPlan) -> bool:
+        newest = self._control.plan
+        if newest is not None and newest.round > plan.round and newest.rank_of(self.config.worker_id) is not None:
+            log.info("round %d superseded by round %d before it formed", plan.round, newest.round)
+            return True
+        if self._control.status.over:
+            raise LeftJob(f"job {self._control.status.state}")
+        return False
 
     def _take_position(self, plan: RoundPlan) -> None:
         """Our rank, world and local rank in ``plan`` (torchrun's variables too)."""
@@ -315,12 +376,8 @@ class Runtime:
         store.add("arrived", 1)
         deadline = time.monotonic() + self.config.rdzv_timeout
         while store.add("arrived", 0) < plan.world_size:
-            newest = self._control.plan
-            if newest is not None and newest.round > plan.round and newest.rank_of(self.config.worker_id) is not None:
-                log.info("round %d superseded by round %d before it formed", plan.round, newest.round)
+            if self._superseded(plan):
                 return False
-            if self._control.status.over:
-                raise LeftJob(f"job {self._control.status.state}")
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
                     f"round {plan.round}: not every worker arrived within {self.config.rdzv_timeout:g}s"
@@ -335,3 +392,43 @@ class Runtime:
             self._control.close()
         if self._etcd is not None:
             self._etcd.close()
+
+
+class _Nudge:
+    """While a failed worker waits for its next round: post the reset request (again,
+    if etcd refused it), and if no round comes, look for a dead coordinator.
+
+    A coordinator whose host died keeps its election key until its lease expires
+    (--rdzv-ttl). If its agent's port refuses connections, the agent is dead for
+    sure, and revoking its lease now lets another agent lead at once.
+    """
+
+    def __init__(self, runtime: "Runtime", old_round: int, reason: str):
+        self._runtime = runtime
+        self._old_round = old_round
+        self._reason = reason
+        self._posted = False
+        self._started = time.monotonic()
+        self._next = self._started
+
+    def next_in(self) -> float:
+        return max(0.0, self._next - time.monotonic())
+
+    def __call__(self) -> None:
+        rt = self._runtime
+        now = time.monotonic()
+        self._next = now + (_NUDGE_AFTER_S if not self._posted else _NUDGE_EVERY_S)
+        try:
+            if not self._posted:
+                newest = rt._control.plan
+                if newest is None or newest.round <= self._old_round:
+                    # No plan explains the failure (a hang, a partition): ask for one.
+                    rt._control.request_reset(rt.config.worker_id, self._old_round, self._reason)
+                self._posted = True
+            elif now - self._started >= _NUDGE_AFTER_S:
+                coordinator = rt._etcd.get(JobKeys(rt.config.job_id).coordinator)
+                if coordinator is not None:
+                    evict_if_dead(rt._etcd, JobKeys(rt.config.job_id), coordinator.value.decode())
+        except RendezvousError as exc:
+            # etcd away or partitioned: the watch delivers the plan once it is back.
+            log.info("round %d: etcd unreachable while asking for a new round (%s)", self._old_round, exc)

@@ -27,6 +27,7 @@ class WorkerConfig:
     collective_timeout: float = 60.0
     rdzv_timeout: float = 600.0
     max_resets: int = 20
+    reset_window: float = 3600.0
     events_file: Optional[str] = None
     error_file: Optional[str] = None
     marker_file: Optional[str] = None

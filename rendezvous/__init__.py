@@ -14,6 +14,7 @@ from .errors import (
 )
 from .etcd import Etcd, EtcdConfig, KeyValue
 from .keys import JobKeys, validate_job_id
+from .liveness import evict_dead_members, evict_if_dead
 from .membership import MemberRegistration
 from .participant import Participant, new_member_id
 from .rounds import Member, RendezvousSettings, RoundPlan, Slot, decide
@@ -25,5 +26,5 @@ __all__ = [
     "MemberRegistration", "Participant", "RUNNING", "RendezvousAuthError",
     "RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",
     "RendezvousSettings", "RendezvousTimeoutError", "RoundPlan", "STOPPING", "SUCCEEDED", "Session",
-    "Slot", "decide", "find_etcd_binary", "new_member_id", "validate_job_id",
+    "Slot", "decide", "evict_dead_members", "evict_if_dead", "find_etcd_binary", "new_member_id", "validate_job_id",
 ]

@@ -20,10 +20,11 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .control import FAILED, RUNNING, ControlChannel, JobStatus
+from .control import FAILED, RUNNING, STOPPING, ControlChannel, JobStatus
 from .errors import RendezvousError
-from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
-from .keys import JobKeys
+from .etcd import CreateRevisionEquals, Delete, Etcd, ModRevisionEquals, Put
+from .keys import KEEP_ROUNDS, JobKeys
+from .liveness import evict_dead_members
 from .rounds import (
     Fail,
     FormRound,
@@ -32,6 +33,7 @@ from .rounds import (
     ResetRequest,
     RoundPlan,
     Snapshot,
+    StopJob,
     Wait,
     candidates,
     decide,
@@ -72,6 +74,7 @@ class Coordinator:
         # leader state, touched only under self._wake
         self._members: dict[str, Member] = {}
         self._requests: dict[str, ResetRequest] = {}
+        self._request_revisions: dict[str, int] = {}  # worker id -> mod revision of its request key
         self._last_change = clock()
         self._below_min_since: Optional[float] = None
         self._dirty = False
@@ -213,8 +216,10 @@ class Coordinator:
                         worker_id, int(body["round"]), body.get("reason", ""), self._clock(),
                         tuple(body.get("lost", ())),
                     )
+                    self._request_revisions[worker_id] = kv.mod_revision
                 else:
                     self._requests.pop(worker_id, None)
+                    self._request_revisions.pop(worker_id, None)
             self._dirty = True
             self._wake.notify_all()
 
@@ -239,7 +244,13 @@ class Coordinator:
             self._dirty = False
         decision = decide(snapshot, self._settings, now)
         if isinstance(decision, FormRound):
+            if decision.after_failure and self._evict_dead(decision):
+                return  # their member keys go; the next decision sees them gone
             self._write_plan(token, plan, members, decision)
+            return
+        if isinstance(decision, StopJob):
+            log.info("coordinator: job stops at a commit: %s", decision.reason)
+            self._control.set_status(JobStatus(STOPPING, decision.reason))
             return
         if isinstance(decision, Fail):
             log.error("coordinator: job failed: %s", decision.reason)
@@ -251,6 +262,37 @@ class Coordinator:
                 return
             timeout = 1.0 if decision.until is None else max(0.0, min(1.0, decision.until - now))
             self._wake.wait(timeout)
+
+    def _delete_answered_requests(self, number: int) -> None:
+        """Requests for rounds before ``number`` are answered: delete them, each only if
+        it was not re-posted meanwhile (its mod revision is the one we saw)."""
+        with self._wake:
+            answered = [
+                (worker, self._request_revisions[worker])
+                for worker, request in self._requests.items()
+                if request.round < number and worker in self._request_revisions
+            ]
+        for worker, revision in answered:
+            key = self._keys.request(worker)
+            try:
+                self._etcd.txn([ModRevisionEquals(key, revision)], [Delete(key)])
+            except RendezvousError as exc:  # harmless: deleted with a later round
+                log.debug("coordinator: could not delete request %s: %s", worker, exc)
+                return
+
+    def _evict_dead(self, decision: FormRound) -> bool:
+        """A ring broke and nobody said why: are any of the round's agents dead?"""
+        others = [s.member_id for s in decision.slots if s.member_id != self._member_id]
+        evicted = evict_dead_members(self._etcd, self._keys, others)
+        if not evicted:
+            return False
+        # Wait (bounded) for our members watch to drop them, so the next decision
+        # does not see them again and probe twice.
+        deadline = self._clock() + 2.0
+        with self._wake:
+            while any(m in self._members for m in evicted) and self._clock() < deadline:
+                self._wake.wait(0.05)
+        return True
 
     def _write_plan(self, token, previous, members, decision: FormRound) -> None:
         by_id = {m.member_id: m for m in members}
@@ -274,12 +316,14 @@ class Coordinator:
                 CreateRevisionEquals(self._keys.round(number), 0),
                 CreateRevisionEquals(self._keys.coordinator, token),
             ],
-            [Put(self._keys.plan, body), Put(self._keys.round(number), body)],
+            [Put(self._keys.plan, body), Put(self._keys.round(number), body)]
+            + ([Delete(self._keys.round(number - KEEP_ROUNDS))] if number > KEEP_ROUNDS else []),
         )
         if not won:
             log.warning("coordinator: lost the race for round %d", number)
             return
         self.rounds_written += 1
+        self._delete_answered_requests(number)
         log.info(
             "coordinator: round %d formed, world size %d (%s)", number, plan.world_size, decision.reason
         )

@@ -9,11 +9,16 @@ never read or watch each other's keys.
                                          bound to its lease (etcd election recipe).
     /elastic/<job>/requests/<worker-id>  JSON ResetRequest: a worker saw its ring
                                          break and asks for a new round.
-    /elastic/<job>/rounds/<n>            JSON RoundPlan of round n, written once ever.
+    /elastic/<job>/rounds/<n>            JSON RoundPlan of round n, written once ever;
+                                         only the newest KEEP_ROUNDS are kept.
     /elastic/<job>/control/plan          JSON RoundPlan of the newest round.
     /elastic/<job>/control/status        JSON JobStatus (running / succeeded / failed).
     /elastic/<job>/plainstores/<n>       "host:port" of round n's fresh TCPStore for
-                                         workers that use torchrun's env:// init.
+                                         workers that use torchrun's env:// init
+                                         (deleted with the store, two rounds later).
+
+Every key is bounded: requests are deleted once a round answers them, old rounds
+and plain stores are deleted as new ones are written, members go with leases.
 
 Agents and workers watch only ``control/`` (a handful of keys), so the etcd
 traffic of a round is O(N) in the number of members: N member writes seen by
@@ -26,6 +31,9 @@ import re
 from dataclasses import dataclass
 
 from .errors import ConfigError
+
+# Plans of past rounds kept for people (and tools) reading what happened.
+KEEP_ROUNDS = 32
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROOT = "/elastic"

@@ -188,6 +188,17 @@ class FormRound:
     slots: tuple[Slot, ...]
     reason: str
     lost: tuple[str, ...] = ()
+    # A ring broke and no agent has explained it yet: before writing this round the
+    # coordinator looks for members whose agents are dead (liveness.py), so the round
+    # never names a dead agent's store or waits on its workers.
+    after_failure: bool = False
+
+
+@dataclass(frozen=True)
+class StopJob:
+    """Graceful leaves would take the job below min_np: stop it at a commit instead."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -195,7 +206,7 @@ class Fail:
     reason: str
 
 
-Decision = Union[Wait, FormRound, Fail]
+Decision = Union[Wait, FormRound, Fail, StopJob]
 
 
 def candidates(plan: Optional[RoundPlan], members: tuple[Member, ...]) -> list[Slot]:
@@ -221,6 +232,18 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
     wanted = candidates(plan, snapshot.members)
     admitted = tuple(wanted[: settings.max_np])
     count = len(admitted)
+
+    if count < settings.min_np and plan is not None and not snapshot.requests:
+        # Decided here, in one place, for the whole job: several hosts told to leave at
+        # once (each seeing enough workers without itself) must not drain it empty.
+        draining = {m.member_id for m in snapshot.members if m.draining}
+        offered = {w for m in snapshot.members for w in m.workers}
+        leaving = [s for s in plan.slots if s.member_id in draining]
+        crashed = [s for s in plan.slots if s.worker_id not in offered and s.member_id not in draining]
+        if leaving and not crashed:
+            return StopJob(
+                f"{len(leaving)} worker(s) leaving would leave {count}, below min_np={settings.min_np}"
+            )
 
     if count < settings.min_np:
         since = snapshot.below_min_since if snapshot.below_min_since is not None else now
@@ -261,7 +284,7 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
         # new round does not include a dead worker; then re-form with whoever is there.
         first = min(r.seen_at for r in requests)
         if now >= first + settings.reset_grace:
-            return FormRound(admitted, f"reset requested: {requests[0].reason}")
+            return FormRound(admitted, f"reset requested: {requests[0].reason}", after_failure=True)
         return Wait(first + settings.reset_grace, "reset requested, waiting for reports")
 
     if admitted == plan.slots:

@@ -70,7 +70,7 @@ def one_step(ddp, rows):
 
 def record_step(indices):
     append("steps.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
-                           "round": elastic.round(), "step": state.step, "epoch": state.epoch,
+                           "round": elastic.round(), "step": state.step, "epoch": state.epoch, "t": time.time(),
                            "indices": indices})
     if args.slow_step is not None and state.step >= args.slow_step and elastic.rank() == args.slow_rank \
             and not stalled:

@@ -12,6 +12,7 @@ from rendezvous.rounds import (
     RoundPlan,
     Slot,
     Snapshot,
+    StopJob,
     Wait,
     decide,
 )
@@ -129,3 +130,39 @@ def test_reset_request_naming_killed_workers_forms_at_once_and_marks_them_lost()
     req = (ResetRequest("b.forced", 3, "graceful leave forced", seen_at=7.0, lost=("b0",)),)
     decision = decide(Snapshot(p, ms, req), S, now=7.0)
     assert workers(decision) == ["a0", "c0"] and decision.lost == ("b0",)
+
+
+def draining(mid, revision):
+    return Member(mid, "h" + mid, "127.0.0.1", 1000, (), 0.0, revision, draining=True)
+
+
+def test_leaves_that_would_go_below_min_np_stop_the_job_in_one_place():
+    # Two hosts told to leave at once: each alone would leave enough, together not.
+    p = plan(2, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+    ms = (member("a", ["a0"], 1), draining("b", 2), draining("c", 3))
+    decision = decide(Snapshot(p, ms), S, now=1.0)
+    assert isinstance(decision, StopJob), decision
+    assert "below min_np=2" in decision.reason
+
+
+def test_one_leave_that_keeps_min_np_switches_without_the_leaver():
+    p = plan(2, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+    ms = (member("a", ["a0"], 1), member("b", ["b0"], 2), draining("c", 3))
+    decision = decide(Snapshot(p, ms), S, now=1.0)
+    assert workers(decision) == ["a0", "b0"] and decision.lost == ()
+
+
+def test_a_crash_with_a_leave_below_min_np_waits_instead_of_stopping():
+    # The ring is broken by the crash: no commit to stop at; wait for workers as before.
+    p = plan(2, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+    ms = (member("a", ["a0"], 1), draining("c", 3))
+    assert isinstance(decide(Snapshot(p, ms, below_min_since=1.0), S, now=1.0), Wait)
+
+
+def test_a_round_after_a_reset_request_is_marked_as_after_failure():
+    p = plan(2, ("a", "a0"), ("b", "b0"))
+    ms = (member("a", ["a0"], 1), member("b", ["b0"], 2))
+    req = (ResetRequest("a0", 2, "gloo timeout", seen_at=7.0),)
+    assert decide(Snapshot(p, ms, req), S, now=7.3).after_failure
+    joined = (*ms, member("n", ["n0"], 3))
+    assert not decide(Snapshot(p, joined, last_change=0.0), S, now=7.3).after_failure

@@ -1,0 +1,83 @@
+"""Loss of a whole host: its agent and workers SIGKILLed together (a lost VM, an
+OOM-killed pod), including the host that holds rank 0, the round's store and the
+coordinator. Three agents share one etcd, one worker each.
+
+The survivors must not wait for the lost member's lease (--rdzv-ttl, 30 s here):
+its agent's port refuses connections, which is proof that it is dead (see
+rendezvous/liveness.py), so its lease is revoked and the next round forms at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from tests.fakes.jobs import Job, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+TTL = 30.0  # long on purpose: a recovery bound by the TTL fails the test
+BOUND_S = 10.0  # generous for a loaded 2-core machine; typically ~1 s (BENCHMARKS.md)
+
+
+def three_hosts(tmp_path, etcd_server):
+    job_id = f"hostloss-{uuid.uuid4().hex[:10]}"
+    common = ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-addr", "127.0.0.1",
+              "--nproc-per-node", "1", "--min-np", "2", "--max-np", "3", "--rdzv-ttl", str(TTL),
+              "--collective-timeout", "60"]
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    script = ["--steps", "100000", "--step-delay", "0.02", "--stop-file", str(tmp_path / "stop")]
+    jobs = []
+    for name in ("a", "b", "c"):
+        jobs.append(Job(tmp_path, Job.train_args(out, logs, [*common, "--host-id", f"host-{name}"], script),
+                        name=name))
+        # One at a time, so "a" registers first: it leads and holds rank 0 and the store.
+        if name == "a":
+            wait_until(lambda: any(e["event"] == "member_joined" for e in jobs[0].events()), 60, "a to register")
+        else:
+            wait_until(lambda n=len(jobs): any(s["world"] == n for s in jobs[0].steps()), 120,
+                       f"a ring of {len(jobs)}")
+    return jobs
+
+
+def kill_host(job: Job) -> float:
+    """SIGKILL the agent; its workers die with it (parent-death signal)."""
+    killed_at = time.time()
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.proc.wait(10)
+    return killed_at
+
+
+@pytest.mark.parametrize("victim", ["rank0-store-and-coordinator", "plain"])
+def test_survivors_go_on_without_waiting_for_the_lost_hosts_ttl(tmp_path, etcd_server, victim):
+    jobs = three_hosts(tmp_path, etcd_server)
+    a, b, c = jobs
+    dead, survivors = (a, [b, c]) if victim != "plain" else (c, [a, b])
+    events_before = len(a.events())
+    killed_at = kill_host(dead)
+
+    def next_step():
+        return [s for s in a.steps() if s["t"] > killed_at and s["world"] == 2]
+
+    steps = wait_until(next_step, 2 * TTL, "a step of the 2-worker ring")
+    stall = min(s["t"] for s in steps) - killed_at
+    print(f"\n{victim}: next step {stall:.2f}s after the host was killed (ttl {TTL:g}s)")
+    assert stall < BOUND_S, f"survivors waited {stall:.1f}s (the lease TTL is {TTL:g}s)"
+
+    (tmp_path / "stop").touch()
+    for job in survivors:
+        assert job.wait(120) == 0, job.text()[-3000:]
+    dead.kill()
+    finals = [torch.load(p, weights_only=True) for p in sorted(a.out.glob("final-*.pt"))]
+    assert len(finals) == 2
+    for name, value in finals[0].items():
+        assert torch.equal(value, finals[1][name]), name
+    # Nobody was counted as a user error, and the job succeeded.
+    events = a.events()[events_before:]
+    assert not [e for e in events if e.get("user_error")]
+    assert any(e["event"] == "job_finished" and e["status"] == "succeeded" for e in events)
