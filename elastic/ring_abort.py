@@ -15,9 +15,10 @@ reducer). The FIN also reaches the peers, which is harmless: they abort too.
 ``shutdown`` changes only the connection state; the descriptors stay gloo's, so
 gloo closes them itself when the group is destroyed (no double close).
 
-Which sockets are gloo's: the ones that appear across ``init_process_group``
-(the TCPStore client is opened before it). The caller takes a ``SocketSnapshot``
-just before init and hands it to ``prepare_ring``. Listening sockets are never
+Which sockets are the ring's: the ones that appear across ``init_process_group``
+(gloo connects its full mesh there). The caller takes a ``SocketSnapshot`` just
+before init, or before connecting to the round's store to include the store's
+client connection too, and hands it to ``prepare_ring``. Listening sockets are never
 touched: shutting gloo's listener makes its accept loop terminate the process.
 Every descriptor is re-checked by inode on a duplicate before the shutdown, so a
 number that gloo closed and the OS handed to someone else is left alone.
@@ -177,7 +178,7 @@ def prepare_ring(group=None, *, before: SocketSnapshot) -> RingHandle:
         return RingHandle(frozenset(), other_backend=group._get_backend(torch.device("cuda")))
     new = _connections_since(before)
     peers = dist.get_world_size(group) - 1
-    if len(new) < peers:
+    if len(new) < peers:  # (more is fine: the round's store client, if taken before it)
         # gloo's lazy init (TORCH_GLOO_LAZY_INIT) connects on first use; then abort
         # can only shut the connections that exist now.
         log.warning("prepare_ring: found %d gloo connections for %d peers", len(new), peers)

@@ -293,14 +293,17 @@ class Runtime:
         cfg = self.config
         while True:
             rank = plan.rank_of(cfg.worker_id)
+            # Sockets that appear from here on are this round's: the store client and
+            # gloo's full mesh. An abort shuts them all down, the store's too: when the
+            # store's host is cut off (no RST ever comes), a commit's look at the store
+            # would otherwise block for the store timeout.
+            before = socket_snapshot()
             base = self._connect_store(plan)
             if base is not None:
                 store = dist.PrefixStore(f"/round/{plan.round}/", base)
                 if self._arrive(store, plan):
                     break
             plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
-        # gloo connects to every peer inside init: sockets that appear across it are its.
-        before = socket_snapshot()
         dist.init_process_group(
             cfg.backend,
             store=dist.PrefixStore("pg/", store),
