@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--etcd-password", help="etcd password")
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script (all of them: "
+                   "options after SCRIPT are never taken for ours)")
     return p
 
 
@@ -128,9 +129,51 @@ def _coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace
                 raise ConfigError(f"{env}={value!r}: expected a {action.type.__name__}")
 
 
+def _split_at_script(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(launcher options, [SCRIPT, *its arguments]).
+
+    Everything after SCRIPT belongs to the script, as under torchrun. argparse cannot
+    be left to find SCRIPT: it matches abbreviations in the whole argv first, so a
+    script's ``--checkpoint`` would be refused as ambiguous (or taken, if unique).
+    """
+    takes_value = {flag: action.nargs != 0 for action in parser._actions for flag in action.option_strings}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return list(argv[:i]), list(argv[i + 1:])
+        if not token.startswith("-") or token == "-":
+            return list(argv[:i]), list(argv[i:])
+        flag, has_value = token.split("=", 1)[0], "=" in token
+        # The flag itself, else every option it abbreviates (argparse reports ambiguity later).
+        matches = [flag] if flag in takes_value else [f for f in takes_value if f.startswith(flag) and f[:2] == "--"]
+        i += 1 if has_value or not any(takes_value[f] for f in matches) else 2
+    return list(argv), []
+
+
+def _check_writable_dir(path: str) -> None:
+    """Create ``path`` and prove a file can be written and synced there, before any
+    training: an unusable checkpoint directory must not be found only at the first write."""
+    probe = os.path.join(path, f".elastic-run-probe-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {path} is not usable: {exc.strerror or exc}") from None
+
+
 def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    launcher, script = _split_at_script(parser, argv)
+    # "--" ends the options, so a SCRIPT such as "-x.py" is not taken for one.
+    args = parser.parse_args([*launcher, "--", *script[:1]] if script else launcher)
+    args.args = script[1:]
     _coerce_env_values(parser, args)
     if args.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
@@ -162,6 +205,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     command = ("-m", args.script, *args.args) if args.module else (args.script, *args.args)
     checkpoint = {}
     if args.checkpoint_dir:
+        _check_writable_dir(os.path.abspath(args.checkpoint_dir))
         checkpoint = dict(
             checkpoint_dir=os.path.abspath(args.checkpoint_dir),
             checkpoint_every=args.checkpoint_every,
