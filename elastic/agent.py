@@ -48,6 +48,7 @@ from rendezvous import (
     new_member_id,
 )
 
+from . import addressing
 from .events import EventLog
 from .plain_store import PlainStores
 from .health import HealthServer, HealthState, SessionMonitor
@@ -74,6 +75,7 @@ class AgentConfig:
     log_dir: Optional[str] = None
     health_port: Optional[int] = None
     checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
+    socket_ifname: Optional[str] = None  # the interface holding host_addr, for gloo/NCCL (addressing.py)
     etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
 
 
@@ -219,6 +221,9 @@ class Agent:
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_RESTART_COUNT=str(plan.round),
         )
+        # Peers reach gloo/NCCL at the interface holding --host-addr, not at whatever
+        # the host name resolves to; the user's own *_SOCKET_IFNAME win.
+        env.update(addressing.socket_ifname_env(cfg.socket_ifname, cfg.backend, env))
         if cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         if cfg.backend == "nccl":

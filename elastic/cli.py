@@ -24,6 +24,7 @@ from rendezvous import (
     validate_job_id,
 )
 
+from . import addressing
 from .agent import Agent, AgentConfig
 
 USAGE_ERROR = 2
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--rdzv-endpoint", help="etcd v3 endpoints HOST:PORT[,HOST:PORT...]; none: start an embedded etcd")
     opt("--job-id", help="the job's name; required with --rdzv-endpoint")
     opt("--host-id", help="this host's identity (default: the host name)")
-    opt("--host-addr", help="address other hosts reach this host's workers at (default: resolved host name)")
+    opt("--host-addr", help="address other hosts reach this host's workers at (default: this host's address "
+                            "on the route to etcd; gloo/NCCL then use the interface holding it)")
     opt("--rdzv-ttl", _positive_float, 10.0, "seconds after which a silent host is declared lost")
     opt("--rdzv-timeout", _positive_float, 600.0, "seconds to wait for min-np workers before failing")
     opt("--rdzv-settle", float, 0.5, "seconds to wait for more joiners once min-np are present")
@@ -201,7 +203,12 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     host_id = args.host_id or socket.gethostname()
-    host_addr = args.host_addr or ("127.0.0.1" if not args.rdzv_endpoint else _resolve(host_id))
+    first_endpoint = EtcdConfig.from_string(args.rdzv_endpoint).endpoints[0] if args.rdzv_endpoint else None
+    host_addr = args.host_addr or addressing.default_host_addr(first_endpoint, host_id)
+    socket_ifname = addressing.interface_holding(host_addr)
+    if socket_ifname is None:
+        logging.getLogger(__name__).info(
+            "no interface holds --host-addr %s (NAT?): gloo/NCCL pick their own interface", host_addr)
     command = ("-m", args.script, *args.args) if args.module else (args.script, *args.args)
     checkpoint = {}
     if args.checkpoint_dir:
@@ -226,6 +233,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         job_id=job_id,
         host_id=host_id,
         host_addr=host_addr,
+        socket_ifname=socket_ifname,
         ttl=args.rdzv_ttl,
         collective_timeout=args.collective_timeout,
         max_resets=args.max_resets,
@@ -238,13 +246,6 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         etcd_options=etcd_options,
     )
     return config, args
-
-
-def _resolve(host: str) -> str:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
