@@ -49,6 +49,7 @@ from rendezvous import (
 )
 
 from . import addressing
+from .errors import PeersUnreachable
 from .events import EventLog
 from .plain_store import PlainStores
 from .health import HealthServer, HealthState, SessionMonitor
@@ -96,6 +97,7 @@ class Agent:
         self._restarts = 0
         self._plan: Optional[RoundPlan] = None
         self._plain_failure_rounds: set[int] = set()
+        self._network_failure_rounds: set[int] = set()  # rounds whose workers could not connect
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
         self._session_lost = False
@@ -298,6 +300,9 @@ class Agent:
             return
         if self._leaving_since is not None:
             return
+        if exited.error is not None and exited.error.startswith(PeersUnreachable.REPORT_PREFIX):
+            self._on_network_failure(exited.worker_id, exited.error[len(PeersUnreachable.REPORT_PREFIX):])
+            return
         if exited.error is not None:
             # The worker's own report: an error in user code (or a reset budget used
             # up). Re-forming would only hit it again, so the job fails, once.
@@ -318,6 +323,24 @@ class Agent:
             self._wanted.append(self._new_worker_id())
         # Reported at once: the coordinator re-forms without waiting for any TTL.
         self.participant.set_workers(tuple(self._wanted))
+
+    # -- [addressing] peers that cannot reach each other ------------------------------------
+    def _on_network_failure(self, worker_id: str, reason: str) -> None:
+        """The round's workers could not connect to each other. Not a crash: the worker
+        stays wanted (it is started again in the next round), and nobody is dropped, so
+        the job does not bleed workers. One line per failed round; after --max-resets
+        such rounds the job fails with that line instead of retrying for ever."""
+        failed_round = self._plan.round if self._plan is not None else 0
+        if failed_round in self._network_failure_rounds:
+            return  # the round's other workers say the same
+        self._network_failure_rounds.add(failed_round)
+        log.warning("%s", reason)
+        self.events.emit("failure_detected", reason=reason, network=True, worker=worker_id)
+        if len(self._network_failure_rounds) > self.config.max_resets:
+            self.participant.set_status(JobStatus(
+                FAILED, f"{reason} ({len(self._network_failure_rounds)} rounds, --max-resets {self.config.max_resets})"))
+            return
+        self.participant.control.request_reset(worker_id, failed_round, reason)
 
     def _on_plain_failure(self, worker_id: str, proc: WorkerProcess, how: str) -> None:
         """torchrun semantics: any failure restarts every worker, counted once per round."""
