@@ -17,7 +17,7 @@ from typing import Optional
 
 from rendezvous import RendezvousError
 
-from .errors import ElasticError, LeftJob, HostsUpdatedInterrupt, ResetLimitExceeded, is_communication_error, summarize
+from .errors import ElasticError, LeftJob, HostsUpdatedInterrupt, PeersUnreachable, ResetLimitExceeded, is_communication_error, summarize
 from .recovery import run
 from .runtime import Runtime
 from .sampler import ElasticSampler
@@ -100,6 +100,13 @@ def _report_errors_to(path: str) -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        if isinstance(value, PeersUnreachable):
+            # A network fault, not a crash and not a bug: one line, and its own kind
+            # of report, so the agent neither fails the job nor drops this worker.
+            with open(path, "w") as f:
+                f.write(PeersUnreachable.REPORT_PREFIX + str(value) + "\n")
+            print(f"elastic: {value}", file=sys.stderr)
+            return
         try:
             # A broken ring or an unreachable etcd that escaped elastic.run is a
             # crash, not a user error: the agent then drops this worker and the

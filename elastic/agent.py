@@ -49,6 +49,8 @@ from rendezvous import (
     new_member_id,
 )
 
+from . import addressing
+from .errors import PeersUnreachable
 from .events import EventLog
 from .plain_store import PlainStores
 from .health import HealthServer, HealthState, SessionMonitor
@@ -76,6 +78,7 @@ class AgentConfig:
     log_dir: Optional[str] = None
     health_port: Optional[int] = None
     checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
+    socket_ifname: Optional[str] = None  # the interface holding host_addr, for gloo/NCCL (addressing.py)
     etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
 
 
@@ -97,6 +100,7 @@ class Agent:
         self._plan: Optional[RoundPlan] = None
         self._plan_started: Optional[RoundPlan] = None  # the plan before the one being acted on
         self._plain_failure_rounds: set[int] = set()
+        self._network_failure_rounds: set[int] = set()  # rounds whose workers could not connect
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
         self._session_lost = False
@@ -264,6 +268,9 @@ class Agent:
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_RESTART_COUNT=str(plan.round),
         )
+        # Peers reach gloo/NCCL at the interface holding --host-addr, not at whatever
+        # the host name resolves to; the user's own *_SOCKET_IFNAME win.
+        env.update(addressing.socket_ifname_env(cfg.socket_ifname, cfg.backend, env))
         if cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         if cfg.backend == "nccl":
@@ -340,6 +347,9 @@ class Agent:
             return
         if self._leaving_since is not None:
             return
+        if exited.error is not None and exited.error.startswith(PeersUnreachable.REPORT_PREFIX):
+            self._on_network_failure(exited.worker_id, exited.error[len(PeersUnreachable.REPORT_PREFIX):])
+            return
         if exited.error is not None:
             # The worker's own report: an error in user code (or a reset budget used
             # up). Re-forming would only hit it again, so the job fails, once.
@@ -361,6 +371,26 @@ class Agent:
         # Reported at once: the coordinator re-forms without waiting for any TTL.
         wanted = tuple(self._wanted)
         self._write_etcd(f"drop worker {exited.worker_id}", lambda: self.participant.set_workers(wanted))
+
+    # -- [addressing] peers that cannot reach each other ------------------------------------
+    def _on_network_failure(self, worker_id: str, reason: str) -> None:
+        """The round's workers could not connect to each other. Not a crash: the worker
+        stays wanted (it is started again in the next round), and nobody is dropped, so
+        the job does not bleed workers. One line per failed round; after --max-resets
+        such rounds the job fails with that line instead of retrying for ever."""
+        failed_round = self._plan.round if self._plan is not None else 0
+        if failed_round in self._network_failure_rounds:
+            return  # the round's other workers say the same
+        self._network_failure_rounds.add(failed_round)
+        log.warning("%s", reason)
+        self.events.emit("failure_detected", reason=reason, network=True, worker=worker_id)
+        if len(self._network_failure_rounds) > self.config.max_resets:
+            failed = JobStatus(
+                FAILED, f"{reason} ({len(self._network_failure_rounds)} rounds, --max-resets {self.config.max_resets})")
+            self._write_etcd("report the job failed", lambda: self.participant.set_status(failed))
+            return
+        self._write_etcd(f"ask for a round after {failed_round}",
+                         lambda: self.participant.control.request_reset(worker_id, failed_round, reason))
 
     def _on_plain_failure(self, worker_id: str, proc: WorkerProcess, how: str) -> None:
         """torchrun semantics: any failure restarts every worker, counted once per round."""

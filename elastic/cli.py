@@ -24,6 +24,7 @@ from rendezvous import (
     validate_job_id,
 )
 
+from . import addressing
 from .agent import Agent, AgentConfig
 
 USAGE_ERROR = 2
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--rdzv-endpoint", help="etcd v3 endpoints HOST:PORT[,HOST:PORT...]; none: start an embedded etcd")
     opt("--job-id", help="the job's name; required with --rdzv-endpoint")
     opt("--host-id", help="this host's identity (default: the host name)")
-    opt("--host-addr", help="address other hosts reach this host's workers at (default: resolved host name)")
+    opt("--host-addr", help="address other hosts reach this host's workers at (default: this host's address "
+                            "on the route to etcd; gloo/NCCL then use the interface holding it)")
     opt("--rdzv-ttl", _positive_float, 10.0, "seconds after which a silent host is declared lost")
     opt("--rdzv-timeout", _positive_float, 600.0, "seconds to wait for min-np workers before failing")
     opt("--rdzv-settle", float, 0.5, "seconds to wait for more joiners once min-np are present")
@@ -113,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--etcd-password", help="etcd password")
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script (all of them: "
+                   "options after SCRIPT are never taken for ours)")
     return p
 
 
@@ -129,9 +132,51 @@ def _coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace
                 raise ConfigError(f"{env}={value!r}: expected a {action.type.__name__}")
 
 
+def _split_at_script(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(launcher options, [SCRIPT, *its arguments]).
+
+    Everything after SCRIPT belongs to the script, as under torchrun. argparse cannot
+    be left to find SCRIPT: it matches abbreviations in the whole argv first, so a
+    script's ``--checkpoint`` would be refused as ambiguous (or taken, if unique).
+    """
+    takes_value = {flag: action.nargs != 0 for action in parser._actions for flag in action.option_strings}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return list(argv[:i]), list(argv[i + 1:])
+        if not token.startswith("-") or token == "-":
+            return list(argv[:i]), list(argv[i:])
+        flag, has_value = token.split("=", 1)[0], "=" in token
+        # The flag itself, else every option it abbreviates (argparse reports ambiguity later).
+        matches = [flag] if flag in takes_value else [f for f in takes_value if f.startswith(flag) and f[:2] == "--"]
+        i += 1 if has_value or not any(takes_value[f] for f in matches) else 2
+    return list(argv), []
+
+
+def _check_writable_dir(path: str) -> None:
+    """Create ``path`` and prove a file can be written and synced there, before any
+    training: an unusable checkpoint directory must not be found only at the first write."""
+    probe = os.path.join(path, f".elastic-run-probe-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {path} is not usable: {exc.strerror or exc}") from None
+
+
 def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    launcher, script = _split_at_script(parser, argv)
+    # "--" ends the options, so a SCRIPT such as "-x.py" is not taken for one.
+    args = parser.parse_args([*launcher, "--", *script[:1]] if script else launcher)
+    args.args = script[1:]
     _coerce_env_values(parser, args)
     if args.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
@@ -159,10 +204,16 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     host_id = args.host_id or socket.gethostname()
-    host_addr = args.host_addr or ("127.0.0.1" if not args.rdzv_endpoint else _resolve(host_id))
+    first_endpoint = EtcdConfig.from_string(args.rdzv_endpoint).endpoints[0] if args.rdzv_endpoint else None
+    host_addr = args.host_addr or addressing.default_host_addr(first_endpoint, host_id)
+    socket_ifname = addressing.interface_holding(host_addr)
+    if socket_ifname is None:
+        logging.getLogger(__name__).info(
+            "no interface holds --host-addr %s (NAT?): gloo/NCCL pick their own interface", host_addr)
     command = ("-m", args.script, *args.args) if args.module else (args.script, *args.args)
     checkpoint = {}
     if args.checkpoint_dir:
+        _check_writable_dir(os.path.abspath(args.checkpoint_dir))
         checkpoint = dict(
             checkpoint_dir=os.path.abspath(args.checkpoint_dir),
             checkpoint_every=args.checkpoint_every,
@@ -183,6 +234,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         job_id=job_id,
         host_id=host_id,
         host_addr=host_addr,
+        socket_ifname=socket_ifname,
         ttl=args.rdzv_ttl,
         collective_timeout=args.collective_timeout,
         max_resets=args.max_resets,
@@ -196,13 +248,6 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         etcd_options=etcd_options,
     )
     return config, args
-
-
-def _resolve(host: str) -> str:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

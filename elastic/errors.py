@@ -26,6 +26,23 @@ class ResetLimitExceeded(ElasticError):
     """More re-formations than ``--max-resets``: something keeps breaking the ring."""
 
 
+class PeersUnreachable(ElasticError):
+    """The workers of a round could not connect to each other (a wrong ``--host-addr``,
+    an interface gloo cannot use, a firewall). A fault of the network, not of a worker:
+    the agent must not count it as a crash (see ``agent.py``, ``_on_network_failure``)."""
+
+    # How a worker's one-line report names this kind to its agent (error file).
+    REPORT_PREFIX = "peers unreachable: "
+
+    def __init__(self, round_number: int, addresses: list[str], cause: str):
+        self.round = round_number
+        self.addresses = addresses
+        super().__init__(
+            f"round {round_number}: workers could not connect to each other at {', '.join(addresses)} "
+            f"({cause}); check --host-addr, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME and firewalls"
+        )
+
+
 class LeftJob(ElasticError):
     """This worker is no longer part of the job (graceful leave, or the job ended)."""
 
@@ -53,7 +70,7 @@ _COMMUNICATION_MARKERS = (
 
 
 def is_communication_error(exc: BaseException) -> bool:
-    if isinstance(exc, HostsUpdatedInterrupt):
+    if isinstance(exc, (HostsUpdatedInterrupt, PeersUnreachable)):
         return True
     if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True

@@ -39,7 +39,7 @@ from rendezvous import (
 )
 from rendezvous.errors import RendezvousTimeoutError
 
-from .errors import LeftJob
+from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
 from .events import EventLog
 from .ring_abort import RingHandle, prepare_ring, socket_snapshot
 from .worker_config import WorkerConfig
@@ -304,13 +304,20 @@ class Runtime:
                 if self._arrive(store, plan):
                     break
             plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
-        dist.init_process_group(
-            cfg.backend,
-            store=dist.PrefixStore("pg/", store),
-            rank=rank,
-            world_size=plan.world_size,
-            timeout=datetime.timedelta(seconds=cfg.collective_timeout),
-        )
+        try:
+            dist.init_process_group(
+                cfg.backend,
+                store=dist.PrefixStore("pg/", store),
+                rank=rank,
+                world_size=plan.world_size,
+                timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+            )
+        except Exception as exc:
+            if not is_communication_error(exc):
+                raise
+            # Everyone reached the store, but not each other: name the addresses.
+            addresses = sorted({addr for _, addr in plan.hosts.values()})
+            raise PeersUnreachable(plan.round, addresses, summarize(exc)) from None
         with self._backend_lock:
             self._ring = prepare_ring(before=before)
             self.plan = plan

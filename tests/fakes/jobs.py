@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from tests.fakes.waiting import poll
 
@@ -39,7 +39,9 @@ def read_jsonl(path: Path) -> list[dict]:
 class Job:
     """One elastic-run process (one agent) with its own output file."""
 
-    def __init__(self, tmp: Path, args: list[str], *, name: str = "job", env: Optional[dict] = None):
+    def __init__(self, tmp: Path, args: list[str], *, name: str = "job", env: Optional[dict] = None,
+                 prefix: Sequence[str] = ()):
+        """``prefix`` goes before the command, e.g. ``ip netns exec <ns>`` (tests/fakes/netns.py)."""
         self.tmp = tmp
         self.out = tmp / "out"
         self.log_dir = tmp / "logs"
@@ -49,7 +51,7 @@ class Job:
         full_env["PYTHONPATH"] = str(REPO)
         self._file = open(self.output, "wb")
         self.proc = subprocess.Popen(
-            [*ELASTIC_RUN, *args], cwd=REPO, env=full_env, stdout=self._file, stderr=subprocess.STDOUT,
+            [*prefix, *ELASTIC_RUN, *args], cwd=REPO, env=full_env, stdout=self._file, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
