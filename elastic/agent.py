@@ -59,6 +59,10 @@ from .workers import Exited, WorkerProcess
 
 log = logging.getLogger(__name__)
 
+# A worker that has not called elastic.init() within this long after its start is a
+# plain (torchrun-style) script; before that it may still be importing torch.
+_STARTUP_S = 60.0
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -173,6 +177,7 @@ class Agent:
             elif isinstance(item, _Signal):
                 self._on_signal(item.signum)
             self._flush_pending()
+            self._restart_plain_workers()
             try:
                 self._follow_control()
             except RendezvousError as exc:
@@ -219,17 +224,36 @@ class Agent:
         self.events.round = plan.round
         self._plain_stores.serve_if_rank0(plan)
         self._prune_store(plan.round)
+        self._restart_plain_workers()
         mine = set(plan.local_ranks(self.member_id))
         for worker_id in self._wanted:
-            proc = self._workers.get(worker_id)
-            if proc is not None and proc.alive and not proc.elastic and proc.started_round < plan.round:
-                # torchrun semantics for scripts without the elastic API: restart on change.
-                log.info("restarting %s for round %d (not an elastic worker)", worker_id, plan.round)
-                proc.stop()
-                proc.join(10) or proc.kill()
-                self._workers.pop(worker_id)
-                proc = None
-            if worker_id in mine and proc is None and self._leaving_since is None:
+            if worker_id in mine and worker_id not in self._workers and self._leaving_since is None:
+                self._start_worker(worker_id, plan)
+
+    def _restart_plain_workers(self) -> None:
+        """torchrun semantics for scripts without the elastic API: restart on a new round.
+
+        A worker that has not called ``elastic.init()`` yet may just be slow to start
+        (importing torch on a loaded host): when the round only grew, it counts as a
+        plain script only once it has run for ``_STARTUP_S`` without doing so, and each
+        turn looks again until then. After a crash its ring is broken either way: an
+        elastic worker restarted that early loses nothing but its start-up.
+        """
+        plan = self._plan
+        if plan is None or self._leaving_since is not None:
+            return
+        mine = set(plan.local_ranks(self.member_id))
+        for worker_id, proc in list(self._workers.items()):
+            if not proc.alive or proc.elastic or proc.started_round >= plan.round or proc.stopping:
+                continue
+            broken = bool(plan.lost) or proc.started_round in self._plain_failure_rounds
+            if not broken and time.monotonic() - proc.started_at < _STARTUP_S:
+                continue
+            log.info("restarting %s for round %d (not an elastic worker)", worker_id, plan.round)
+            proc.stop()
+            proc.join(10) or proc.kill()
+            self._workers.pop(worker_id)
+            if worker_id in mine:
                 self._start_worker(worker_id, plan)
 
     def _prune_store(self, current_round: int) -> None:
@@ -478,9 +502,18 @@ class Agent:
 
     def _watch_session(self) -> None:
         session = self.participant.session
-        if session is not None and session.lost.is_set() and not self._session_lost:
+        if session is None:
+            return
+        if session.lost.is_set() and not self._session_lost:
             self._session_lost = True
             self.health.mark_session_dead(session.lost_reason or "lease lost")
+            self.events.emit("session_lost", reason=session.lost_reason or "lease lost")
+        elif not session.lost.is_set() and self._session_lost:
+            # The link came back: the session registered us again on a new lease, so
+            # our workers join the job at its next commit as new members.
+            self._session_lost = False
+            self.health.mark_revived()
+            self.events.emit("member_joined", member=self.member_id, rejoined=True)
 
     def _lease_alive(self) -> bool:
         """Health check (monitor thread): is our member's lease alive in etcd?"""

@@ -63,6 +63,13 @@ class HealthState:
             self._lost_since = None
             self._last_ok = self._clock()  # registering took a working session
 
+    def mark_revived(self) -> None:
+        """A session that was given up came back on a new lease (a partition healed)."""
+        with self._lock:
+            self._dead = None
+            self._lost_since = None
+            self._last_ok = self._clock()
+
     def mark_session_ok(self) -> None:
         """A keep-alive (or a new session) succeeded: the outage, if any, is over."""
         with self._lock:

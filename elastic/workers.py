@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -59,6 +60,7 @@ class WorkerProcess:
             start_new_session=True,
         )
         self.pid = self.proc.pid
+        self.started_at = time.monotonic()
         self._pump = threading.Thread(target=self._forward_output, name=f"out-{worker_id}", daemon=True)
         self._pump.start()
         self._waiter = threading.Thread(

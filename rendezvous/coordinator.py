@@ -93,7 +93,13 @@ class Coordinator:
 
     # -- election -----------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set() and not self._session.lost.is_set():
+        while not self._stop.is_set():
+            if self._session.lost.is_set():
+                # Cut off from etcd: nothing to lead or campaign for until the
+                # session comes back (on a new lease), then campaign again.
+                self.leading.clear()
+                self._stop.wait(0.5)
+                continue
             try:
                 revision = self._campaign()
                 if revision is None:

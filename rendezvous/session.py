@@ -11,6 +11,11 @@ someone revoked it), the session grants a fresh lease and calls
 `on_new_lease(new_id)` so owners put their keys again. When that cannot be
 done within the TTL, or etcd stays unreachable past max(ttl, retry_deadline),
 `lost` is set with `lost_reason`: owners must treat their keys as gone.
+
+A lost session does not give up: a host cut off from etcd (a partition) comes
+back when its link does. It keeps trying, at a slower pace, to grant a new lease;
+when that works it calls `on_new_lease` (the owner registers again) and clears
+`lost`. `restored` counts those returns.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class Session:
         self.lost = threading.Event()
         self.lost_reason: str | None = None
         self.renewals = 0  # fresh leases granted after the first (tests, metrics)
+        self.restored = 0  # times the session came back after being lost
         self._needs_new_lease = False
         self._stopped = threading.Event()
         self.lease_id: int = etcd.grant_lease(self.ttl)
@@ -115,14 +121,20 @@ class Session:
                 else:
                     limit = max(self.ttl, self._etcd.config.retry_deadline)
                     what = f"could not refresh lease {self.lease_id:x}"
-                if now - trouble_since > limit:
+                if now - trouble_since > limit and not self.lost.is_set():
                     self._declare_lost(f"{what} for {now - trouble_since:.1f}s: {exc}")
-                    return
+                    # Our lease is as good as gone: from now on only a new one helps.
+                    self._needs_new_lease = True
                 level = logging.INFO if now == trouble_since else logging.DEBUG  # once per outage
                 log.log(level, "session %s: %s (%s); retrying", self.name, what, exc)
-                wait = min(self._interval, _RETRY_INTERVAL)
+                wait = self._interval if self.lost.is_set() else min(self._interval, _RETRY_INTERVAL)
             else:
                 trouble_since, wait = None, self._interval
+                if self.lost.is_set():
+                    self.restored += 1
+                    self.lost_reason = None
+                    self.lost.clear()
+                    log.warning("session %s: back on lease %x after being lost", self.name, self.lease_id)
 
     def _keep_alive_once(self) -> None:
         if not self._needs_new_lease:

@@ -15,8 +15,6 @@ from tests.fakes.waiting import poll as wait_until
 pytestmark = pytest.mark.timeout(30)
 
 
-
-
 def test_close_revokes_the_lease_at_once(etcd, job_prefix, no_leaked_threads):
     with Session(etcd, 10, name="closing") as session:
         etcd.put(job_prefix + "member", b"x", lease=session.lease_id)
@@ -73,8 +71,9 @@ def test_lost_is_set_when_the_lease_cannot_be_re_established(etcd, no_leaked_thr
     assert session.lost.wait(6)
     assert "could not re-establish lease" in session.lost_reason
     assert "cannot re-register" in session.lost_reason
-    assert not session.alive
+    assert session.alive  # a lost session keeps trying (a partition heals)
     session.close()
+    assert not session.alive
 
 
 def test_invalid_ttl_is_rejected(etcd):
@@ -115,4 +114,28 @@ def test_session_declares_loss_when_etcd_stays_away(fresh_etcd, no_leaked_thread
     assert "could not refresh lease" in session.lost_reason
     assert "cannot reach etcd" in session.lost_reason
     session.orphan()
+    client.close()
+
+
+def test_a_lost_session_comes_back_with_a_new_lease_when_etcd_does(fresh_etcd, job_prefix, no_leaked_threads):
+    client = Etcd(fresh_etcd.config(retry_deadline=1.0, call_timeout=0.5))
+    client.check()
+    registered = threading.Event()
+    leases = []
+
+    def owner(lease_id: int) -> None:
+        client.put(job_prefix + "member", b"back", lease=lease_id)
+        leases.append(lease_id)
+        registered.set()
+
+    session = Session(client, 1, on_new_lease=owner, name="cut-off")
+    old = session.lease_id
+    fresh_etcd.kill()
+    assert session.lost.wait(8)
+    fresh_etcd.restart()
+    assert registered.wait(15), "the session did not register again once etcd was back"
+    assert wait_until(lambda: not session.lost.is_set(), 5)
+    assert session.restored == 1 and session.lease_id == leases[-1] != old
+    assert client.get(job_prefix + "member").lease == session.lease_id
+    session.close()
     client.close()
