@@ -75,7 +75,7 @@ def run_through(tmp_path, etcd_server, workers: int, schedule: list[str], script
     """``workers`` workers, then ``schedule`` ("kill" or "join", each followed by a few steps), then stop."""
     job_id = f"gbatch-{uuid.uuid4().hex[:8]}"
     stop_file = tmp_path / "stop"
-    args = [*script_args, "--stop-file", str(stop_file), "--step-delay", "0.1"]
+    args = [*script_args, "--stop-file", str(stop_file), "--step-delay", "0.25"]  # fewer steps: a shorter plain run
     first = agent(tmp_path, etcd_server.endpoint, job_id, workers, args, name="first")
     joiners = []
     expected = [workers]
