@@ -20,13 +20,14 @@ from rendezvous import RendezvousError
 from .errors import ElasticError, LeftJob, HostsUpdatedInterrupt, PeersUnreachable, ResetLimitExceeded, is_communication_error, summarize
 from .recovery import run
 from .runtime import Runtime
+from .global_batch import accumulate
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 from .worker_config import WorkerConfig
 
 __all__ = [
     "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "ResetLimitExceeded",
-    "State", "TorchState", "init", "local_rank", "rank", "round", "run", "shutdown", "size",
+    "State", "TorchState", "accumulate", "init", "local_rank", "rank", "round", "run", "shutdown", "size",
 ]
 
 _current: Optional[Runtime] = None

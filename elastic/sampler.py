@@ -39,6 +39,15 @@ exactly-once:
 The one case no layout can serve is fewer remaining samples than ranks (a world
 that grew at the very end of an epoch): ``batches()`` then yields nothing and
 those samples are skipped for this epoch, with a warning.
+
+Constant global batch
+---------------------
+``batches(global_batch_size=G)`` fixes the batch of the job instead: each step's
+global batch is the next ``G`` samples of ``R`` at any world size, shares are
+uneven when ``W`` does not divide ``G``, ``loss_scale`` (``W / G``) makes a sum
+loss the mean over the global batch, and ``record_batch(batch_idx)`` needs no
+size. The layout, the last smaller batch and micro-batches are described in
+``elastic.global_batch``.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ from typing import Iterable, Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler
+
+from .global_batch import GlobalBatchSampler, global_batch_bounds, non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +92,8 @@ class ElasticSampler(Sampler[int]):
         self._extra: set[int] = set()  # processed, but beyond that prefix
         self._permutation: list[int] | None = None
         self._pass: list[int] | None = None  # R of the current pass (see module doc)
+        # Set by batches(): G in the constant-global-batch mode, None for per-rank batches.
+        self.global_batch_size: int | None = None
 
     # -- epoch and world -------------------------------------------------------------
 
@@ -110,19 +123,28 @@ class ElasticSampler(Sampler[int]):
 
     # -- progress --------------------------------------------------------------------
 
-    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+    def record_batch(self, batch_idx: int, batch_size: int | None = None) -> None:
         """Mark global batch ``batch_idx`` of the current pass processed (on every rank).
 
         Call it on every rank after the synchronous step of the loader's batch
-        ``batch_idx`` (its index within the current iteration). Works for both a
-        ``DataLoader(batch_size=...)`` over the sampler and ``batches()``.
+        ``batch_idx`` (its index within the current iteration). With per-rank
+        batches (``batches(B)`` or a ``DataLoader(batch_size=B)``) pass ``B``; after
+        ``batches(global_batch_size=G)`` the size is not needed: the whole global
+        batch ``batch_idx`` (``G`` samples, or the smaller last one) is marked.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if batch_idx < 0:
-            raise ValueError(f"batch_idx must be >= 0, got {batch_idx}")
-        start, end = _global_batch_bounds(len(self._current_pass()), self.num_replicas, batch_size, batch_idx)
-        self._mark(self._current_pass()[start:end])
+        batch_idx = non_negative_int("batch_idx", batch_idx)
+        pass_indices = self._current_pass()
+        if self.global_batch_size is not None:
+            if batch_size is not None and batch_size != self.global_batch_size:
+                raise ValueError(f"record_batch got batch_size {batch_size}, but the sampler yields global "
+                                 f"batches of {self.global_batch_size}: call record_batch(batch_idx)")
+            start, end = global_batch_bounds(len(pass_indices), self.global_batch_size, batch_idx)
+        else:
+            if batch_size is None:
+                raise ValueError("record_batch needs the per-rank batch_size (or use batches(global_batch_size=G))")
+            batch_size = positive_int("batch_size", batch_size)
+            start, end = _global_batch_bounds(len(pass_indices), self.num_replicas, batch_size, batch_idx)
+        self._mark(pass_indices[start:end])
 
     def record_indices(self, indices: Iterable[int]) -> None:
         """Mark specific global dataset indices processed (an alternative to record_batch)."""
@@ -139,6 +161,29 @@ class ElasticSampler(Sampler[int]):
     @property
     def remaining_count(self) -> int:
         return self.length - len(self._processed)
+
+    @property
+    def loss_scale(self) -> float:
+        """``W / G``: multiply a *sum* loss by it to get the mean over the global batch.
+
+        ``loss_fn(output, target, reduction="sum") * sampler.loss_scale``: DDP divides
+        the all-reduced gradient by ``W``, so the step's gradient is the mean-loss
+        gradient over the ``G`` samples of the global batch, even when the ranks'
+        shares differ in size (``W`` does not divide ``G``) or are cut into
+        micro-batches. For the last, smaller global batch of an epoch (``g < G``
+        samples) it is ``W / g``: that step is the mean over its own ``g`` samples,
+        as a single process's last, short DataLoader batch with a mean loss is.
+
+        The current global batch is the next one to be recorded (``record_batch``
+        after each step), so read it between the step's start and its
+        ``record_batch``. Only defined after ``batches(global_batch_size=G)``.
+        """
+        if self.global_batch_size is None:
+            raise ValueError("loss_scale is defined for global batches: call batches(global_batch_size=G) first")
+        current = min(self.global_batch_size, self.remaining_count)
+        if current == 0 or (self.drop_last and current < self.global_batch_size):
+            current = self.global_batch_size  # no (short) batch left to run
+        return self.num_replicas / current
 
     # -- committed state -------------------------------------------------------------
 
@@ -178,9 +223,27 @@ class ElasticSampler(Sampler[int]):
     def __len__(self) -> int:
         return len(self._current_pass()[self.rank :: self.num_replicas])
 
-    def batches(self, batch_size: int) -> "ElasticBatchSampler":
-        """A batch sampler with the same number of batches on every rank (see module doc)."""
-        return ElasticBatchSampler(self, batch_size)
+    def batches(
+        self, batch_size: int | None = None, *, global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> "ElasticBatchSampler | GlobalBatchSampler":
+        """A batch sampler with the same number of batches on every rank.
+
+        ``batches(B)``: ``B`` samples per rank and step (see the module doc).
+        ``batches(global_batch_size=G)``: ``G`` samples per step over the whole world,
+        at any world size; with ``micro_batch_size=M`` each step is this rank's share
+        as a list of micro-batches of at most ``M`` (see ``elastic.global_batch``).
+        """
+        if (batch_size is None) == (global_batch_size is None):
+            raise ValueError("batches() takes either a per-rank batch_size or a global_batch_size")
+        if global_batch_size is None:
+            if micro_batch_size is not None:
+                raise ValueError("micro_batch_size needs global_batch_size")
+            self.global_batch_size = None
+            return ElasticBatchSampler(self, batch_size)
+        sampler = GlobalBatchSampler(self, global_batch_size, micro_batch_size)
+        self.global_batch_size = sampler.global_batch_size
+        return sampler
 
     # -- internals -------------------------------------------------------------------
 
@@ -210,7 +273,8 @@ class ElasticSampler(Sampler[int]):
 
     def _remaining(self) -> list[int]:
         remaining = [i for i in self._epoch_permutation() if i not in self._processed]
-        if self.drop_last:
+        # Global batches drop only a short last global batch (elastic.global_batch).
+        if self.drop_last and self.global_batch_size is None:
             remaining = remaining[: len(remaining) - len(remaining) % self.num_replicas]
         return remaining
 
@@ -224,10 +288,8 @@ class ElasticBatchSampler(Sampler[list[int]]):
     """Yields this rank's batches of a pass; equal batch counts on every rank."""
 
     def __init__(self, sampler: ElasticSampler, batch_size: int) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.sampler = sampler
-        self.batch_size = batch_size
+        self.batch_size = positive_int("batch_size", batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         sampler = self.sampler

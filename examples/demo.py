@@ -4,6 +4,10 @@
 2. one worker is killed with SIGKILL mid-run: the other three re-form in-process;
 3. a second `elastic-run` joins the same job with one more worker: the ring grows;
 4. the events (with their durations) and the final test accuracy are printed.
+
+Arguments are passed on to digits.py: `python examples/demo.py --global-batch-size 100`
+runs the same demo with a constant global batch, whose final accuracy is the one of
+`python examples/digits.py --epochs 30 --global-batch-size 100` run alone.
 """
 
 from __future__ import annotations
@@ -49,11 +53,12 @@ def events(path):
 
 
 def main() -> int:
+    train_args = [*TRAIN_ARGS, *sys.argv[1:]]  # later options win in argparse
     logs = Path(tempfile.mkdtemp(prefix="elastic-demo-"))
     events_file = logs / "events.jsonl"
     cmd = [sys.executable, "-m", "elastic.cli", "--np", "4", "--min-np", "2", "--max-np", "4",
-           "--log-dir", str(logs), DIGITS, *TRAIN_ARGS]
-    print("demo: $ elastic-run --np 4 --min-np 2 --max-np 4 --log-dir", logs, "examples/digits.py", *TRAIN_ARGS)
+           "--log-dir", str(logs), DIGITS, *train_args]
+    print("demo: $ elastic-run --np 4 --min-np 2 --max-np 4 --log-dir", logs, "examples/digits.py", *train_args)
     first_lines: list[str] = []
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     threading.Thread(target=stream, args=(first, "", first_lines), daemon=True).start()
@@ -70,7 +75,7 @@ def main() -> int:
         time.sleep(2.0)
         print("\ndemo: a second elastic-run joins with one more worker\n", flush=True)
         join = [sys.executable, "-m", "elastic.cli", "--rdzv-endpoint", endpoint, "--job-id", "local",
-                "--nproc-per-node", "1", "--min-np", "2", "--max-np", "4", "--log-dir", str(logs), DIGITS, *TRAIN_ARGS]
+                "--nproc-per-node", "1", "--min-np", "2", "--max-np", "4", "--log-dir", str(logs), DIGITS, *train_args]
         second = subprocess.Popen(join, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         threading.Thread(target=stream, args=(second, "(joiner) ", []), daemon=True).start()
         first_code = first.wait(600)

@@ -2,11 +2,17 @@
 
     python examples/digits.py --epochs 2                  # alone: a world of one
     elastic-run --np 4 --min-np 2 examples/digits.py --epochs 20 --step-delay 0.05
+    elastic-run --np 4 --min-np 2 examples/digits.py --global-batch-size 100
 
 The data set ships with scikit-learn (no download). The train/test split is fixed by
 --seed, so every worker holds the same split; the ElasticSampler hands each rank its
 share of the epoch, and its progress is part of the committed state, so after a
 resize every training sample of an epoch is still seen exactly once.
+
+With --global-batch-size G every step trains on the same G samples at any world
+size (a sum loss times ``sampler.loss_scale``), so a run that loses or gains
+workers follows the trajectory of a run that does not; --micro-batch-size M
+accumulates each worker's share in pieces of at most M.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import elastic
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker (without --global-batch-size)")
+    parser.add_argument("--global-batch-size", type=int, help="samples per step over all workers, at any world size")
+    parser.add_argument("--micro-batch-size", type=int, help="with --global-batch-size: accumulate in pieces of this")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--hidden", type=int, default=64)
@@ -45,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.commit_every < 1:
         parser.error("--epochs, --batch-size and --commit-every must be >= 1")
+    if any(value is not None and value < 1 for value in (args.global_batch_size, args.micro_batch_size)):
+        parser.error("--global-batch-size and --micro-batch-size must be >= 1")
+    if args.micro_batch_size is not None and args.global_batch_size is None:
+        parser.error("--micro-batch-size needs --global-batch-size")
     return args
 
 
@@ -95,17 +107,20 @@ def main(argv=None) -> None:
         ddp = DDP(state.model) if dist.is_initialized() else state.model
         for state.epoch in range(state.epoch, args.epochs):
             state.sampler.set_epoch(state.epoch)  # same epoch again after a re-form: keeps progress
-            # batches() gives every rank the same number of batches (DDP needs that).
-            loader = DataLoader(train_data, batch_sampler=state.sampler.batches(args.batch_size))
-            for batch_idx, (x, y) in enumerate(loader):
+            for batch_idx, batch in enumerate(epoch_batches(args, state.sampler, train_data)):
                 if args.stop_file and stop_requested(args.stop_file):
                     state.commit()
                     return
-                loss = F.cross_entropy(ddp(x), y)
                 state.optimizer.zero_grad()
-                loss.backward()
-                state.optimizer.step()
-                state.sampler.record_batch(batch_idx, args.batch_size)
+                if args.global_batch_size:
+                    global_batch_step(ddp, state.sampler, train_data, batch, args.micro_batch_size is not None)
+                    state.optimizer.step()
+                    state.sampler.record_batch(batch_idx)  # the whole global batch
+                else:
+                    x, y = batch
+                    F.cross_entropy(ddp(x), y).backward()
+                    state.optimizer.step()
+                    state.sampler.record_batch(batch_idx, args.batch_size)
                 state.step += 1
                 if args.progress:
                     record_progress(args.progress, state)
@@ -126,6 +141,29 @@ def main(argv=None) -> None:
         print(f"test_loss {test_loss:.4f} test_accuracy {accuracy:.4f}", flush=True)
         if args.out:
             write_result(args.out, state, accuracy, test_loss)
+
+
+def epoch_batches(args, sampler: elastic.ElasticSampler, data: TensorDataset):
+    """This epoch's batches on this rank: the same number on every rank (DDP needs that)."""
+    if args.global_batch_size:
+        # This rank's share of each global batch, as index lists (micro-batches with M).
+        return sampler.batches(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size)
+    return DataLoader(data, batch_sampler=sampler.batches(args.batch_size))
+
+
+def global_batch_step(ddp, sampler: elastic.ElasticSampler, data: TensorDataset, rows, micro: bool) -> None:
+    """Gradients of the mean loss over the global batch, whatever this rank's share is.
+
+    A sum loss times loss_scale (W / G), averaged by DDP over W ranks, is the mean
+    over the G samples. The data is indexed directly, not through a DataLoader: a
+    short last global batch can leave a rank an empty share, which the default
+    collate cannot batch; the rank still runs the step (zero rows, zero gradient).
+    """
+    x_all, y_all = data.tensors
+    for piece in elastic.accumulate(ddp, rows if micro else [rows]):
+        piece = torch.tensor(piece, dtype=torch.long)
+        loss = F.cross_entropy(ddp(x_all[piece]), y_all[piece], reduction="sum") * sampler.loss_scale
+        loss.backward()
 
 
 def stop_requested(path: str) -> bool:

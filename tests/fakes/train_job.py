@@ -2,7 +2,9 @@
 
 Each step uses the global batch ``step`` of a fixed synthetic data set; rank r
 takes rows r::world of it, so with a mean loss and DDP's gradient averaging the
-result equals single-process training on the whole global batch.
+result equals single-process training on the whole global batch. With --epochs
+the ElasticSampler picks the rows instead: 4 per rank, or with --global-batch-size
+G each step is the sampler's next global batch of G (a sum loss times loss_scale).
 
 Files written to --out (one line per event, flushed at once, so tests can watch):
   pids.jsonl      {"pid", "rank", "round", "world"} at every (re-)entry
@@ -33,6 +35,10 @@ p.add_argument("--fail-rank", type=int, default=None)
 p.add_argument("--fail-step", type=int, default=None)
 p.add_argument("--epochs", type=int, default=0, help="sampler mode: epochs over --dataset-size samples")
 p.add_argument("--dataset-size", type=int, default=240)
+p.add_argument("--global-batch-size", type=int, default=None,
+               help="sampler mode: batches(global_batch_size=G), a sum loss times loss_scale")
+p.add_argument("--max-steps", type=int, default=None, help="sampler mode: stop after this many steps")
+p.add_argument("--micro-batch-size", type=int, default=None, help="... each share as micro-batches of at most M")
 p.add_argument("--slow-rank", type=int, default=None, help="this rank stalls once, mid-step (grace tests)")
 p.add_argument("--slow-step", type=int, default=None, help="... in the first step >= this it runs, between finishing and committing it")
 p.add_argument("--slow-delay", type=float, default=0.0)
@@ -68,6 +74,18 @@ def one_step(ddp, rows):
     state.optimizer.step()
 
 
+def global_batch_step(ddp, rows):
+    """One step on this rank's share of the global batch; returns the indices it used."""
+    micro_batches = rows if args.micro_batch_size else [rows]
+    state.optimizer.zero_grad()
+    for micro in elastic.accumulate(ddp, micro_batches):
+        micro = torch.tensor(micro, dtype=torch.long)  # may be empty: a short last batch
+        loss = F.cross_entropy(ddp(X[micro]), Y[micro], reduction="sum") * state.sampler.loss_scale
+        loss.backward()
+    state.optimizer.step()
+    return [i for micro in micro_batches for i in micro]
+
+
 def record_step(indices):
     append("steps.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
                            "round": elastic.round(), "step": state.step, "epoch": state.epoch, "t": time.time(),
@@ -100,14 +118,25 @@ def train(state):
             if state.sampler.processed_count == 0:
                 state.sampler.set_epoch(state.epoch)
             state.sampler.set_rank(rank, world)
-            batches = list(state.sampler.batches(4))
+            if args.global_batch_size:
+                batches = list(state.sampler.batches(global_batch_size=args.global_batch_size,
+                                                     micro_batch_size=args.micro_batch_size))
+            else:
+                batches = list(state.sampler.batches(4))
             for batch_idx, rows in enumerate(batches):
-                one_step(ddp, torch.tensor(rows))
-                state.sampler.record_batch(batch_idx, 4)
+                if told_to_stop() or (args.max_steps is not None and state.step >= args.max_steps):
+                    return
+                if args.global_batch_size:
+                    rows = global_batch_step(ddp, rows)
+                    state.sampler.record_batch(batch_idx)
+                else:
+                    one_step(ddp, torch.tensor(rows))
+                    state.sampler.record_batch(batch_idx, 4)
                 state.step += 1
                 record_step(rows)
                 time.sleep(args.step_delay)
-                state.commit()
+                if state.step % args.commit_every == 0:
+                    state.commit()
             state.sampler.set_epoch(state.epoch + 1)
         return
     while state.step < args.steps and not told_to_stop():
