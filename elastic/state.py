@@ -5,6 +5,14 @@ never a fresh deep copy, then asks the runtime whether the ring changes at this
 commit. ``sync()`` broadcasts rank 0's committed state to every worker of a new
 ring: the layout (small, pickled) first, then one flat buffer per dtype.
 
+A receiver keeps its last commit until a sync has fully arrived: it receives into
+a second snapshot and swaps the two only when every buffer is in, so a rank 0 lost
+half-way leaves ``restore()`` the previous commit. The second snapshot is kept and
+reused by the next sync. That costs a receiver one more host copy of the state for
+as long as it lives, but a sync needs both copies at its peak anyway, and reusing
+the buffers keeps allocation and page faults (seconds for a state of many GB) out
+of the recovery path. Rank 0 does not keep one.
+
 Durable checkpoints (``elastic-run --checkpoint-dir``) are written by rank 0 in the
 background from its last commit. Disk is only read by a *fresh* rank 0 (one that has
 never committed or synced in this process), at its first sync: that is a full
@@ -52,6 +60,7 @@ class State:
     def __init__(self, **values: Any):
         object.__setattr__(self, "_value_names", tuple(values))
         object.__setattr__(self, "_snapshot", Snapshot())
+        object.__setattr__(self, "_spare", None)  # a receiver's buffers for the next sync
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_commits", 0)
         object.__setattr__(self, "_rng", None)
@@ -123,11 +132,22 @@ class State:
         started = time.monotonic()
         layout = [self._snapshot.layout() if runtime.rank == 0 else None]
         dist.broadcast_object_list(layout, src=0)
-        if runtime.rank != 0:
-            object.__setattr__(self, "_snapshot", Snapshot.from_layout(layout[0]))
-        for buffer in self._snapshot.buffers():
-            _broadcast_from_rank0(buffer, runtime.backend)
-        if runtime.rank != 0:
+        if runtime.rank == 0:
+            object.__setattr__(self, "_spare", None)  # only receivers need one
+            for buffer in self._snapshot.buffers():
+                _broadcast_from_rank0(buffer, runtime.backend)
+        else:
+            # Receive beside the last commit, never into it: if rank 0 is lost half-way,
+            # restore() must still find the commit, not zeros or half of the new state.
+            receiving = self._spare if self._spare is not None else Snapshot()
+            receiving.adopt_layout(layout[0])
+            for buffer in receiving.buffers():
+                _broadcast_from_rank0(buffer, runtime.backend)
+            # Every buffer arrived: the received state is the commit now. The previous
+            # commit's buffers receive the next sync (same layout: no allocation).
+            previous = self._snapshot
+            object.__setattr__(self, "_snapshot", receiving)
+            object.__setattr__(self, "_spare", None if previous.empty else previous)
             self._load(self._snapshot.tree())
             object.__setattr__(self, "_rng", torch.get_rng_state())
             object.__setattr__(self, "_fresh", False)
