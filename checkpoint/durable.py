@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 # after this long without a change. Generous: a live writer changes its file all the
 # time while it writes, and a whole write of many GB takes minutes.
 STALE_TMP_SECONDS = 3600.0
+# Test hook, read only here: a path; every write waits (at most an hour) until that
+# file exists before writing its data, so an end-to-end test can hold a final checkpoint
+# "still being written" when the job ends (tests/integration/test_final_checkpoint.py).
+# Unset in production.
+TEST_WRITE_GATE_ENV = "ELASTIC_TEST_CHECKPOINT_WRITE_GATE"
 _TMP_OWNER = re.compile(r"@(?P<host>[^@:/]+):(?P<pid>\d+)$")
 
 
@@ -243,6 +248,7 @@ class DurableWriter:
         try:
             os.makedirs(directory, exist_ok=True)
             os.mkdir(tmp)
+            _wait_for_test_gate()
             files = {mf.STATE_NAME: self._write_state(os.path.join(tmp, mf.STATE_NAME))}
             manifest = mf.build_manifest(
                 step=job.step, files=files, created=time.time(), epoch=job.epoch,
@@ -326,6 +332,13 @@ class DurableWriter:
     def _fail(self, message: str) -> None:
         self.last_error = message
         logger.error(message)
+
+
+def _wait_for_test_gate() -> None:
+    gate = os.environ.get(TEST_WRITE_GATE_ENV)
+    deadline = time.monotonic() + 3600
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _checkpoint_names(directory: str) -> dict[tuple[int, int], str]:

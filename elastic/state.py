@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -177,11 +178,20 @@ class State:
         if self._policy is None or runtime.rank != 0:
             return
         writer = self._rank0_writer()
-        writer.flush()
-        already_durable = self._durable_step == self._commits and writer.last_error is None
-        if final and not self._snapshot.empty and not already_durable:
-            self._submit(writer, runtime)
+        # The agent gives a worker that says it is writing the final checkpoint
+        # --final-checkpoint-timeout, not the moment it gives the others at the end.
+        marker = getattr(runtime.config, "final_checkpoint_file", None) if final else None
+        if marker:
+            _touch(marker)
+        try:
             writer.flush()
+            already_durable = self._durable_step == self._commits and writer.last_error is None
+            if final and not self._snapshot.empty and not already_durable:
+                self._submit(writer, runtime)
+                writer.flush()
+        finally:
+            if marker:
+                _remove(marker)
 
     def _resolve_policy(self, runtime) -> None:
         """Take the policy from the worker's config once (on the first sync or commit)."""
@@ -242,6 +252,21 @@ class State:
 
 
 ObjectState = State
+
+
+def _touch(path: str) -> None:
+    try:
+        with open(path, "w"):
+            pass
+    except OSError as exc:  # the agent then only gives the usual moment
+        log.warning("cannot create %s: %s", path, exc)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _broadcast_from_rank0(buffer: torch.Tensor, backend: str) -> None:
