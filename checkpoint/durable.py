@@ -3,22 +3,38 @@
 The training loop only pays for one copy of the state into a staging snapshot that the
 writer owns; a background thread then serializes, checksums, fsyncs and renames:
 
-    .tmp-step-000000123-<hex>/state.pt       torch.save, sha256 computed while writing
-    .tmp-step-000000123-<hex>/manifest.json  written last
+    .tmp-step-000000123-<hex>@<host>:<pid>/state.pt       torch.save, sha256 computed while writing
+    .tmp-step-000000123-<hex>@<host>:<pid>/manifest.json  written last
     fsync files, fsync the tmp dir, rename to step-000000123/, fsync the parent
 
 so a crash at any moment leaves either the complete new checkpoint or none of it.
 Older checkpoints are pruned only after the new one is durable. I/O failures (read-only
 file system, ENOSPC, permissions) never reach the training loop: they are logged as one
 line, kept in ``last_error``, and the partial tmp dir is removed.
+
+Two writers may share a directory for a while (an old rank 0 still writing while a new
+one starts), so nothing a writer does may destroy the other's work:
+
+* a tmp dir names its writer (host and pid); a new writer removes it only when that
+  process is gone, or, for a writer on another host (or of unknown name), when the
+  dir has not changed for ``STALE_TMP_SECONDS``;
+* publishing is one rename to a name that does not exist yet: a rewrite of a step
+  becomes ``step-<n>.<version>``, which loaders prefer; nothing is renamed aside;
+* a prune deletes only checkpoints older than the one its writer just published.
+
+A write may carry a fence (``still_current``), asked right before publishing: a
+rank 0 whose round is over must not publish what it wrote for that round.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
+import re
 import secrets
 import shutil
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +48,17 @@ from .snapshot import Snapshot
 __all__ = ["CheckpointPolicy", "DurableWriter", "check_local_directory"]
 
 logger = logging.getLogger(__name__)
+
+# A tmp dir whose writer cannot be checked (another host, an unnamed writer) is stale
+# after this long without a change. Generous: a live writer changes its file all the
+# time while it writes, and a whole write of many GB takes minutes.
+STALE_TMP_SECONDS = 3600.0
+# Test hook, read only here: a path; every write waits (at most an hour) until that
+# file exists before writing its data, so an end-to-end test can hold a final checkpoint
+# "still being written" when the job ends (tests/integration/test_final_checkpoint.py).
+# Unset in production.
+TEST_WRITE_GATE_ENV = "ELASTIC_TEST_CHECKPOINT_WRITE_GATE"
+_TMP_OWNER = re.compile(r"@(?P<host>[^@:/]+):(?P<pid>\d+)$")
 
 
 def check_local_directory(directory: str) -> None:
@@ -106,6 +133,7 @@ class _Job:
     round: int | None
     world_size: int | None
     meta: dict | None
+    still_current: Callable[[], bool] | None
 
 
 class DurableWriter:
@@ -151,11 +179,15 @@ class DurableWriter:
         round: int | None = None,
         world_size: int | None = None,
         meta: dict | None = None,
+        still_current: Callable[[], bool] | None = None,
     ) -> bool:
         """Stage a copy of `tree` and write it in the background. False if skipped.
 
         The copy is the only stall the caller sees. A submit while the previous write is
         still running is dropped, not queued: a queue would hold stale states in memory.
+        ``still_current`` is asked (on the writer's thread) once the data is written and
+        before it is published; False, or an exception, refuses the write: its round is
+        over and a newer rank 0 owns the directory.
         """
         if self._closed:
             raise ValueError("DurableWriter is closed")
@@ -170,7 +202,7 @@ class DurableWriter:
             return False
         self._staging.capture(tree)
         self._last_submit = self._clock()
-        job = _Job(step, epoch, round, world_size, dict(meta) if meta else None)
+        job = _Job(step, epoch, round, world_size, dict(meta) if meta else None, still_current)
         self._thread = threading.Thread(target=self._write, args=(job,), name="checkpoint-writer", daemon=True)
         self._thread.start()
         return True
@@ -196,13 +228,14 @@ class DurableWriter:
     # -- background ---------------------------------------------------------------------
 
     def _prepare_directory(self) -> None:
-        """Create the directory and remove stale tmp dirs of writers that crashed."""
+        """Create the directory and remove the tmp dirs of writers that are gone."""
         directory = self.policy.directory
         try:
             os.makedirs(directory, exist_ok=True)
             for name in os.listdir(directory):
-                if name.startswith(mf.TMP_PREFIX):
-                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+                path = os.path.join(directory, name)
+                if name.startswith(mf.TMP_PREFIX) and _tmp_is_stale(name, path):
+                    shutil.rmtree(path, ignore_errors=True)
         except OSError as exc:
             self._fail(f"checkpoint directory {directory} is not usable: {_describe(exc)}")
 
@@ -210,10 +243,12 @@ class DurableWriter:
         started = time.monotonic()
         directory = self.policy.directory
         final = os.path.join(directory, mf.step_dirname(job.step))
-        tmp = os.path.join(directory, f"{mf.TMP_PREFIX}{mf.step_dirname(job.step)}-{secrets.token_hex(4)}")
+        owner = f"{socket.gethostname()}:{os.getpid()}"  # at write time: a fork has its own pid
+        tmp = os.path.join(directory, f"{mf.TMP_PREFIX}{mf.step_dirname(job.step)}-{secrets.token_hex(4)}@{owner}")
         try:
             os.makedirs(directory, exist_ok=True)
             os.mkdir(tmp)
+            _wait_for_test_gate()
             files = {mf.STATE_NAME: self._write_state(os.path.join(tmp, mf.STATE_NAME))}
             manifest = mf.build_manifest(
                 step=job.step, files=files, created=time.time(), epoch=job.epoch,
@@ -221,7 +256,13 @@ class DurableWriter:
             )
             mf.write_manifest(tmp, manifest)
             mf.fsync_dir(tmp)
-            self._publish(tmp, final)
+            refusal = _fence_refusal(job)
+            if refusal is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.last_error = f"checkpoint of step {job.step} not published: {refusal}"
+                logger.warning(self.last_error)
+                return
+            final = self._publish(tmp, job.step)
             mf.fsync_dir(directory)
         except Exception as exc:  # noqa: BLE001 - nothing may escape into training
             shutil.rmtree(tmp, ignore_errors=True)
@@ -231,7 +272,7 @@ class DurableWriter:
         self.last_path = final
         self.last_write_seconds = time.monotonic() - started
         logger.debug("checkpoint of step %d written to %s in %.3f s", job.step, final, self.last_write_seconds)
-        self._prune(keep_path=final)
+        self._prune(own=final)
 
     def _write_state(self, path: str) -> dict[str, Any]:
         with open(path, "wb", buffering=0) as f:
@@ -245,32 +286,44 @@ class DurableWriter:
             os.fsync(f.fileno())
         return {"size": out.size, "sha256": out.sha256.hexdigest()}
 
-    @staticmethod
-    def _publish(tmp: str, final: str) -> None:
-        """Rename tmp to final; an existing final dir of the same step is replaced."""
-        if not os.path.exists(final):
-            os.rename(tmp, final)
-            return
-        # rename() cannot replace a non-empty directory: move the old one aside first
-        # (the aside name is a tmp name, so loaders ignore it and writers clean it up).
-        aside = f"{tmp}-replaced"
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
+    def _publish(self, tmp: str, step: int) -> str:
+        """Rename tmp to a checkpoint name of `step` that does not exist yet; return it.
 
-    def _prune(self, keep_path: str) -> None:
-        """Delete all but the newest `keep` checkpoints; never the one just written."""
+        rename() fails on an existing non-empty directory, so a name another writer
+        took first (even between our check and our rename) makes us take the next one.
+        """
         directory = self.policy.directory
+        for _ in range(100):
+            versions = [v for s, v in _checkpoint_names(directory) if s == step]
+            final = os.path.join(directory, mf.checkpoint_dirname(step, max(versions) + 1 if versions else 0))
+            try:
+                os.rename(tmp, final)
+                return final
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+        raise OSError(errno.EEXIST, f"no free checkpoint name for step {step} in {directory}")
+
+    def _prune(self, own: str) -> None:
+        """Keep the newest `keep` steps; delete only what is older than `own`.
+
+        A stale writer (an old rank 0 publishing late) must never delete what a newer
+        writer published; an older copy of a step that was rewritten goes as well.
+        """
+        directory = self.policy.directory
+        own_key = mf.parse_checkpoint_dirname(os.path.basename(own))
         try:
-            steps = sorted(
-                ((s, n) for n in os.listdir(directory) if (s := mf.parse_step_dirname(n)) is not None),
-                reverse=True,
-            )
+            names = sorted(_checkpoint_names(directory).items(), reverse=True)
         except OSError as exc:
             logger.warning("cannot list %s to prune old checkpoints: %s", directory, _describe(exc))
             return
-        others = [os.path.join(directory, n) for _, n in steps if os.path.join(directory, n) != keep_path]
-        for path in others[self.policy.keep - 1:]:
+        steps_seen: set[int] = set()
+        for key, name in names:
+            superseded = key[0] in steps_seen
+            steps_seen.add(key[0])
+            if key >= own_key or not (superseded or len(steps_seen) > self.policy.keep):
+                continue
+            path = os.path.join(directory, name)
             try:
                 shutil.rmtree(path)
             except OSError as exc:
@@ -279,6 +332,63 @@ class DurableWriter:
     def _fail(self, message: str) -> None:
         self.last_error = message
         logger.error(message)
+
+
+def _wait_for_test_gate() -> None:
+    gate = os.environ.get(TEST_WRITE_GATE_ENV)
+    deadline = time.monotonic() + 3600
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _checkpoint_names(directory: str) -> dict[tuple[int, int], str]:
+    """(step, version) -> name of every published checkpoint in `directory`."""
+    found = {}
+    for name in os.listdir(directory):
+        key = mf.parse_checkpoint_dirname(name)
+        if key is not None:
+            found[key] = name
+    return found
+
+
+def _fence_refusal(job: _Job) -> str | None:
+    """Why the write must not be published (its round is over), or None."""
+    if job.still_current is None:
+        return None
+    try:
+        if job.still_current():
+            return None
+        return f"its round {job.round} is over"
+    except Exception as exc:  # noqa: BLE001 - a fence that cannot be checked refuses
+        return f"cannot tell whether its round {job.round} is current ({_describe(exc)})"
+
+
+def _tmp_is_stale(name: str, path: str) -> bool:
+    """Is this tmp dir the leftover of a writer that is gone?"""
+    owner = _TMP_OWNER.search(name)
+    if owner is not None and owner["host"] == socket.gethostname():
+        if not _process_alive(int(owner["pid"])):
+            return True
+        # Alive, or its pid was reused: only age can tell then.
+    try:
+        changed = max([os.stat(path).st_mtime] + [e.stat().st_mtime for e in os.scandir(path)])
+    except OSError:
+        return False  # vanished meanwhile (published or removed by its writer)
+    return time.time() - changed > STALE_TMP_SECONDS
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped writing
+    except (OSError, IndexError):
+        return True
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,7 +2,12 @@
 
     <dir>/step-000000123/state.pt        torch.save of the tree (loads with weights_only=True)
     <dir>/step-000000123/manifest.json   written last; lists every file with size and sha256
-    <dir>/.tmp-step-000000123-<hex>/     a write in progress (ignored by loaders)
+    <dir>/step-000000123.1/              a later rewrite of step 123 (wins over step-000000123)
+    <dir>/.tmp-step-000000123-<hex>@<host>:<pid>/   a write in progress (ignored by loaders)
+
+A checkpoint directory is published by one rename to a name that does not exist yet,
+so a rewrite of a step gets the next version suffix instead of replacing the old
+directory (a rename cannot replace a non-empty directory in one step).
 
 A checkpoint directory is valid only if its manifest parses and every file it lists
 has the recorded size and sha256.
@@ -22,8 +27,10 @@ __all__ = [
     "TMP_PREFIX",
     "ManifestError",
     "build_manifest",
+    "checkpoint_dirname",
     "file_digest",
     "fsync_dir",
+    "parse_checkpoint_dirname",
     "parse_step_dirname",
     "read_manifest",
     "step_dirname",
@@ -35,7 +42,7 @@ FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = "state.pt"
 TMP_PREFIX = ".tmp-"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
 _CHUNK = 4 << 20
 
 
@@ -47,10 +54,21 @@ def step_dirname(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def checkpoint_dirname(step: int, version: int = 0) -> str:
+    """The name of a step's checkpoint; version n > 0 is its n-th rewrite."""
+    return step_dirname(step) + (f".{version}" if version else "")
+
+
+def parse_checkpoint_dirname(name: str) -> tuple[int, int] | None:
+    """(step, version) of a final checkpoint directory name, None for anything else."""
+    match = _STEP_DIR.match(name)
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
+
+
 def parse_step_dirname(name: str) -> int | None:
     """The step of a final checkpoint directory name, None for anything else."""
-    match = _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
+    parsed = parse_checkpoint_dirname(name)
+    return parsed[0] if parsed else None
 
 
 def build_manifest(

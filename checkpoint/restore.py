@@ -1,6 +1,6 @@
 """Finding and loading the newest valid durable checkpoint.
 
-Loaders look only at ``step-<n>`` directories (a ``.tmp-*`` directory is a write in
+Loaders look only at ``step-<n>[.<version>]`` directories (a ``.tmp-*`` directory is a write in
 progress or the leftover of a crash) and trust a checkpoint only after its manifest
 parses and every file matches its recorded size and sha256. The state is loaded with
 ``torch.load(weights_only=True)``: never unpickles arbitrary objects.
@@ -42,12 +42,12 @@ def _candidates(directory: str) -> list[tuple[int, str]]:
         return []
     found = []
     for name in names:
-        step = mf.parse_step_dirname(name)
+        parsed = mf.parse_checkpoint_dirname(name)
         path = os.path.join(directory, name)
-        if step is not None and os.path.isdir(path):
-            found.append((step, path))
-    found.sort(reverse=True)
-    return found
+        if parsed is not None and os.path.isdir(path):
+            found.append((parsed, path))
+    found.sort(reverse=True)  # a rewrite of a step (higher version) before the step's older copy
+    return [(step, path) for (step, _), path in found]
 
 
 def _dir_size(path: str) -> int:

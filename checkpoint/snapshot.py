@@ -312,10 +312,21 @@ class Snapshot:
     def from_layout(cls, layout: Layout) -> "Snapshot":
         """A snapshot with zeroed buffers matching `layout` (fill them, e.g. by broadcast)."""
         snap = cls()
-        snap._allocate(layout.treedef, layout.tensors, layout.buffers)
-        snap._plains = [_copy_plain(v) for v in layout.plains]
-        snap._signature = (layout.treedef, [(torch.Size(s.shape), s.dtype, s.kind == "cuda") for s in layout.tensors])
+        snap.adopt_layout(layout)
         return snap
+
+    def adopt_layout(self, layout: Layout) -> None:
+        """Take `layout`'s structure and plain values, ready to receive its buffers.
+
+        The buffers are kept (with whatever they hold) when their sizes and the tensor
+        specs are unchanged, so a receiver that syncs again and again allocates once.
+        """
+        if self._specs != layout.tensors or self._buffer_descs != layout.buffers:
+            self._signature = None  # stays invalid if allocation fails half-way
+            self._allocate(layout.treedef, layout.tensors, layout.buffers)
+        self._treedef = layout.treedef
+        self._plains = [_copy_plain(v) for v in layout.plains]
+        self._signature = (layout.treedef, [(torch.Size(s.shape), s.dtype, s.kind == "cuda") for s in layout.tensors])
 
     # -- restoring ----------------------------------------------------------------------
 

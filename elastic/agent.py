@@ -84,6 +84,7 @@ class AgentConfig:
     checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
     socket_ifname: Optional[str] = None  # the interface holding host_addr, for gloo/NCCL (addressing.py)
     etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
+    final_checkpoint_timeout: float = 600.0  # for a worker still writing the final checkpoint
 
 
 @dataclass
@@ -315,6 +316,7 @@ class Agent:
             events_file=self.events.path,
             error_file=os.path.join(self._scratch, f"{worker_id}.error"),
             marker_file=os.path.join(self._scratch, f"{worker_id}.elastic"),
+            final_checkpoint_file=self._final_checkpoint_file(worker_id),
             **cfg.etcd_options,
             **cfg.checkpoint,
         )
@@ -489,12 +491,50 @@ class Agent:
             )
 
     def _finish(self, status: JobStatus) -> None:
-        """The job is over: let our workers end on their own for a moment, then stop them."""
-        deadline = time.monotonic() + (10.0 if status.state == SUCCEEDED else 2.0)
-        for proc in self._workers.values():
-            if not proc.join(max(0.0, deadline - time.monotonic())):
-                proc.kill()
-                proc.join(5)
+        """The job is over: let our workers end on their own for a moment, then stop them.
+
+        A worker that says it is writing the final durable checkpoint (rank 0, while the
+        others have finished) gets --final-checkpoint-timeout instead, and the moment
+        to exit once it is done. A signal to the agent stops them at once.
+        """
+        succeeded = status.state == SUCCEEDED
+        moment = 10.0 if succeeded else 2.0
+        final_timeout = self.config.final_checkpoint_timeout
+        started = time.monotonic()
+        give_up = started + moment + final_timeout + 10.0
+        pending = {w for w, p in self._workers.items() if p.alive}  # until their exit is reported
+        busy_until = dict.fromkeys(pending, started)  # when each was last seen writing
+        killed: set[str] = set()
+        interrupted = False
+        while pending and time.monotonic() < give_up:
+            now = time.monotonic()
+            for worker_id in pending - killed:
+                writing = succeeded and os.path.exists(self._final_checkpoint_file(worker_id))
+                if writing:
+                    busy_until[worker_id] = now
+                over = now - started >= final_timeout if writing else now - busy_until[worker_id] >= moment
+                if interrupted or over:
+                    if writing and not interrupted:
+                        log.warning("%s still writing the final checkpoint after %.0fs "
+                                    "(--final-checkpoint-timeout %g): stopping it",
+                                    self._label(worker_id), now - started, final_timeout)
+                    self._workers[worker_id].kill()
+                    killed.add(worker_id)
+                    give_up = min(give_up, now + 5.0)
+            try:
+                item = self._inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            proc = self._workers.get(item.worker_id) if isinstance(item, Exited) else None
+            if proc is not None and proc.pid == item.pid:
+                # Only reported: the job's fate is decided, nothing to react to any more.
+                pending.discard(item.worker_id)
+                self.events.emit(
+                    "worker_exited", worker=item.worker_id, exit_code=item.exit_code, signal=item.signal,
+                    rank=self._plan.rank_of(item.worker_id) if self._plan else None,
+                )
+            elif isinstance(item, _Signal):
+                interrupted = True
         self.events.emit("job_finished", status=status.state, reason=status.reason)
         self._outcome = 0 if status.state == SUCCEEDED else 1
         if status.state != SUCCEEDED:
@@ -531,6 +571,9 @@ class Agent:
         if self._health_server is not None:
             self._health_server.stop()
         shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def _final_checkpoint_file(self, worker_id: str) -> str:
+        return os.path.join(self._scratch, f"{worker_id}.final-checkpoint")
 
     def _new_worker_id(self) -> str:
         worker_id = f"{self.member_id}.w{self._next_worker}"

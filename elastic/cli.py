@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--checkpoint-every", _positive_int, help="write a durable checkpoint every N commits")
     opt("--checkpoint-interval", _positive_float, help="and/or every S seconds")
     opt("--checkpoint-keep", _positive_int, 3, "durable checkpoints to keep")
+    opt("--final-checkpoint-timeout", _positive_float, 600.0,
+        "seconds rank 0 may go on writing the final checkpoint once the job has ended")
     opt("--etcd-ca", help="CA certificate (PEM) for TLS to etcd")
     opt("--etcd-cert", help="client certificate (PEM)")
     opt("--etcd-key", help="client key (PEM)")
@@ -246,6 +248,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         health_port=args.health_port,
         checkpoint=checkpoint,
         etcd_options=etcd_options,
+        final_checkpoint_timeout=args.final_checkpoint_timeout,
     )
     return config, args
 

@@ -5,6 +5,14 @@ never a fresh deep copy, then asks the runtime whether the ring changes at this
 commit. ``sync()`` broadcasts rank 0's committed state to every worker of a new
 ring: the layout (small, pickled) first, then one flat buffer per dtype.
 
+A receiver keeps its last commit until a sync has fully arrived: it receives into
+a second snapshot and swaps the two only when every buffer is in, so a rank 0 lost
+half-way leaves ``restore()`` the previous commit. The second snapshot is kept and
+reused by the next sync. That costs a receiver one more host copy of the state for
+as long as it lives, but a sync needs both copies at its peak anyway, and reusing
+the buffers keeps allocation and page faults (seconds for a state of many GB) out
+of the recovery path. Rank 0 does not keep one.
+
 Durable checkpoints (``elastic-run --checkpoint-dir``) are written by rank 0 in the
 background from its last commit. Disk is only read by a *fresh* rank 0 (one that has
 never committed or synced in this process), at its first sync: that is a full
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -52,6 +61,7 @@ class State:
     def __init__(self, **values: Any):
         object.__setattr__(self, "_value_names", tuple(values))
         object.__setattr__(self, "_snapshot", Snapshot())
+        object.__setattr__(self, "_spare", None)  # a receiver's buffers for the next sync
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_commits", 0)
         object.__setattr__(self, "_rng", None)
@@ -123,11 +133,22 @@ class State:
         started = time.monotonic()
         layout = [self._snapshot.layout() if runtime.rank == 0 else None]
         dist.broadcast_object_list(layout, src=0)
-        if runtime.rank != 0:
-            object.__setattr__(self, "_snapshot", Snapshot.from_layout(layout[0]))
-        for buffer in self._snapshot.buffers():
-            _broadcast_from_rank0(buffer, runtime.backend)
-        if runtime.rank != 0:
+        if runtime.rank == 0:
+            object.__setattr__(self, "_spare", None)  # only receivers need one
+            for buffer in self._snapshot.buffers():
+                _broadcast_from_rank0(buffer, runtime.backend)
+        else:
+            # Receive beside the last commit, never into it: if rank 0 is lost half-way,
+            # restore() must still find the commit, not zeros or half of the new state.
+            receiving = self._spare if self._spare is not None else Snapshot()
+            receiving.adopt_layout(layout[0])
+            for buffer in receiving.buffers():
+                _broadcast_from_rank0(buffer, runtime.backend)
+            # Every buffer arrived: the received state is the commit now. The previous
+            # commit's buffers receive the next sync (same layout: no allocation).
+            previous = self._snapshot
+            object.__setattr__(self, "_snapshot", receiving)
+            object.__setattr__(self, "_spare", None if previous.empty else previous)
             self._load(self._snapshot.tree())
             object.__setattr__(self, "_rng", torch.get_rng_state())
             object.__setattr__(self, "_fresh", False)
@@ -157,11 +178,20 @@ class State:
         if self._policy is None or runtime.rank != 0:
             return
         writer = self._rank0_writer()
-        writer.flush()
-        already_durable = self._durable_step == self._commits and writer.last_error is None
-        if final and not self._snapshot.empty and not already_durable:
-            self._submit(writer, runtime)
+        # The agent gives a worker that says it is writing the final checkpoint
+        # --final-checkpoint-timeout, not the moment it gives the others at the end.
+        marker = getattr(runtime.config, "final_checkpoint_file", None) if final else None
+        if marker:
+            _touch(marker)
+        try:
             writer.flush()
+            already_durable = self._durable_step == self._commits and writer.last_error is None
+            if final and not self._snapshot.empty and not already_durable:
+                self._submit(writer, runtime)
+                writer.flush()
+        finally:
+            if marker:
+                _remove(marker)
 
     def _resolve_policy(self, runtime) -> None:
         """Take the policy from the worker's config once (on the first sync or commit)."""
@@ -222,6 +252,21 @@ class State:
 
 
 ObjectState = State
+
+
+def _touch(path: str) -> None:
+    try:
+        with open(path, "w"):
+            pass
+    except OSError as exc:  # the agent then only gives the usual moment
+        log.warning("cannot create %s: %s", path, exc)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _broadcast_from_rank0(buffer: torch.Tensor, backend: str) -> None:

@@ -31,6 +31,7 @@ class WorkerConfig:
     events_file: Optional[str] = None
     error_file: Optional[str] = None
     marker_file: Optional[str] = None
+    final_checkpoint_file: Optional[str] = None  # exists while rank 0 writes the final checkpoint
     etcd_ca: Optional[str] = None
     etcd_cert: Optional[str] = None
     etcd_key: Optional[str] = None

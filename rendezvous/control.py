@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .etcd import Etcd
+from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
 from .keys import JobKeys
 from .rounds import RoundPlan
 
@@ -140,12 +140,31 @@ class ControlChannel:
             self._watch = None
 
     # -- speaking -----------------------------------------------------------
-    def set_status(self, status: JobStatus) -> None:
-        """Record the job's end. A failure is never overwritten by a success."""
-        current = self._etcd.get(self._keys.status)
-        if current is not None and JobStatus.from_json(current.value).state == FAILED:
-            return
-        self._etcd.put(self._keys.status, status.to_json())
+    def set_status(self, status: JobStatus, *, fence: Optional[tuple[str, int]] = None) -> bool:
+        """Record the job's status; False if refused. True when written.
+
+        An ended job (succeeded or failed) stays ended: the first end written wins,
+        checked and written in one transaction (a failure written between our read
+        and our write makes us read again). ``fence`` = (key, create revision) makes
+        the write depend on that key too: a coordinator passes its election key and
+        token, so once deposed it cannot write.
+        """
+        while True:
+            current = self._etcd.get(self._keys.status)
+            if current is not None and JobStatus.from_json(current.value).over:
+                return False
+            compare = [ModRevisionEquals(self._keys.status, 0 if current is None else current.mod_revision)]
+            if fence is not None:
+                compare.append(CreateRevisionEquals(*fence))
+            written, _ = self._etcd.txn(compare, [Put(self._keys.status, status.to_json())])
+            if written:
+                return True
+            if fence is not None:
+                holder = self._etcd.get(fence[0])
+                if holder is None or holder.create_revision != fence[1]:
+                    log.warning("status %s not written: %s no longer holds %s", status.state, fence[0], fence[1])
+                    return False
+            # The status changed under us: read it again.
 
     def request_reset(self, worker_id: str, round_number: int, reason: str, lost: tuple = ()) -> None:
         """Ask for a round after ``round_number``; ``lost`` names workers known dead."""

@@ -9,7 +9,13 @@ campaign again when it disappears (the leader left or its lease expired).
 Leading is a loop: take a snapshot of what is known, ask the pure ``decide``
 what to do, apply it. A plan is written with one transaction that checks (a) the
 plan key has not moved since we read it, (b) round n was never written, and (c)
-we still hold the election key: two writers can never both win a round.
+we still hold the election key: two writers can never both win a round. The
+job's status is written the same way (``ControlChannel.set_status``): a Fail
+decision is fenced by the election key, and an ended job is never re-ended.
+
+After a compaction (or a watch that cannot resume) the members and requests
+prefixes are loaded again and the view rebuilt, and the election key is checked
+again, so a delete can never be lost.
 """
 
 from __future__ import annotations
@@ -159,11 +165,20 @@ class Coordinator:
         self.leading.set()
         deposed = threading.Event()
 
+        def on_deposed():
+            deposed.set()
+            with self._wake:
+                self._wake.notify_all()
+
         def on_election_events(events):
             if any(e.type == "delete" for e in events):
-                deposed.set()
-                with self._wake:
-                    self._wake.notify_all()
+                on_deposed()
+
+        def on_election_reset():
+            # The history of the election key was compacted: a delete may be lost.
+            kv = self._etcd.get(self._keys.coordinator)
+            if kv is None or kv.create_revision != token:
+                on_deposed()
 
         watches = []
         try:
@@ -175,6 +190,7 @@ class Coordinator:
                     prefix=False,
                     start_revision=token + 1,
                     on_events=on_election_events,
+                    on_reset=on_election_reset,
                 )
             )
             while not (self._stop.is_set() or deposed.is_set() or self._session.lost.is_set()):
@@ -189,13 +205,22 @@ class Coordinator:
             log.info("coordinator: %s stops leading", self._member_id)
 
     def _follow(self, prefix: str, handler):
-        kvs, revision = self._etcd.get_prefix(prefix)
-        handler([("put", kv) for kv in kvs], initial=True)
+        """Load a prefix and follow it. After a compaction or a broken watch that
+        cannot resume, load it again and rebuild the view: a lost delete would
+        otherwise keep a member (or a request) in it for ever."""
+
+        def load() -> int:
+            kvs, revision = self._etcd.get_prefix(prefix)
+            handler([("put", kv) for kv in kvs], initial=True)
+            return revision  # the watch resumes right after what we read
+
+        revision = load()
         return self._etcd.watch(
             prefix,
             prefix=True,
             start_revision=revision + 1,
             on_events=lambda events: handler([(e.type, e.kv) for e in events]),
+            on_reset=load,
         )
 
     def _on_member_events(self, events, initial: bool = False) -> None:
@@ -214,14 +239,21 @@ class Coordinator:
 
     def _on_request_events(self, events, initial: bool = False) -> None:
         with self._wake:
+            known = self._requests
+            if initial:
+                self._requests = {}
             for kind, kv in events:
                 worker_id = kv.key[len(self._keys.requests):]
                 if kind == "put" and kv.value:
                     body = json.loads(kv.value)
-                    self._requests[worker_id] = ResetRequest(
+                    request = ResetRequest(
                         worker_id, int(body["round"]), body.get("reason", ""), self._clock(),
                         tuple(body.get("lost", ())),
                     )
+                    seen = known.get(worker_id)
+                    if initial and seen is not None and seen.round == request.round:
+                        request = seen  # a reload keeps when we first saw it
+                    self._requests[worker_id] = request
                     self._request_revisions[worker_id] = kv.mod_revision
                 else:
                     self._requests.pop(worker_id, None)
@@ -255,12 +287,17 @@ class Coordinator:
             self._write_plan(token, plan, members, decision)
             return
         if isinstance(decision, StopJob):
-            log.info("coordinator: job stops at a commit: %s", decision.reason)
-            self._control.set_status(JobStatus(STOPPING, decision.reason))
+            if self._control.set_status(JobStatus(STOPPING, decision.reason), fence=(self._keys.coordinator, token)):
+                log.info("coordinator: job stops at a commit: %s", decision.reason)
+            else:
+                self._stop.wait(0.5)
             return
         if isinstance(decision, Fail):
-            log.error("coordinator: job failed: %s", decision.reason)
-            self._control.set_status(JobStatus(FAILED, decision.reason))
+            # Fenced by our election token: a deposed coordinator cannot fail the job.
+            if self._control.set_status(JobStatus(FAILED, decision.reason), fence=(self._keys.coordinator, token)):
+                log.error("coordinator: job failed: %s", decision.reason)
+            else:
+                self._stop.wait(0.5)  # deposed, or the job already ended: our watches will say so
             return
         assert isinstance(decision, Wait)
         with self._wake:

@@ -94,8 +94,8 @@ class Participant:
         assert plan is not None
         return plan
 
-    def set_status(self, status: JobStatus) -> None:
-        self.control.set_status(status)
+    def set_status(self, status: JobStatus) -> bool:
+        return self.control.set_status(status)
 
     def leave(self, drain_timeout: float = 0.0) -> None:
         """Graceful: withdraw our workers, then delete our key and revoke the lease.

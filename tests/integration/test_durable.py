@@ -2,6 +2,7 @@
 failing file systems (a full tmpfs, a read-only remount), and the CLI."""
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -71,7 +72,8 @@ def test_rewriting_the_same_step_replaces_it(tmp_path):
     writer = DurableWriter(CheckpointPolicy(str(tmp_path)))
     writer.submit({"x": torch.ones(2)}, step=3)
     assert writer.flush(WAIT) and writer.last_error is None
-    assert os.listdir(tmp_path) == ["step-000000003"]
+    # Published under a fresh name (one rename), the older copy pruned afterwards.
+    assert os.listdir(tmp_path) == ["step-000000003.1"]
     assert torch.equal(load_latest(str(tmp_path))[0]["x"], torch.ones(2))
 
 
@@ -127,7 +129,9 @@ def test_valid_checkpoint_that_is_not_weights_only_is_skipped(tmp_path, caplog):
 
 def test_stale_tmp_dirs_are_ignored_by_loaders_and_removed_by_a_new_writer(tmp_path):
     _write(tmp_path, [1])
-    stale = tmp_path / ".tmp-step-000000009-deadbeef"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=60)  # a writer process that has exited
+    stale = tmp_path / f".tmp-step-000000009-deadbeef@{socket.gethostname()}:{int(gone.stdout)}"
     stale.mkdir()
     (stale / mf.STATE_NAME).write_bytes(b"partial")
     assert load_latest(str(tmp_path))[1]["step"] == 1

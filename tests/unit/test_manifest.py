@@ -12,8 +12,15 @@ from checkpoint import manifest as mf
 def test_step_dirnames_round_trip_and_reject_other_names():
     assert mf.step_dirname(123) == "step-000000123"
     assert mf.parse_step_dirname("step-000000123") == 123
-    for name in (".tmp-step-000000123-ab12", "step-12a", "step-", "state.pt", "step-000000001-replaced"):
+    for name in (".tmp-step-000000123-ab12", "step-12a", "step-", "state.pt", "step-000000001-replaced",
+                 "step-000000001.", "step-000000001.x", ".tmp-step-000000001-ab@host:12"):
         assert mf.parse_step_dirname(name) is None
+        assert mf.parse_checkpoint_dirname(name) is None
+    assert mf.checkpoint_dirname(123) == "step-000000123"
+    assert mf.checkpoint_dirname(123, 2) == "step-000000123.2"
+    assert mf.parse_checkpoint_dirname("step-000000123.2") == (123, 2)
+    assert mf.parse_checkpoint_dirname("step-000000123") == (123, 0)
+    assert mf.parse_step_dirname("step-000000123.2") == 123
 
 
 def _write_checkpoint(tmp_path, payload=b"hello tensors"):

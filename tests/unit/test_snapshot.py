@@ -228,3 +228,25 @@ def test_cuda_tensors_go_to_pinned_host_memory():
     target = {"w": torch.zeros(1000, device="cuda")}
     snap.restore_into(target)
     assert torch.equal(target["w"], tree["w"])
+
+
+def test_adopt_layout_reuses_the_buffers_of_an_equal_layout_and_reallocates_for_another():
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer)
+    source = Snapshot()
+    source.capture(_tree(model, optimizer, epoch=1))
+    receiver = Snapshot.from_layout(source.layout())
+    first = [b.data_ptr() for b in receiver.buffers()]
+
+    _train_step(model, optimizer)
+    source.capture(_tree(model, optimizer, epoch=2))
+    receiver.adopt_layout(pickle.loads(pickle.dumps(source.layout())))
+    assert [b.data_ptr() for b in receiver.buffers()] == first  # no allocation for the same layout
+    for dst, src in zip(receiver.buffers(), source.buffers()):
+        dst.copy_(src)
+    _assert_trees_equal(receiver.tree(), source.tree())  # plain values (epoch 2) came with the layout
+
+    bigger = Snapshot()
+    bigger.capture({"w": torch.ones(5000)})
+    receiver.adopt_layout(bigger.layout())
+    assert receiver.nbytes == bigger.nbytes and list(receiver.tree()) == ["w"]
