@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from rendezvous import (
+    FAILED,
     STOPPING,
+    JobStatus,
     ControlChannel,
     Etcd,
     EtcdConfig,
@@ -394,6 +396,30 @@ class Runtime:
                 )
             time.sleep(_ARRIVAL_POLL)
         return True
+
+    # -- fencing durable writes ---------------------------------------------------
+    def durable_fence(self):
+        """A check for the checkpoint writer, asked right before it publishes: is the
+        job still one that includes this worker? A host cut off from the others (and
+        from etcd) must never publish a checkpoint once the job has moved on without
+        it. Read afresh from etcd; when etcd cannot be reached, nothing proves that
+        we are current, so the write is refused (the next one will be made)."""
+        if self.config is None:
+            return None
+        keys, worker, round_number = JobKeys(self.config.job_id), self.config.worker_id, self.round
+
+        def still_current() -> bool:
+            try:
+                plan_kv, status_kv = self._etcd.get(keys.plan), self._etcd.get(keys.status)
+            except RendezvousError as exc:
+                log.warning("round %d: checkpoint not published: etcd unreachable (%s)", round_number, exc)
+                return False
+            if status_kv is not None and JobStatus.from_json(status_kv.value).state == FAILED:
+                return False
+            plan = RoundPlan.from_json(plan_kv.value) if plan_kv is not None else None
+            return plan is None or plan.round <= round_number or plan.rank_of(worker) is not None
+
+        return still_current
 
     # -- end --------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -215,6 +215,7 @@ class State:
             epoch=self._int_value("epoch"),
             round=runtime.round,
             world_size=runtime.world_size,
+            still_current=runtime.durable_fence(),
         ):
             object.__setattr__(self, "_durable_step", self._commits)
 

@@ -173,25 +173,31 @@ def test_a_running_job_continues_from_memory_not_from_an_older_durable_step(tmp_
     assert [c.step for c in list_checkpoints(str(ckpt)) if c.valid] == [steps, 100, 50]
 
 
-def _read_only_dir(tmp_path: Path) -> tuple[Path, str, callable]:
-    """A read-only tmpfs (root ignores file modes), else a path below a regular file."""
-    mount_point = tmp_path / "ro"
+def _tmpfs(tmp_path: Path) -> tuple[Path, callable]:
+    """A small tmpfs of the test's own, so it can be made read-only under a running job
+    (root ignores file modes; a remount is what a failing disk or NFS mount looks like)."""
+    mount_point = tmp_path / "ckpt"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount_point)],
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount_point)],
                             capture_output=True, text=True, timeout=30)
-    if result.returncode == 0:
-        return mount_point, "Read-only file system", lambda: subprocess.run(
-            ["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    return blocker / "ckpt", "Not a directory", lambda: None
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {result.stderr.strip()}")
+    return mount_point, lambda: subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
 
 
-def test_a_failing_checkpoint_directory_does_not_stop_training(tmp_path):
-    directory, errno_text, cleanup = _read_only_dir(tmp_path)
+def test_a_checkpoint_directory_that_fails_mid_run_does_not_stop_training(tmp_path):
+    # An unusable directory at start is refused before training (test_cli_args); one
+    # that fails later (a disk remounted read-only) must not stop training.
+    directory, cleanup = _tmpfs(tmp_path)
+    errno_text = "Read-only file system"
     try:
         job = start(tmp_path / "job", ["--np", "4", "--checkpoint-dir", str(directory), "--checkpoint-every", "10"],
-                    ["--steps", "42", "--step-delay", "0.01"])
+                    ["--steps", "42", "--step-delay", "0.05"])
+        job.wait_for_step(2, timeout=120)
+        remount = subprocess.run(["mount", "-o", "remount,ro", str(directory)], capture_output=True, text=True,
+                                 timeout=30)
+        assert remount.returncode == 0, remount.stderr
+        assert max(s["step"] for s in job.steps()) < 10, "the first checkpoint was written before the remount"
         assert job.wait() == 0, job.text()[-3000:]
     finally:
         cleanup()
