@@ -50,6 +50,7 @@ from rendezvous import (
 
 from .events import EventLog
 from .plain_store import PlainStores
+from .watchdog import HangPolicy, Watchdog
 from .health import HealthServer, HealthState, SessionMonitor
 from .worker_config import WorkerConfig
 from .workers import Exited, WorkerProcess
@@ -75,6 +76,7 @@ class AgentConfig:
     health_port: Optional[int] = None
     checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
     etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
+    hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Agent:
             os.path.join(config.log_dir, "events.jsonl") if config.log_dir else None, host=config.host_id
         )
         self.health = HealthState(ttl=config.ttl)
+        self._watchdog = Watchdog(HangPolicy(timeout=config.hang_timeout), self._scratch, self.events, config.log_dir)
         self._health_server: Optional[HealthServer] = None
         self._session_monitor: Optional[SessionMonitor] = None
         self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
@@ -163,6 +166,7 @@ class Agent:
                 self._on_exit(item)
             elif isinstance(item, _Signal):
                 self._on_signal(item.signum)
+            self._watchdog.check(self._workers, self._plan)  # a hung worker is killed; its exit comes next
             self._follow_control()
             self._check_grace()
         return self._outcome
@@ -224,6 +228,7 @@ class Agent:
         if cfg.backend == "nccl":
             # A failed NCCL collective raises instead of hanging; the ring is then aborted.
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        progress_file, stacks_file = self._watchdog.files_for(worker_id)
         worker_config = WorkerConfig(
             job_id=cfg.job_id,
             endpoints=self._endpoints,
@@ -238,6 +243,8 @@ class Agent:
             events_file=self.events.path,
             error_file=os.path.join(self._scratch, f"{worker_id}.error"),
             marker_file=os.path.join(self._scratch, f"{worker_id}.elastic"),
+            progress_file=progress_file,
+            stacks_file=stacks_file,
             **cfg.etcd_options,
             **cfg.checkpoint,
         )
@@ -283,6 +290,7 @@ class Agent:
         if proc.stopping and self._leaving_since is None:
             return  # we restarted it ourselves
         del self._workers[exited.worker_id]
+        self._watchdog.forget(exited.worker_id)
         if exited.exit_code == 0:
             if self._leaving_since is not None or exited.worker_id not in self._wanted:
                 return
@@ -301,6 +309,7 @@ class Agent:
             self.participant.set_status(JobStatus(FAILED, reason))
             return
         how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
+        how = f"{proc.lost_reason}, {how}" if proc.lost_reason else how
         if not proc.elastic and exited.signal is None:
             # A torchrun script that exited with an error, most likely because a peer
             # died under it: restart every worker, as torchrun would.

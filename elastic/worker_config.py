@@ -30,6 +30,8 @@ class WorkerConfig:
     events_file: Optional[str] = None
     error_file: Optional[str] = None
     marker_file: Optional[str] = None
+    progress_file: Optional[str] = None  # progress marks for the agent's watchdog (None: off)
+    stacks_file: Optional[str] = None  # where SIGUSR1 dumps every thread's stack
     etcd_ca: Optional[str] = None
     etcd_cert: Optional[str] = None
     etcd_key: Optional[str] = None
