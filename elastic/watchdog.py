@@ -32,8 +32,9 @@ for reasons of their own (compilation, caches, an honest 30 s step), while the
 heartbeat rule already holds.
 
 A worker declared hung is asked for the stack of every thread (SIGUSR1 to
-faulthandler), given ``grace`` seconds to write it, then killed with SIGKILL
-(which works on a stopped process too); its exit is then reported like a crash.
+faulthandler), given ``grace`` seconds to write it (none when it is stopped: it
+cannot run the handler), then killed with SIGKILL (which works on a stopped
+process too); its exit is then reported like a crash.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ HEALTHY = Verdict(False)
 
 FROZEN_STATES = frozenset("TtD")  # /proc/<pid>/stat: stopped, traced, uninterruptible wait
 RUNNING = "R"
+STOPPED = frozenset("Tt")
 
 
 def judge(marks: Marks, policy: HangPolicy, now: float, proc_state: str = "") -> Verdict:
@@ -165,26 +167,30 @@ class Watchdog:
                 continue
             marks = board.read()
             late = marks.beats and now - marks.alive_at > self.policy.bound(marks.slowest, stuck=False)
-            verdict = judge(marks, self.policy, now, _proc_state(proc.pid) if late else "")
+            state = _proc_state(proc.pid) if late else ""
+            verdict = judge(marks, self.policy, now, state)
             if verdict.hung:
-                hung.append((worker_id, proc, verdict))
+                hung.append((worker_id, proc, verdict, state))
         if hung:
             self._evict(hung, plan)
-        return [w for w, _, _ in hung]
+        return [w for w, *_ in hung]
 
     def _evict(self, hung: list, plan) -> None:
-        for _, proc, _ in hung:
+        for _, proc, _, _ in hung:
             self._handled.add(proc.pid)
             try:
                 os.kill(proc.pid, signal.SIGUSR1)  # the worker alone, not its children
             except ProcessLookupError:
                 pass
         deadline = self._clock() + self.policy.grace
-        stacks = {w: os.path.join(self._scratch, f"{w}.stacks") for w, _, _ in hung}
-        while self._clock() < deadline and not all(_size(p) > 0 for p in stacks.values()):
+        stacks = {w: os.path.join(self._scratch, f"{w}.stacks") for w, *_ in hung}
+        # A stopped process runs no handler before SIGCONT: no point waiting for it.
+        answering = [stacks[w] for w, _, _, state in hung if state not in STOPPED]
+        while answering and self._clock() < deadline and not all(_size(p) > 0 for p in answering):
             time.sleep(0.02)
-        time.sleep(0.05)  # a dump that started is written in one go; let it end
-        for worker_id, proc, verdict in hung:
+        if answering:
+            time.sleep(0.05)  # a dump that started is written in one go; let it end
+        for worker_id, proc, verdict, state in hung:
             proc.lost_reason = f"declared hung: {verdict.kind}, no progress for {verdict.stalled_s:.1f}s"
             proc.signal(signal.SIGKILL)
             rank = plan.rank_of(worker_id) if plan is not None else None
@@ -200,7 +206,9 @@ class Watchdog:
             log.warning(
                 "worker %s (rank %s, round %s) hung (%s): no progress for %.1fs (timeout %.1fs) at %s; %s; killed",
                 worker_id, rank, round_, verdict.kind, verdict.stalled_s, verdict.timeout_s, where,
-                f"stacks in {shown}" if dump else f"no stacks within {self.policy.grace:g}s (a frozen process cannot answer)",
+                f"stacks in {shown}" if dump else (
+                    "no stacks (a stopped process cannot answer)" if state in STOPPED
+                    else f"no stacks within {self.policy.grace:g}s (a frozen process cannot answer)"),
             )
 
     def _keep_stacks(self, worker_id: str, rank, dump: str) -> Optional[str]:

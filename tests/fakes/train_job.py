@@ -6,7 +6,7 @@ result equals single-process training on the whole global batch.
 
 Files written to --out (one line per event, flushed at once, so tests can watch):
   pids.jsonl      {"pid", "rank", "round", "world"} at every (re-)entry
-  steps.jsonl     {"pid", "rank", "world", "round", "step", "indices"} per completed step
+  steps.jsonl     {"pid", "rank", "world", "round", "step", "indices", "time"} per completed step
   final-<pid>.pt  the final parameters (float64 when --float64)
   hung.jsonl      {"pid", "rank", "step", "time"} when --hang-rank's main thread starts sleeping forever
 """
@@ -74,7 +74,7 @@ def one_step(ddp, rows):
 def record_step(indices):
     append("steps.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
                            "round": elastic.round(), "step": state.step, "epoch": state.epoch,
-                           "indices": indices})
+                           "indices": indices, "time": time.time()})
     if state.step == args.hang_step and elastic.rank() == args.hang_rank \
             and not os.path.exists(os.path.join(args.out, "hung.jsonl")):  # once per job
         sleep_forever()
