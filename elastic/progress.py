@@ -68,7 +68,7 @@ USER, WAITING = "user", "waiting"
 class Marks:
     """One read of a worker's board (monotonic times; 0.0 means never)."""
 
-    progress: int = 0  # marks so far: commits and (re-)entries of the training function
+    progress: int = 0  # marks (commits, entries) since the training function was entered; 0 outside it
     progress_at: float = 0.0  # time of the last mark (or of attaching, before the first)
     slowest: float = 0.0  # the slowest interval between two marks of one round
     beats: int = 0  # heartbeats so far; 0: the heartbeat has not started
@@ -105,6 +105,11 @@ class ProgressBoard:
                 struct.pack_into("<d", m, _SLOWEST, now - last)
         struct.pack_into("<d", m, _PROGRESS_AT, now)
         struct.pack_into("<Q", m, _PROGRESS, struct.unpack_from("<Q", m, _PROGRESS)[0] + 1)
+
+    def left_training(self) -> None:
+        """The training function returned: what the main thread does next (saving
+        results, evaluating alone) is no step, and is not judged as one."""
+        struct.pack_into("<Q", self._map, _PROGRESS, 0)
 
     def detach(self) -> None:
         """The worker is shutting down: no heartbeat from now on, and that is no hang."""

@@ -135,6 +135,11 @@ class Runtime:
         if self._progress is not None:
             self._progress.mark(interval=False)  # the re-formation is no step interval
 
+    def end_training(self) -> None:
+        """The training function returned for good."""
+        if self._progress is not None:
+            self._progress.board.left_training()
+
     def note_commit(self) -> Optional[str]:
         """Count a commit; at the commit where the whole ring acts together, say
         what it does: "stop" (the job was told to stop) or "switch" (a newer round)."""

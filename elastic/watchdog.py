@@ -17,7 +17,8 @@ etcd, no syscall per step) every time its loop wakes (at least every 0.5 s) and
   user code (no CPU used: sleeping, blocked on a lock or a socket),
   continuously and without a progress mark, for longer than the bound.
   (``while True: sleep``, a deadlock.) Busy user code (an evaluation pass) is
-  slow, not stuck, and never evicted.
+  slow, not stuck, and never evicted. Judged only while the training function
+  runs: set-up before it and whatever the script does after it are not steps.
 * **a victim** is never declared hung: a main thread blocked inside a collective
   (``torch.distributed``, DDP's forward or backward, a CUDA sync) or in the
   runtime's own waits is waiting for a peer. When the culprit is killed, the

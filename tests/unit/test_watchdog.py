@@ -48,7 +48,7 @@ CASES = [
     ("an honest 30 s step, intervals of 30 s seen", marks(since_progress=40, user_for=40, slowest=30), AUTO, "", None, 0),
     ("... still stuck after 3x that", marks(since_progress=95, user_for=95, slowest=30), AUTO, "", "stuck", 90.0),
     ("first 30 s step, no interval seen yet", marks(since_progress=35, user_for=35, slowest=0), AUTO, "", None, 0),
-    ("before the training function: setup is not judged",
+    ("outside the training function (set-up, after it returned): not judged",
      marks(progress=0, since_progress=400, user_for=400, slowest=0), AUTO, "", None, 0),
     ("--hang-timeout fixes the bound", marks(since_progress=21, user_for=21, slowest=30), HangPolicy(timeout=20), "",
      "stuck", 20.0),
@@ -163,3 +163,53 @@ def test_heartbeat_sees_the_main_thread_in_user_code_and_waiting(tmp_path):
         heartbeat.stop()
         board.close()
         reader.close()
+
+
+class _Control:
+    def __init__(self, plan):
+        self.plan = plan
+
+
+def _plan(round_, workers, lost=()):
+    from rendezvous.rounds import RoundPlan, Slot
+
+    return RoundPlan(round_, tuple(Slot("m", w) for w in workers), {}, "127.0.0.1:1", 0.0, lost=tuple(lost))
+
+
+def test_a_worker_declared_lost_never_completes_a_commit():
+    """It woke up after its agent gave up on it: the round it was in is over."""
+    from elastic.runtime import Runtime
+    from elastic.worker_config import WorkerConfig
+
+    runtime = Runtime(WorkerConfig(job_id="j", endpoints="e", worker_id="m.w1", member_id="m", host_id="h", round=1))
+    runtime.round = 1
+    runtime._control = _Control(_plan(2, ["m.w0"], lost=["m.w1"]))
+    with pytest.raises(SystemExit, match="declared lost in round 2"):
+        runtime.fence()
+    runtime._control = _Control(_plan(2, ["m.w0", "m.w2"], lost=["m.w3"]))  # somebody else was lost
+    runtime.fence()
+    runtime._control = _Control(_plan(1, ["m.w0", "m.w1"]))
+    runtime.fence()
+
+
+@pytest.mark.parametrize("text,value", [("off", 0.0), ("OFF", 0.0), ("0", 0.0), ("1", 1.0), ("42.5", 42.5)])
+def test_hang_timeout_option(tmp_path, text, value):
+    from elastic.cli import parse
+
+    script = tmp_path / "x.py"
+    script.write_text("")
+    config, _ = parse(["--np", "1", "--backend", "gloo", "--hang-timeout", text, str(script)])
+    assert config.hang_timeout == value
+    config, _ = parse(["--np", "1", "--backend", "gloo", str(script)])
+    assert config.hang_timeout is None  # derived from the job's own commit intervals
+
+
+@pytest.mark.parametrize("text", ["0.5", "-3", "soon"])
+def test_hang_timeout_option_rejects_bad_values(tmp_path, text):
+    from elastic.cli import parse
+    from rendezvous import ConfigError
+
+    script = tmp_path / "x.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match="--hang-timeout"):
+        parse(["--np", "1", "--backend", "gloo", "--hang-timeout", text, str(script)])
