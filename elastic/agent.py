@@ -8,6 +8,9 @@ into membership changes:
 * a worker crashed (killed, or died without a report): drop it from our member
   record at once, so survivors need not wait for any TTL; start a replacement
   while ``--max-restarts`` allows (it rejoins as a new worker);
+* a worker stopped making progress (frozen, or its main thread stuck outside
+  any collective; see watchdog.py): its stacks are logged, it is killed, and
+  from there on it is a crashed worker;
 * a worker failed with an error in user code: the job fails; no re-form loop;
 * a worker finished: the training function returned, the job succeeded;
 * SIGTERM/SIGINT: graceful leave. Our workers are withdrawn from membership,
