@@ -8,6 +8,9 @@ into membership changes:
 * a worker crashed (killed, or died without a report): drop it from our member
   record at once, so survivors need not wait for any TTL; start a replacement
   while ``--max-restarts`` allows (it rejoins as a new worker);
+* a worker stopped making progress (frozen, or its main thread stuck outside
+  any collective; see watchdog.py): its stacks are logged, it is killed, and
+  from there on it is a crashed worker;
 * a worker failed with an error in user code: the job fails; no re-form loop;
 * a worker finished: the training function returned, the job succeeded;
 * SIGTERM/SIGINT: graceful leave. Our workers are withdrawn from membership,
@@ -53,6 +56,7 @@ from . import addressing
 from .errors import PeersUnreachable
 from .events import EventLog
 from .plain_store import PlainStores
+from .watchdog import HangPolicy, Watchdog
 from .health import HealthServer, HealthState, SessionMonitor
 from .worker_config import WorkerConfig
 from .workers import Exited, WorkerProcess
@@ -85,6 +89,7 @@ class AgentConfig:
     socket_ifname: Optional[str] = None  # the interface holding host_addr, for gloo/NCCL (addressing.py)
     etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
     final_checkpoint_timeout: float = 600.0  # for a worker still writing the final checkpoint
+    hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
 
 
 @dataclass
@@ -117,6 +122,7 @@ class Agent:
             os.path.join(config.log_dir, "events.jsonl") if config.log_dir else None, host=config.host_id
         )
         self.health = HealthState(ttl=config.ttl)
+        self._watchdog = Watchdog(HangPolicy(timeout=config.hang_timeout), self._scratch, self.events, config.log_dir)
         self._health_server: Optional[HealthServer] = None
         self._session_monitor: Optional[SessionMonitor] = None
         self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
@@ -179,6 +185,7 @@ class Agent:
                 self._on_signal(item.signum)
             self._flush_pending()
             self._restart_plain_workers()
+            self._watchdog.check(self._workers, self._plan)  # a hung worker is killed; its exit comes next
             try:
                 self._follow_control()
             except RendezvousError as exc:
@@ -301,6 +308,7 @@ class Agent:
         if cfg.backend == "nccl":
             # A failed NCCL collective raises instead of hanging; the ring is then aborted.
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        progress_file, stacks_file = self._watchdog.files_for(worker_id)
         worker_config = WorkerConfig(
             job_id=cfg.job_id,
             endpoints=self._endpoints,
@@ -317,6 +325,8 @@ class Agent:
             error_file=os.path.join(self._scratch, f"{worker_id}.error"),
             marker_file=os.path.join(self._scratch, f"{worker_id}.elastic"),
             final_checkpoint_file=self._final_checkpoint_file(worker_id),
+            progress_file=progress_file,
+            stacks_file=stacks_file,
             **cfg.etcd_options,
             **cfg.checkpoint,
         )
@@ -362,6 +372,7 @@ class Agent:
         if proc.stopping and self._leaving_since is None:
             return  # we restarted it ourselves
         del self._workers[exited.worker_id]
+        self._watchdog.forget(exited.worker_id)
         if exited.exit_code == 0:
             if self._leaving_since is not None or exited.worker_id not in self._wanted:
                 return
@@ -384,6 +395,7 @@ class Agent:
             self._write_etcd("report the job failed", lambda: self.participant.set_status(JobStatus(FAILED, reason)))
             return
         how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
+        how = f"{proc.lost_reason}, {how}" if proc.lost_reason else how
         if not proc.elastic and exited.signal is None:
             # A torchrun script that exited with an error, most likely because a peer
             # died under it: restart every worker, as torchrun would.

@@ -70,7 +70,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _hang_timeout(text: str) -> float:
+    """Seconds (0 or "off" disables); below 1 s a heartbeat gap would already count."""
+    value = 0.0 if text.strip().lower() == "off" else float(text)
+    if value != 0 and not value >= 1:
+        raise ValueError
+    return value
+
+
 _positive_int.__name__ = "positive integer"
+_hang_timeout.__name__ = "number of seconds >= 1, or 0/off"
 _non_negative_int.__name__ = "non-negative integer"
 _positive_float.__name__ = "positive number"
 
@@ -97,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--rdzv-timeout", _positive_float, 600.0, "seconds to wait for min-np workers before failing")
     opt("--rdzv-settle", float, 0.5, "seconds to wait for more joiners once min-np are present")
     opt("--collective-timeout", _positive_float, 60.0, "seconds a collective may block before it counts as failed")
+    opt("--hang-timeout", _hang_timeout, help="seconds without progress after which a worker is declared hung, "
+        "killed (replaced within --max-restarts); 0 or off disables (default: 3x the slowest commit interval "
+        "seen, at least 5)")
     opt("--max-resets", _non_negative_int, 20, "re-formations of the ring a worker survives within --reset-window")
     opt("--reset-window", _positive_float, 3600.0, "seconds over which --max-resets counts re-formations")
     opt("--max-restarts", _non_negative_int, 0, "crashed workers this agent replaces")
@@ -249,6 +261,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         checkpoint=checkpoint,
         etcd_options=etcd_options,
         final_checkpoint_timeout=args.final_checkpoint_timeout,
+        hang_timeout=args.hang_timeout,
     )
     return config, args
 

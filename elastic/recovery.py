@@ -67,6 +67,7 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
         while True:
             interruption = _call(_resume, func, state, args, kwargs, runtime, finished_reform)
             if interruption is None:
+                runtime.end_training()  # no more steps: the hang watchdog stops judging them
                 state.flush_checkpoints(final=True)  # a graceful end leaves the last commit on disk
                 return _result.pop()
             if interruption.left:

@@ -43,6 +43,7 @@ from rendezvous.errors import RendezvousTimeoutError
 
 from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
 from .events import EventLog
+from .progress import Progress
 from .ring_abort import RingHandle, prepare_ring, socket_snapshot
 from .worker_config import WorkerConfig
 
@@ -88,6 +89,7 @@ class Runtime:
         self._deferred: Optional[RoundPlan] = None  # a joiner's round, entered at its first sync
         self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
         self._backend_lock = threading.Lock()
+        self._progress: Optional[Progress] = None  # marks for the agent's hang watchdog
 
     @property
     def max_resets(self) -> int:
@@ -112,6 +114,8 @@ class Runtime:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             return
         cfg = self.config
+        if cfg.progress_file:
+            self._progress = Progress(cfg.progress_file, cfg.stacks_file)
         if cfg.marker_file:
             # Tells the agent this worker follows rounds itself (no restart on change).
             with open(cfg.marker_file, "w") as f:
@@ -152,14 +156,36 @@ class Runtime:
     def begin_round(self) -> None:
         """The training function is (re-)entered on the current ring."""
         self._commits = 0
+        if self._progress is not None:
+            self._progress.mark(interval=False)  # the re-formation is no step interval
+
+    def end_training(self) -> None:
+        """The training function returned for good."""
+        if self._progress is not None:
+            self._progress.board.left_training()
 
     def note_commit(self) -> Optional[str]:
         """Count a commit; at the commit where the whole ring acts together, say
         what it does: "stop" (the job was told to stop) or "switch" (a newer round)."""
         self._commits += 1
+        if self._progress is not None:
+            # The first commit of a round follows DDP's broadcast and warm-up: not a step.
+            self._progress.mark(interval=self._commits > 1)
         if not self.should_switch(self._commits):
             return None
         return self._switch_action
+
+    def fence(self) -> None:
+        """Called first thing in ``commit()``: a worker the job declared lost (a
+        process that wakes up after it was declared hung and replaced) never
+        completes a commit, nor writes a checkpoint, in a round that is over. It
+        exits instead; its agent reports the exit like a crash. Reads the cached
+        plan of the control watch: no etcd traffic."""
+        newest = self._control.plan if self._control is not None else None
+        if newest is not None and newest.round > self.round and self.config.worker_id in newest.lost:
+            raise SystemExit(
+                f"elastic: worker {self.config.worker_id} was declared lost in round {newest.round}; exiting"
+            )
 
     def should_switch(self, commits: int) -> bool:
         """Called at every commit (``commits`` counts this round's commits)."""
@@ -428,6 +454,9 @@ class Runtime:
             self._control.close()
         if self._etcd is not None:
             self._etcd.close()
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
 
 class _Nudge:

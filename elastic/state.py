@@ -97,6 +97,7 @@ class State:
         from . import _runtime  # the process-wide runtime, set by elastic.init()
 
         runtime = _runtime()
+        runtime.fence()
         self._resolve_policy(runtime)
         object.__setattr__(self, "_commits", self._commits + 1)
         self.save()

@@ -32,6 +32,8 @@ class WorkerConfig:
     error_file: Optional[str] = None
     marker_file: Optional[str] = None
     final_checkpoint_file: Optional[str] = None  # exists while rank 0 writes the final checkpoint
+    progress_file: Optional[str] = None  # progress marks for the agent's watchdog (None: off)
+    stacks_file: Optional[str] = None  # where SIGUSR1 dumps every thread's stack
     etcd_ca: Optional[str] = None
     etcd_cert: Optional[str] = None
     etcd_key: Optional[str] = None

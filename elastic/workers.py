@@ -44,6 +44,7 @@ class WorkerProcess:
         self.error_file = error_file
         self.marker_file = marker_file
         self.stopping = False  # we asked it to stop: its exit is not a failure
+        self.lost_reason: Optional[str] = None  # why we killed it as lost (a hang), if we did
         self._label = label
         self._out = out or sys.stdout
         self._log = open(log_path, "ab", buffering=0) if log_path else None

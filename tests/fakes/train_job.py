@@ -8,8 +8,9 @@ G each step is the sampler's next global batch of G (a sum loss times loss_scale
 
 Files written to --out (one line per event, flushed at once, so tests can watch):
   pids.jsonl      {"pid", "rank", "round", "world"} at every (re-)entry
-  steps.jsonl     {"pid", "rank", "world", "round", "step", "indices"} per completed step
+  steps.jsonl     {"pid", "rank", "world", "round", "step", "indices", "t"} per completed step
   final-<pid>.pt  the final parameters (float64 when --float64)
+  hung.jsonl      {"pid", "rank", "step", "time"} when --hang-rank's main thread starts sleeping forever
 """
 
 import argparse
@@ -42,6 +43,8 @@ p.add_argument("--micro-batch-size", type=int, default=None, help="... each shar
 p.add_argument("--slow-rank", type=int, default=None, help="this rank stalls once, mid-step (grace tests)")
 p.add_argument("--slow-step", type=int, default=None, help="... in the first step >= this it runs, between finishing and committing it")
 p.add_argument("--slow-delay", type=float, default=0.0)
+p.add_argument("--hang-rank", type=int, default=None, help="this rank's main thread sleeps forever ...")
+p.add_argument("--hang-step", type=int, default=None, help="... after finishing this step, outside any collective")
 p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -90,6 +93,9 @@ def record_step(indices):
     append("steps.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
                            "round": elastic.round(), "step": state.step, "epoch": state.epoch, "t": time.time(),
                            "indices": indices})
+    if state.step == args.hang_step and elastic.rank() == args.hang_rank \
+            and not os.path.exists(os.path.join(args.out, "hung.jsonl")):  # once per job
+        sleep_forever()
     if args.slow_step is not None and state.step >= args.slow_step and elastic.rank() == args.slow_rank \
             and not stalled:
         stalled.append(state.step)  # once per process
@@ -97,6 +103,13 @@ def record_step(indices):
 
 
 stalled: list = []
+
+
+def sleep_forever():
+    """A main thread stuck outside any collective (a deadlock, a dead data source)."""
+    append("hung.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "step": state.step, "time": time.time()})
+    while True:
+        time.sleep(1)
 
 
 def told_to_stop() -> bool:

@@ -1,0 +1,252 @@
+"""Progress marks: how a worker tells its agent, without a syscall per step, that it moves.
+
+Each worker owns one small file in its agent's scratch directory, mapped into
+memory by both (``ProgressBoard``). Two writers in the worker, one reader (the
+agent's watchdog, see ``watchdog.py``), no locks: every field is an aligned
+8-byte slot written by one thread only, and a torn ``where`` text is harmless.
+
+* The main thread bumps the *progress* counter at ``state.commit()`` and when
+  the training function is (re-)entered (``Runtime.begin_round``). A commit
+  also records the interval since the previous mark of the same round, and the
+  slowest such interval: the agent scales its patience to it. The interval
+  ending at a round's first commit is not recorded (it holds the re-formation,
+  DDP's first broadcast, warm-up).
+* A ``Heartbeat`` thread bumps the *alive* counter every 0.25 s. SIGSTOP (a
+  hung driver, NFS, a debugger) freezes every thread, so a silent heartbeat
+  means a frozen process. It also looks at where the main thread is
+  (``classify``): blocked inside a collective or the runtime's own waits
+  (waiting on peers: a victim of somebody else's hang), or in user code, and
+  whether it used the CPU since the last beat. It records since when the main
+  thread has been seen idle in user code without progress (sleeping, blocked on
+  a lock or a socket), and where; the agent calls a long such stretch a stuck
+  main thread. Busy user code (an evaluation pass, a long computation) is never
+  such a stretch: it is slow, not stuck.
+
+The per-step cost is one ``time.monotonic()`` and three ``struct.pack_into``
+into the mapping: no system call (the kernel writes the page back when it likes).
+
+The worker also asks ``faulthandler`` to dump every thread's stack into a file
+on SIGUSR1: the agent asks for it before it kills a worker it declared hung.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import mmap
+import os
+import signal
+import struct
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+BOARD_SIZE = 256
+# Slots (little-endian, 8 bytes each), then the text of ``where``.
+_PROGRESS, _PROGRESS_AT, _SLOWEST, _BEATS, _ALIVE_AT, _USER_SINCE = 0, 8, 16, 24, 32, 40
+_WHERE_LEN, _WHERE = 48, 56
+_WHERE_MAX = BOARD_SIZE - _WHERE
+
+HEARTBEAT_INTERVAL = 0.25  # seconds between heartbeats; the agent's bounds are >= 1 s
+
+# Modules whose frames mean "waiting on others": collectives (also inside DDP's forward
+# and backward, and CUDA syncs that wait for NCCL kernels), the runtime's own waits for
+# rounds and stores, and a DataLoader waiting on its worker processes (it notices dead
+# ones itself, and restarting them at an epoch boundary takes seconds). A main thread
+# stuck there is a victim, not a culprit.
+WAITING_MODULES = (
+    "torch.distributed", "torch.nn.parallel", "torch.autograd", "torch.cuda", "torch.utils.data",
+    "elastic", "rendezvous", "checkpoint",
+)
+BUSY_SHARE = 0.1  # main-thread CPU time per wall time above which it counts as busy
+USER, WAITING = "user", "waiting"
+
+
+@dataclass(frozen=True)
+class Marks:
+    """One read of a worker's board (monotonic times; 0.0 means never)."""
+
+    progress: int = 0  # marks (commits, entries) since the training function was entered; 0 outside it
+    progress_at: float = 0.0  # time of the last mark (or of attaching, before the first)
+    slowest: float = 0.0  # the slowest interval between two marks of one round
+    beats: int = 0  # heartbeats so far; 0: the heartbeat has not started
+    alive_at: float = 0.0
+    user_since: float = 0.0  # main thread seen idle in user code, without progress, since then
+    where: str = ""  # the user frame it was last seen in
+
+
+class ProgressBoard:
+    """The mapped file. ``create`` (agent) sizes it; ``open`` maps it read-write."""
+
+    def __init__(self, path: str, *, writable: bool):
+        self.path = path
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(fd, BOARD_SIZE, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        finally:
+            os.close(fd)  # the mapping keeps the file
+
+    @staticmethod
+    def create(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(b"\0" * BOARD_SIZE)
+
+    def close(self) -> None:
+        self._map.close()
+
+    # -- the main thread ---------------------------------------------------------
+    def mark(self, now: float, *, interval: bool) -> None:
+        m = self._map
+        if interval:
+            last = struct.unpack_from("<d", m, _PROGRESS_AT)[0]
+            if now - last > struct.unpack_from("<d", m, _SLOWEST)[0]:
+                struct.pack_into("<d", m, _SLOWEST, now - last)
+        struct.pack_into("<d", m, _PROGRESS_AT, now)
+        struct.pack_into("<Q", m, _PROGRESS, struct.unpack_from("<Q", m, _PROGRESS)[0] + 1)
+
+    def left_training(self) -> None:
+        """The training function returned: what the main thread does next (saving
+        results, evaluating alone) is no step, and is not judged as one."""
+        struct.pack_into("<Q", self._map, _PROGRESS, 0)
+
+    def detach(self) -> None:
+        """The worker is shutting down: no heartbeat from now on, and that is no hang."""
+        struct.pack_into("<Q", self._map, _BEATS, 0)
+
+    def attached(self, now: float) -> None:
+        """The worker starts counting: stalls are measured from now until the first mark."""
+        struct.pack_into("<d", self._map, _PROGRESS_AT, now)
+
+    # -- the heartbeat thread -------------------------------------------------------
+    def beat(self, now: float, user_since: float, where: str) -> None:
+        m = self._map
+        struct.pack_into("<d", m, _USER_SINCE, user_since)
+        if where:
+            text = where.encode(errors="replace")[-_WHERE_MAX:]
+            m[_WHERE:_WHERE + len(text)] = text
+            struct.pack_into("<Q", m, _WHERE_LEN, len(text))
+        struct.pack_into("<d", m, _ALIVE_AT, now)
+        struct.pack_into("<Q", m, _BEATS, struct.unpack_from("<Q", m, _BEATS)[0] + 1)
+
+    # -- the agent ----------------------------------------------------------------------
+    def read(self) -> Marks:
+        m = self._map
+        progress, progress_at, slowest, beats, alive_at, user_since, length = struct.unpack_from("<QddQddQ", m, 0)
+        length = min(length, _WHERE_MAX)
+        return Marks(progress, progress_at, slowest, beats, alive_at, user_since,
+                     m[_WHERE:_WHERE + length].decode(errors="replace"))
+
+
+@dataclass(frozen=True)
+class Frame:
+    module: str  # the frame's ``__name__``
+    filename: str
+    lineno: int
+    function: str
+
+
+def _stdlib_prefixes() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple({paths["stdlib"], paths["platstdlib"]})
+
+
+def classify(frames: Sequence[Frame], stdlib: Iterable[str] = ()) -> tuple[str, str]:
+    """Where is the main thread? ``frames`` innermost first.
+
+    The innermost frame outside the standard library decides (``Event.wait``
+    called from a training script is the script waiting): in a module of
+    ``WAITING_MODULES`` it is WAITING on peers, anywhere else it is in USER code.
+    Returns the verdict and the deciding frame as "file:line in function".
+    """
+    stdlib = tuple(stdlib)
+    for frame in frames:
+        name = frame.filename
+        library = "site-packages" in name or "dist-packages" in name
+        if name.startswith("<frozen") or (not library and any(name.startswith(p) for p in stdlib)):
+            continue
+        where = f"{frame.filename}:{frame.lineno} in {frame.function}"
+        module = frame.module or ""
+        if any(module == m or module.startswith(m + ".") for m in WAITING_MODULES):
+            return WAITING, where
+        return USER, where
+    return WAITING, ""  # only interpreter frames: starting up or shutting down
+
+
+def _main_thread_frames(main_ident: int, limit: int = 64) -> list[Frame]:
+    frame = sys._current_frames().get(main_ident)
+    out = []
+    while frame is not None and len(out) < limit:
+        code = frame.f_code
+        out.append(Frame(frame.f_globals.get("__name__", ""), code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return out
+
+
+class Heartbeat:
+    """Daemon thread: beat every ``interval``, and watch where the main thread is."""
+
+    def __init__(self, board: ProgressBoard, interval: float = HEARTBEAT_INTERVAL):
+        self._board = board
+        self._interval = interval
+        self._stop = threading.Event()
+        self._stdlib = _stdlib_prefixes()
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, name="elastic-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        seen_progress = -1
+        user_since = 0.0
+        clock = time.pthread_getcpuclockid(self._main)
+        last_now, last_cpu = time.monotonic(), time.clock_gettime(clock)
+        while True:
+            now, cpu = time.monotonic(), time.clock_gettime(clock)
+            busy = cpu - last_cpu > BUSY_SHARE * (now - last_now)
+            last_now, last_cpu = now, cpu
+            marks = self._board.read()
+            if marks.progress != seen_progress:
+                seen_progress, user_since = marks.progress, 0.0
+            kind, where = classify(_main_thread_frames(self._main), self._stdlib)
+            if kind == USER and not busy:
+                user_since = user_since or now
+            else:
+                user_since = 0.0
+            self._board.beat(now, user_since, where)
+            if self._stop.wait(self._interval):
+                return
+
+
+class Progress:
+    """The worker's side: its board, its heartbeat, its stack-dump file."""
+
+    def __init__(self, board_path: str, stacks_path: Optional[str]):
+        self.board = ProgressBoard(board_path, writable=True)
+        self.board.attached(time.monotonic())
+        self._stacks = None
+        if stacks_path:
+            # Kept open for the life of the process: faulthandler writes to its fd
+            # from the signal handler, without the GIL (so even a main thread stuck
+            # in C code holding it gets its stack shown).
+            self._stacks = open(stacks_path, "w")
+            faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
+        self._heartbeat = Heartbeat(self.board).start()
+
+    def mark(self, *, interval: bool) -> None:
+        self.board.mark(time.monotonic(), interval=interval)
+
+    def close(self) -> None:
+        self._heartbeat.stop()
+        self.board.detach()
+        if self._stacks is not None:
+            faulthandler.unregister(signal.SIGUSR1)
+            self._stacks.close()
+        self.board.close()

@@ -1,0 +1,262 @@
+"""Hang detection, the agent's side: which of my workers stopped making progress?
+
+The agent reads each worker's progress marks (``progress.py``: shared memory, no
+etcd, no syscall per step) every time its loop wakes (at least every 0.5 s) and
+``judge`` decides, as a pure function of the marks, the policy and the time:
+
+* **frozen**: the heartbeat thread has been silent for longer than the bound,
+  and the kernel says the process is stopped (``T``: SIGSTOP, a debugger) or
+  its main thread is in an uninterruptible wait (``D``: a hung driver, NFS).
+  Armed once the heartbeat has started, disarmed when the runtime shuts down.
+* **gil-held**: the heartbeat is silent but the process is not frozen: a thread
+  holds the GIL. If one of its threads is running (``R``) it computes (a long C
+  call that keeps the GIL, a ``gc.collect()``, a starved machine): healthy. If
+  all sleep, a thread sleeps while holding the GIL, a deadlock: hung once the
+  patient bound of a stuck main thread (below) has passed.
+* **stuck**: the heartbeat goes on, but the main thread has been seen idle in
+  user code (no CPU used: sleeping, blocked on a lock or a socket),
+  continuously and without a progress mark, for longer than the bound.
+  (``while True: sleep``, a deadlock.) Busy user code (an evaluation pass) is
+  slow, not stuck, and never evicted. Judged only while the training function
+  runs: set-up before it and whatever the script does after it are not steps.
+* **a victim** is never declared hung: a main thread blocked inside a collective
+  (``torch.distributed``, DDP's forward or backward, a CUDA sync) or in the
+  runtime's own waits is waiting for a peer. When the culprit is killed, the
+  round that names it lost makes the victims abort their ring at once.
+
+The bound: ``--hang-timeout S`` fixes it (0 or ``off`` disables detection).
+Otherwise it is ``max(floor, factor x the slowest interval between two progress
+marks of a round)``, floor 5 s, factor 3; so a job whose commits come every
+30 s is given 90 s. Until a worker has shown one such interval, a main thread in
+user code gets ``first_interval`` (300 s): the first steps of a job may be slow
+for reasons of their own (compilation, caches, an honest 30 s step), while the
+heartbeat rule already holds.
+
+A worker declared hung is asked for the stack of every thread (SIGUSR1 to
+faulthandler), given ``grace`` seconds to write it (none when it is stopped: it
+cannot run the handler), then killed with SIGKILL (which works on a stopped
+process too); its exit is then reported like a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .events import EventLog
+from .progress import Marks, ProgressBoard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    timeout: Optional[float] = None  # a fixed bound (s); None: derived; 0: detection off
+    floor: float = 5.0
+    factor: float = 3.0
+    first_interval: float = 300.0  # bound for a stuck main thread before any interval was seen
+    grace: float = 1.0  # seconds a worker gets to dump its stacks before SIGKILL
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout != 0
+
+    def bound(self, slowest: float, *, stuck: bool) -> float:
+        if self.timeout is not None:
+            return self.timeout
+        if stuck and slowest <= 0:
+            return max(self.floor, self.first_interval)
+        return max(self.floor, self.factor * slowest)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    hung: bool
+    kind: str = ""  # "frozen", "gil-held" or "stuck"
+    stalled_s: float = 0.0  # seconds since the last progress mark
+    timeout_s: float = 0.0  # the bound that was exceeded
+    where: str = ""
+
+
+HEALTHY = Verdict(False)
+
+
+FROZEN_STATES = frozenset("TtD")  # /proc/<pid>/stat: stopped, traced, uninterruptible wait
+RUNNING = "R"
+STOPPED = frozenset("Tt")
+
+
+def judge(marks: Marks, policy: HangPolicy, now: float, proc_state: str = "") -> Verdict:
+    """Is this worker hung? Data in, verdict out (see the module docstring).
+
+    ``proc_state`` is the kernel's state letter of the main thread, or "R" if
+    any thread runs (see ``_proc_state``); read only once the heartbeat is late
+    ("" when unknown: then a late heartbeat counts as frozen).
+    """
+    if not policy.enabled or marks.beats == 0:
+        return HEALTHY
+    stalled = now - marks.progress_at
+    silent = now - marks.alive_at
+    bound = policy.bound(marks.slowest, stuck=False)
+    if silent > bound:
+        last = f", last seen at {marks.where}" if marks.where else ""
+        if not proc_state or proc_state in FROZEN_STATES:
+            return Verdict(True, "frozen", stalled, bound, f"no heartbeat for {silent:.1f}s (state {proc_state or '?'}){last}")
+        if proc_state == RUNNING:
+            return HEALTHY
+        bound = policy.bound(marks.slowest, stuck=True)
+        if silent > bound:
+            return Verdict(True, "gil-held", stalled, bound, f"no heartbeat for {silent:.1f}s{last}")
+    if marks.progress and marks.user_since:
+        bound = policy.bound(marks.slowest, stuck=True)
+        if now - max(marks.user_since, marks.progress_at) > bound:
+            return Verdict(True, "stuck", stalled, bound, marks.where)
+    return HEALTHY
+
+
+class Watchdog:
+    """Reads the boards of the agent's workers; kills the ones ``judge`` declares hung."""
+
+    # A longer gap between two checks means the agent itself was not running (a paused
+    # VM, a stopped agent): every heartbeat looks old then. Skip one check instead.
+    _BLIND_GAP = 2.0
+
+    def __init__(self, policy: HangPolicy, scratch: str, events: EventLog, log_dir: Optional[str],
+                 *, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self._scratch = scratch
+        self._events = events
+        self._log_dir = log_dir
+        self._clock = clock
+        self._boards: dict[str, ProgressBoard] = {}
+        self._handled: set[int] = set()  # pids already declared hung
+        self._last_check: Optional[float] = None
+
+    def files_for(self, worker_id: str) -> tuple[Optional[str], Optional[str]]:
+        """(board, stacks) paths for a worker about to start; (None, None) when off."""
+        if not self.policy.enabled:
+            return None, None
+        board = os.path.join(self._scratch, f"{worker_id}.progress")
+        stacks = os.path.join(self._scratch, f"{worker_id}.stacks")
+        self.forget(worker_id)
+        ProgressBoard.create(board)
+        self._boards[worker_id] = ProgressBoard(board, writable=False)
+        return board, stacks
+
+    def forget(self, worker_id: str) -> None:
+        board = self._boards.pop(worker_id, None)
+        if board is not None:
+            board.close()
+
+    def check(self, workers: dict, plan) -> list[str]:
+        """Judge every live worker; kill the hung ones. Returns their ids."""
+        if not self.policy.enabled:
+            return []
+        now = self._clock()
+        last, self._last_check = self._last_check, now
+        if last is not None and now - last > self._BLIND_GAP:
+            return []
+        hung = []
+        for worker_id, proc in workers.items():
+            board = self._boards.get(worker_id)
+            if board is None or proc.pid in self._handled or not proc.alive:
+                continue
+            marks = board.read()
+            late = marks.beats and now - marks.alive_at > self.policy.bound(marks.slowest, stuck=False)
+            state = _proc_state(proc.pid) if late else ""
+            verdict = judge(marks, self.policy, now, state)
+            if verdict.hung:
+                hung.append((worker_id, proc, verdict, state))
+        if hung:
+            self._evict(hung, plan)
+        return [w for w, *_ in hung]
+
+    def _evict(self, hung: list, plan) -> None:
+        for _, proc, _, _ in hung:
+            self._handled.add(proc.pid)
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)  # the worker alone, not its children
+            except ProcessLookupError:
+                pass
+        deadline = self._clock() + self.policy.grace
+        stacks = {w: os.path.join(self._scratch, f"{w}.stacks") for w, *_ in hung}
+        # A stopped process runs no handler before SIGCONT: no point waiting for it.
+        answering = [stacks[w] for w, _, _, state in hung if state not in STOPPED]
+        while answering and self._clock() < deadline and not all(_size(p) > 0 for p in answering):
+            time.sleep(0.02)
+        if answering:
+            time.sleep(0.05)  # a dump that started is written in one go; let it end
+        for worker_id, proc, verdict, state in hung:
+            proc.lost_reason = f"declared hung: {verdict.kind}, no progress for {verdict.stalled_s:.1f}s"
+            proc.signal(signal.SIGKILL)
+            rank = plan.rank_of(worker_id) if plan is not None else None
+            round_ = plan.round if plan is not None else None
+            dump = _read(stacks[worker_id])
+            where = verdict.where or "unknown"
+            shown = self._keep_stacks(worker_id, rank, dump)
+            self._events.emit(
+                "hang_detected", worker=worker_id, rank=rank, round=round_, kind=verdict.kind,
+                stalled_s=round(verdict.stalled_s, 2), timeout_s=round(verdict.timeout_s, 2), where=where,
+                stacks=shown,
+            )
+            log.warning(
+                "worker %s (rank %s, round %s) hung (%s): no progress for %.1fs (timeout %.1fs) at %s; %s; killed",
+                worker_id, rank, round_, verdict.kind, verdict.stalled_s, verdict.timeout_s, where,
+                f"stacks in {shown}" if dump else (
+                    "no stacks (a stopped process cannot answer)" if state in STOPPED
+                    else f"no stacks within {self.policy.grace:g}s (a frozen process cannot answer)"),
+            )
+
+    def _keep_stacks(self, worker_id: str, rank, dump: str) -> Optional[str]:
+        """Put the dump where the user looks: the worker's log, else the console."""
+        if not dump:
+            return None
+        header = f"--- stacks of worker {worker_id} (rank {rank}), declared hung ---\n"
+        if self._log_dir:
+            path = os.path.join(self._log_dir, f"worker-{worker_id}.log")
+            with open(path, "a") as f:
+                f.write(header + dump)
+            return path
+        sys.stderr.write(header + dump)
+        return "stderr"
+
+
+def _proc_state(pid: int) -> str:
+    """The main thread's state letter (T, D, S, ...), or R if any thread runs."""
+    states = []
+    try:
+        tids = [pid] + [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    except OSError:
+        return ""
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        states.append(stat[stat.rindex(")") + 2:][:1])
+    if not states:
+        return ""
+    if states[0] not in ("T", "t") and RUNNING in states:
+        return RUNNING
+    return states[0]
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""

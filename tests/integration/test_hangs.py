@@ -1,0 +1,138 @@
+"""Hung workers under real elastic-run agents, real etcd and real gloo rings.
+
+A frozen worker (SIGSTOP) and a main thread sleeping forever outside any
+collective are detected by their own agent, which asks for their stacks, kills
+them, and reports them lost; the survivors re-form and finish. An honest slow
+step is never taken for a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from tests.fakes.jobs import Job, read_jsonl, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+# The target is 10 s from the freeze to the survivors' next step with default
+# options; the machine is shared, so the test allows a generous margin and
+# prints the figure it measured.
+TARGET_S = 10.0
+MARGIN_S = 15.0
+
+
+def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name, extra=()):
+    launcher = ["--rdzv-endpoint", endpoint, "--job-id", job_id, "--nproc-per-node", str(nproc), *extra]
+    return Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, script_args), name=name)
+
+
+def events(job, kind):
+    return [e for e in job.events() if e["event"] == kind]
+
+
+def final_params(out):
+    finals = sorted(out.glob("final-*.pt"))
+    return [torch.load(p, weights_only=True) for p in finals]
+
+
+def assert_identical(params):
+    assert len(params) >= 2
+    for other in params[1:]:
+        for key in params[0]:
+            assert torch.equal(params[0][key], other[key]), key
+
+
+def test_a_frozen_worker_is_killed_and_the_survivors_go_on(tmp_path, etcd_server):
+    job_id = f"frozen-{uuid.uuid4().hex[:8]}"
+    limits = ["--min-np", "2", "--max-np", "4"]
+    args = ["--steps", "400", "--step-delay", "0.05", "--float64"]
+    first = agent(tmp_path, etcd_server.endpoint, job_id, 2, args, name="first", extra=limits)
+    second = agent(tmp_path, etcd_server.endpoint, job_id, 2, args, name="second", extra=limits)
+    try:
+        # Past a few commits, so the watchdog has seen the step intervals.
+        wait_until(lambda: any(s["step"] >= 20 and s["world"] == 4 for s in first.steps()), 120, "step 20 of 4")
+        victim = first.worker_pid(3)
+        os.kill(victim, signal.SIGSTOP)
+        frozen_at = time.time()
+        wait_until(lambda: any(s["world"] == 3 for s in first.steps()), TARGET_S + MARGIN_S, "a step of the 3 survivors")
+        resumed = min(s["t"] for s in first.steps() if s["world"] == 3)
+        assert first.wait(180) == 0, first.text()[-3000:]
+        assert second.wait(60) == 0, second.text()[-3000:]
+    finally:
+        for job in (first, second):
+            job.kill()
+    took = resumed - frozen_at
+    hangs = events(first, "hang_detected")
+    assert len(hangs) == 1, hangs
+    hang = hangs[0]
+    print(f"\nfrozen worker: declared hung after {hang['time'] - frozen_at:.2f}s, "
+          f"survivors' next step {took:.2f}s after SIGSTOP")
+    assert took <= TARGET_S + MARGIN_S
+    full_round = max(e["round"] for e in events(first, "round_formed") if e["world_size"] == 4)
+    assert hang["kind"] == "frozen" and hang["rank"] == 3 and hang["round"] == full_round
+    assert hang["timeout_s"] == 5.0 and hang["stalled_s"] >= 5.0
+    exited = [e for e in first.events() if e["event"] == "worker_exited" and e["worker"] == hang["worker"]]
+    assert exited and exited[0]["signal"] == signal.SIGKILL, "its own agent SIGKILLed the stopped worker"
+    # Asked for its stacks; a stopped process cannot answer, and the line says so.
+    console = first.text() + second.text()
+    assert f"worker {hang['worker']} (rank 3, round {full_round}) hung (frozen): no progress for" in console
+    assert "no stacks (a stopped process cannot answer); killed" in console
+    # Nobody else was taken for hung: the victims blocked in the ring survived.
+    sizes = [e["world_size"] for e in events(first, "round_formed")]
+    assert sizes[-2:] == [4, 3] and sizes.count(3) == 1, sizes
+    params = final_params(tmp_path / "out")
+    assert len(params) == 3
+    assert_identical(params)
+
+
+def test_a_main_thread_sleeping_outside_any_collective_is_killed_with_its_stack_logged(tmp_path):
+    args = ["--steps", "200", "--step-delay", "0.05", "--hang-rank", "1", "--hang-step", "30"]
+    launcher = ["--np", "3", "--min-np", "2", "--max-restarts", "1"]
+    job = Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, args))
+    try:
+        hung = wait_until(lambda: read_jsonl(tmp_path / "out" / "hung.jsonl"), 120, "the main thread to hang")[0]
+        assert job.wait(240) == 0, job.text()[-3000:]
+    finally:
+        job.kill()
+    hangs = events(job, "hang_detected")
+    assert len(hangs) == 1, hangs
+    hang = hangs[0]
+    assert hang["kind"] == "stuck" and hang["rank"] == 1
+    assert "train_job.py" in hang["where"] and "sleep_forever" in hang["where"]
+    detected = hang["time"] - hung["time"]
+    print(f"\nstuck main thread: declared hung {detected:.2f}s after it started sleeping")
+    assert 5.0 <= detected <= TARGET_S + MARGIN_S
+    # Its stacks, every thread's, are in its log, with the frame it sleeps in.
+    log = (tmp_path / "logs" / f"worker-{hang['worker']}.log").read_text()
+    dump = log[log.index("declared hung"):]
+    assert "sleep_forever" in dump
+    assert dump.count("most recent call first") >= 2, "every thread's stack, not only the main one"
+    assert hang["stacks"] == str(tmp_path / "logs" / f"worker-{hang['worker']}.log")
+    assert f"stacks in {hang['stacks']}; killed" in job.text()
+    # Replaced (--max-restarts 1): the ring re-forms at once without it and with a new worker.
+    started = [e for e in events(job, "worker_started") if e["time"] > hang["time"]]
+    assert len(started) == 1 and started[0]["worker"] != hang["worker"]
+    assert [e["world_size"] for e in events(job, "round_formed")] == [3, 3]
+    assert max(s["step"] for s in job.steps()) == 200
+    params = final_params(tmp_path / "out")
+    assert len(params) == 3
+    assert_identical(params)
+
+
+@pytest.mark.slow
+def test_honest_30_second_steps_are_never_taken_for_a_hang(tmp_path):
+    args = ["--steps", "3", "--step-delay", "30"]
+    job = Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", ["--np", "2"], args))
+    try:
+        assert job.wait(240) == 0, job.text()[-3000:]
+    finally:
+        job.kill()
+    assert events(job, "hang_detected") == []
+    assert [e["world_size"] for e in events(job, "round_formed")] == [2]
+    assert max(s["step"] for s in job.steps()) == 3

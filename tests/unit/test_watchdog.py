@@ -1,0 +1,215 @@
+"""Hang detection without processes: the verdict as a table, the stack classifier, the board."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic.progress import USER, WAITING, Frame, Heartbeat, Marks, ProgressBoard, classify
+from elastic.watchdog import HangPolicy, judge
+
+NOW = 1000.0
+AUTO = HangPolicy()  # floor 5 s, factor 3, first interval 300 s
+
+
+def marks(*, progress=10, since_progress=0.1, slowest=0.2, beats=50, silent=0.1, user_for=0.0, where="train.py:9 in f"):
+    return Marks(
+        progress=progress,
+        progress_at=NOW - since_progress,
+        slowest=slowest,
+        beats=beats,
+        alive_at=NOW - silent,
+        user_since=NOW - user_for if user_for else 0.0,
+        where=where,
+    )
+
+
+# (case, marks, policy, kernel state, expected kind or None for healthy, expected bound)
+CASES = [
+    ("training normally", marks(), AUTO, "", None, 0),
+    ("heartbeat not started yet", marks(beats=0, silent=900, since_progress=900), AUTO, "T", None, 0),
+    ("SIGSTOP: heartbeat silent past the floor", marks(silent=5.5, since_progress=5.6), AUTO, "T", "frozen", 5.0),
+    ("uninterruptible wait (hung driver, NFS)", marks(silent=5.5, since_progress=5.6), AUTO, "D", "frozen", 5.0),
+    ("state unknown counts as frozen", marks(silent=5.5, since_progress=5.6), AUTO, "", "frozen", 5.0),
+    ("silent just under the floor", marks(silent=4.9, since_progress=4.9), AUTO, "T", None, 0),
+    ("slow commits scale the freeze bound", marks(silent=20, since_progress=20, slowest=10), AUTO, "T", None, 0),
+    ("... up to 3x the slowest interval", marks(silent=31, since_progress=31, slowest=10), AUTO, "T", "frozen", 30.0),
+    ("GIL held by a running thread: computing, not hung", marks(silent=600, since_progress=600, slowest=1), AUTO, "R",
+     None, 0),
+    ("GIL held, every thread asleep: a deadlock", marks(silent=8, since_progress=8, slowest=2), AUTO, "S", "gil-held",
+     6.0),
+    ("... judged with the first-interval bound before any interval",
+     marks(silent=200, since_progress=200, slowest=0), AUTO, "S", None, 0),
+    ("main thread in user code, no progress past the floor",
+     marks(since_progress=6, user_for=5.8), AUTO, "", "stuck", 5.0),
+    ("main thread in user code, progress since", marks(since_progress=1, user_for=8), AUTO, "", None, 0),
+    ("victim: main thread waiting in a collective", marks(since_progress=500, user_for=0), AUTO, "", None, 0),
+    ("an honest 30 s step, intervals of 30 s seen", marks(since_progress=40, user_for=40, slowest=30), AUTO, "", None, 0),
+    ("... still stuck after 3x that", marks(since_progress=95, user_for=95, slowest=30), AUTO, "", "stuck", 90.0),
+    ("first 30 s step, no interval seen yet", marks(since_progress=35, user_for=35, slowest=0), AUTO, "", None, 0),
+    ("outside the training function (set-up, after it returned): not judged",
+     marks(progress=0, since_progress=400, user_for=400, slowest=0), AUTO, "", None, 0),
+    ("--hang-timeout fixes the bound", marks(since_progress=21, user_for=21, slowest=30), HangPolicy(timeout=20), "",
+     "stuck", 20.0),
+    ("--hang-timeout also for freezes", marks(silent=2.5, since_progress=3, slowest=30), HangPolicy(timeout=2), "T",
+     "frozen", 2.0),
+    ("--hang-timeout 0: off", marks(silent=500, since_progress=500), HangPolicy(timeout=0), "T", None, 0),
+]
+
+
+@pytest.mark.parametrize("case,m,policy,state,kind,bound", CASES, ids=[c[0] for c in CASES])
+def test_verdict(case, m, policy, state, kind, bound):
+    verdict = judge(m, policy, NOW, state)
+    assert verdict.hung == (kind is not None), verdict
+    if kind is not None:
+        assert verdict.kind == kind
+        assert verdict.timeout_s == pytest.approx(bound)
+        assert verdict.stalled_s == pytest.approx(NOW - m.progress_at)
+
+
+def test_a_frozen_verdict_says_where_the_main_thread_was_last_seen():
+    verdict = judge(marks(silent=6, since_progress=6, where="train.py:40 in step"), AUTO, NOW, "T")
+    assert "no heartbeat for 6.0s (state T)" in verdict.where
+    assert "train.py:40 in step" in verdict.where
+
+
+STDLIB = ("/usr/lib/python3.11",)
+
+
+def frames(*specs):
+    return [Frame(module, filename, 1, "f") for module, filename in specs]
+
+
+@pytest.mark.parametrize(
+    "stack,expected",
+    [
+        # time.sleep / lock.acquire are C calls: the script's own frame is innermost.
+        (frames(("__main__", "/job/train.py")), USER),
+        # Event.wait from the script: threading.py is skipped, the script decides.
+        (frames(("threading", "/usr/lib/python3.11/threading.py"), ("__main__", "/job/train.py")), USER),
+        (frames(("torch.distributed.distributed_c10d", "/venv/site-packages/torch/distributed/distributed_c10d.py"),
+                ("__main__", "/job/train.py")), WAITING),
+        # DDP's all-reduce waits at the end of backward, in the autograd engine.
+        (frames(("torch.autograd.graph", "/venv/site-packages/torch/autograd/graph.py"),
+                ("torch._tensor", "/venv/site-packages/torch/_tensor.py"), ("__main__", "/job/train.py")), WAITING),
+        (frames(("torch.nn.parallel.distributed", "/venv/site-packages/torch/nn/parallel/distributed.py")), WAITING),
+        # The runtime waiting for a round (inside threading.Condition.wait).
+        (frames(("threading", "/usr/lib/python3.11/threading.py"),
+                ("rendezvous.control", "/repo/rendezvous/control.py"), ("elastic.runtime", "/repo/elastic/runtime.py")),
+         WAITING),
+        # A DataLoader waiting on its worker processes (it supervises them itself).
+        (frames(("queue", "/usr/lib/python3.11/queue.py"),
+                ("torch.utils.data.dataloader", "/venv/site-packages/torch/utils/data/dataloader.py")), WAITING),
+        # A user package whose name merely starts like ours.
+        (frames(("elastic_tools.io", "/job/elastic_tools/io.py")), USER),
+        # A library installed under the stdlib tree is a library, not the stdlib.
+        (frames(("mylib", "/usr/lib/python3.11/site-packages/mylib.py")), USER),
+        (frames(("importlib._bootstrap", "<frozen importlib._bootstrap>")), WAITING),
+        ([], WAITING),
+    ],
+)
+def test_classify_the_main_thread(stack, expected):
+    kind, where = classify(stack, STDLIB)
+    assert kind == expected
+    if stack and expected == USER:
+        assert where.endswith(":1 in f")
+
+
+def test_board_round_trip_and_intervals(tmp_path):
+    path = str(tmp_path / "w.progress")
+    ProgressBoard.create(path)
+    writer, reader = ProgressBoard(path, writable=True), ProgressBoard(path, writable=False)
+    try:
+        writer.attached(100.0)
+        writer.mark(101.0, interval=False)  # entering the training function
+        writer.mark(103.0, interval=False)  # a round's first commit: no interval
+        writer.mark(103.5, interval=True)
+        writer.mark(104.5, interval=True)
+        writer.mark(104.7, interval=True)
+        writer.beat(104.8, 104.6, "x" * 1000)
+        m = reader.read()
+        assert (m.progress, m.progress_at, m.slowest) == (5, 104.7, 1.0)
+        assert (m.beats, m.alive_at, m.user_since) == (1, 104.8, 104.6)
+        assert m.where and set(m.where) == {"x"}  # truncated to fit, never spills
+        writer.detach()
+        assert judge(reader.read(), AUTO, 10_000.0, "T").hung is False
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_heartbeat_sees_the_main_thread_in_user_code_and_waiting(tmp_path):
+    """The real thread against this test's own main thread (the only one it can watch)."""
+    path = str(tmp_path / "w.progress")
+    ProgressBoard.create(path)
+    board, reader = ProgressBoard(path, writable=True), ProgressBoard(path, writable=False)
+    board.attached(time.monotonic())
+    board.mark(time.monotonic(), interval=False)
+    heartbeat = Heartbeat(board, interval=0.02).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not reader.read().user_since and time.monotonic() < deadline:
+            time.sleep(0.01)  # this frame is user code (a test module)
+        m = reader.read()
+        assert m.beats > 0 and m.user_since > 0
+        assert "test_watchdog.py" in m.where
+        board.mark(time.monotonic(), interval=True)  # progress ends the stretch; a new one starts
+        deadline = time.monotonic() + 10
+        while reader.read().user_since == m.user_since and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reader.read().user_since != m.user_since
+    finally:
+        heartbeat.stop()
+        board.close()
+        reader.close()
+
+
+class _Control:
+    def __init__(self, plan):
+        self.plan = plan
+
+
+def _plan(round_, workers, lost=()):
+    from rendezvous.rounds import RoundPlan, Slot
+
+    return RoundPlan(round_, tuple(Slot("m", w) for w in workers), {}, "127.0.0.1:1", 0.0, lost=tuple(lost))
+
+
+def test_a_worker_declared_lost_never_completes_a_commit():
+    """It woke up after its agent gave up on it: the round it was in is over."""
+    from elastic.runtime import Runtime
+    from elastic.worker_config import WorkerConfig
+
+    runtime = Runtime(WorkerConfig(job_id="j", endpoints="e", worker_id="m.w1", member_id="m", host_id="h", round=1))
+    runtime.round = 1
+    runtime._control = _Control(_plan(2, ["m.w0"], lost=["m.w1"]))
+    with pytest.raises(SystemExit, match="declared lost in round 2"):
+        runtime.fence()
+    runtime._control = _Control(_plan(2, ["m.w0", "m.w2"], lost=["m.w3"]))  # somebody else was lost
+    runtime.fence()
+    runtime._control = _Control(_plan(1, ["m.w0", "m.w1"]))
+    runtime.fence()
+
+
+@pytest.mark.parametrize("text,value", [("off", 0.0), ("OFF", 0.0), ("0", 0.0), ("1", 1.0), ("42.5", 42.5)])
+def test_hang_timeout_option(tmp_path, text, value):
+    from elastic.cli import parse
+
+    script = tmp_path / "x.py"
+    script.write_text("")
+    config, _ = parse(["--np", "1", "--backend", "gloo", "--hang-timeout", text, str(script)])
+    assert config.hang_timeout == value
+    config, _ = parse(["--np", "1", "--backend", "gloo", str(script)])
+    assert config.hang_timeout is None  # derived from the job's own commit intervals
+
+
+@pytest.mark.parametrize("text", ["0.5", "-3", "soon"])
+def test_hang_timeout_option_rejects_bad_values(tmp_path, text):
+    from elastic.cli import parse
+    from rendezvous import ConfigError
+
+    script = tmp_path / "x.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match="--hang-timeout"):
+        parse(["--np", "1", "--backend", "gloo", "--hang-timeout", text, str(script)])
