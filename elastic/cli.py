@@ -24,7 +24,7 @@ from rendezvous import (
     validate_job_id,
 )
 
-from . import addressing
+from .agent import addressing
 from .agent import Agent, AgentConfig
 
 USAGE_ERROR = 2

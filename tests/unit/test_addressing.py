@@ -1,10 +1,10 @@
-"""elastic/addressing.py: the default --host-addr and the interface gloo/NCCL use."""
+"""elastic/agent/addressing.py: the default --host-addr and the interface gloo/NCCL use."""
 
 from __future__ import annotations
 
 import socket
 
-from elastic import addressing
+from elastic.agent import addressing
 
 
 def _own_ipv4() -> list[tuple[str, str]]:
@@ -67,7 +67,7 @@ def test_an_agent_inside_a_namespaced_host_picks_its_own_address(netns_hosts):
     from tests.fakes.jobs import REPO
 
     hosts = netns_hosts(1)
-    code = ("import sys; from elastic import addressing as a; "
+    code = ("import sys; from elastic.agent import addressing as a; "
             "host, port = sys.argv[1].rsplit(':', 1); addr = a.default_host_addr((host, int(port)), 'x'); "
             "print(addr, a.interface_holding(addr))")
     out = subprocess.run(hosts[0].command([sys.executable, "-c", code, hosts.etcd_endpoint]),

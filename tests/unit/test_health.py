@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from elastic.health import HealthServer, HealthState
+from elastic.agent.health import HealthServer, HealthState
 
 
 class FakeClock:

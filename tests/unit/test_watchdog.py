@@ -7,7 +7,7 @@ import time
 import pytest
 
 from elastic.progress import USER, WAITING, Frame, Heartbeat, Marks, ProgressBoard, classify
-from elastic.watchdog import HangPolicy, judge
+from elastic.agent.watchdog import HangPolicy, judge
 
 NOW = 1000.0
 AUTO = HangPolicy()  # floor 5 s, factor 3, first interval 300 s

@@ -14,8 +14,12 @@ into membership changes:
 * a worker failed with an error in user code: the job fails; no re-form loop;
 * a worker finished: the training function returned, the job succeeded;
 * SIGTERM/SIGINT: graceful leave. Our workers are withdrawn from membership,
-  the ring switches without them at its next commit, they exit 0, we leave.
-  A second signal, or the grace period running out, kills them instead.
+  the ring switches without them at its next commit, they exit 0, we leave (or,
+  when the leaving hosts together would leave fewer than min-np, the coordinator
+  stops the whole job at one commit). A second signal, or the grace period
+  running out, kills them instead;
+* etcd away: what we report is queued (etcd_writes.py) and sent when it returns;
+  a session lost to a partition registers us again when the link returns.
 
 Workers that do not use the elastic API (a torchrun script) get torchrun's
 semantics: on any change of round they are restarted together.
@@ -52,13 +56,15 @@ from rendezvous import (
     new_member_id,
 )
 
-from . import addressing
-from .errors import PeersUnreachable
-from .events import EventLog
-from .plain_store import PlainStores
+from .etcd_writes import EtcdWrites
+from ..errors import PeersUnreachable
+from ..events import EventLog
+from .plain_store import PlainStores, prune_round_keys
 from .watchdog import HangPolicy, Watchdog
+from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor
-from .worker_config import WorkerConfig
+from ..worker_config import WorkerConfig
+from .worker_env import worker_env
 from .workers import Exited, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -114,9 +120,7 @@ class Agent:
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
         self._session_lost = False
-        # etcd writes that failed (etcd away, or this host cut off): retried in order on
-        # every turn of the loop, so an outage delays what we report but loses nothing.
-        self._pending: list = []
+        self._etcd_writes = EtcdWrites()  # reports queued while etcd is away
         self._scratch = tempfile.mkdtemp(prefix="elastic-agent-")
         self.events = EventLog(
             os.path.join(config.log_dir, "events.jsonl") if config.log_dir else None, host=config.host_id
@@ -183,7 +187,7 @@ class Agent:
                 self._on_exit(item)
             elif isinstance(item, _Signal):
                 self._on_signal(item.signum)
-            self._flush_pending()
+            self._etcd_writes.flush()
             self._restart_plain_workers()
             self._watchdog.check(self._workers, self._plan)  # a hung worker is killed; its exit comes next
             try:
@@ -193,27 +197,6 @@ class Agent:
                 log.warning("round %s: cannot follow the plan yet (%s); retrying", self.events.round, exc)
             self._check_grace()
         return self._outcome
-
-    def _write_etcd(self, what: str, op) -> None:
-        """Run an etcd write now, or queue it for the next turn if etcd is away."""
-        if self._pending:
-            self._pending.append((what, op))  # keep the order of what we report
-            return
-        try:
-            op()
-        except RendezvousError as exc:
-            log.warning("etcd unreachable (%s): will retry to %s", exc, what)
-            self._pending.append((what, op))
-
-    def _flush_pending(self) -> None:
-        while self._pending:
-            what, op = self._pending[0]
-            try:
-                op()
-            except RendezvousError:
-                return
-            self._pending.pop(0)
-            log.info("etcd is back: did %s", what)
 
     # -- following the plan -----------------------------------------------------------
     def _follow_control(self) -> None:
@@ -231,7 +214,7 @@ class Agent:
         self._plan_started, self._plan = self._plan, plan
         self.events.round = plan.round
         self._plain_stores.serve_if_rank0(plan)
-        self._prune_store(plan.round)
+        prune_round_keys(self._store, plan.round)
         self._restart_plain_workers()
         mine = set(plan.local_ranks(self.member_id))
         for worker_id in self._wanted:
@@ -264,50 +247,9 @@ class Agent:
             if worker_id in mine:
                 self._start_worker(worker_id, plan)
 
-    def _prune_store(self, current_round: int) -> None:
-        """Delete the keys of rounds before the previous one from our TCPStore: a job
-        that re-forms a thousand times must not keep a thousand rounds of keys."""
-        try:
-            keys = self._store.list_keys()
-        except (AttributeError, RuntimeError):  # an older torch without list_keys
-            return
-        for key in keys:
-            # "/round/<n>/..." (see runtime.Runtime._enter)
-            parts = key.split("/", 3)
-            if len(parts) > 2 and parts[1] == "round" and parts[2].isdigit() and int(parts[2]) < current_round - 1:
-                self._store.delete_key(key)
-
     def _start_worker(self, worker_id: str, plan: RoundPlan) -> None:
         cfg = self.config
         rank = plan.rank_of(worker_id)
-        local = plan.local_ranks(self.member_id)
-        # MASTER_ADDR:PORT is for torchrun scripts only (the elastic runtime uses the
-        # plan's store): a fresh store per round, so no stale peer addresses.
-        host, port = self._plain_stores.address(plan)
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(local.index(worker_id)),
-            WORLD_SIZE=str(plan.world_size),
-            LOCAL_WORLD_SIZE=str(len(local)),
-            GROUP_RANK=str(plan.member_order().index(self.member_id)),
-            MASTER_ADDR=host,
-            MASTER_PORT=str(port),
-            TORCHELASTIC_RUN_ID=cfg.job_id,
-            # As under torchrun: env:// connects to the agent's store as a client (rank 0
-            # must not start a second server on that port), under a fresh namespace
-            # per round ("/worker/attempt_<round>"); re-using a namespace hangs.
-            TORCHELASTIC_USE_AGENT_STORE="True",
-            TORCHELASTIC_RESTART_COUNT=str(plan.round),
-        )
-        # Peers reach gloo/NCCL at the interface holding --host-addr, not at whatever
-        # the host name resolves to; the user's own *_SOCKET_IFNAME win.
-        env.update(addressing.socket_ifname_env(cfg.socket_ifname, cfg.backend, env))
-        if cfg.nproc_per_node > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")
-        if cfg.backend == "nccl":
-            # A failed NCCL collective raises instead of hanging; the ring is then aborted.
-            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         progress_file, stacks_file = self._watchdog.files_for(worker_id)
         worker_config = WorkerConfig(
             job_id=cfg.job_id,
@@ -330,8 +272,11 @@ class Agent:
             **cfg.etcd_options,
             **cfg.checkpoint,
         )
-        env.update(worker_config.to_env())
-        env["ELASTIC_WORKER_AGENT_PID"] = str(os.getpid())
+        env = worker_env(
+            os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id,
+            master=self._plain_stores.address(plan), worker_config=worker_config,
+            nproc_per_node=cfg.nproc_per_node, socket_ifname=cfg.socket_ifname,
+        )
         log_path = os.path.join(cfg.log_dir, f"worker-{worker_id}.log") if cfg.log_dir else None
         proc = WorkerProcess(
             worker_id,
@@ -365,10 +310,7 @@ class Agent:
         proc = self._workers.get(exited.worker_id)
         if proc is None or proc.pid != exited.pid:
             return  # a process we replaced ourselves
-        self.events.emit(
-            "worker_exited", worker=exited.worker_id, exit_code=exited.exit_code, signal=exited.signal,
-            rank=self._plan.rank_of(exited.worker_id) if self._plan else None,
-        )
+        self._report_exit(exited)
         if proc.stopping and self._leaving_since is None:
             return  # we restarted it ourselves
         del self._workers[exited.worker_id]
@@ -380,7 +322,7 @@ class Agent:
                 return  # it stopped at the job's last commit; _follow_control ends us
             # The training function returned: the job is done for everyone.
             done = JobStatus(SUCCEEDED, f"worker {exited.worker_id} finished")
-            self._write_etcd("report the job succeeded", lambda: self.participant.set_status(done))
+            self._etcd_writes.write("report the job succeeded", lambda: self.participant.set_status(done))
             return
         if self._leaving_since is not None:
             return
@@ -392,7 +334,7 @@ class Agent:
             # up). Re-forming would only hit it again, so the job fails, once.
             reason = f"worker {exited.worker_id} failed: {exited.error}"
             self.events.emit("failure_detected", reason=reason, user_error=True)
-            self._write_etcd("report the job failed", lambda: self.participant.set_status(JobStatus(FAILED, reason)))
+            self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(JobStatus(FAILED, reason)))
             return
         how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
         how = f"{proc.lost_reason}, {how}" if proc.lost_reason else how
@@ -408,7 +350,7 @@ class Agent:
             self._wanted.append(self._new_worker_id())
         # Reported at once: the coordinator re-forms without waiting for any TTL.
         wanted = tuple(self._wanted)
-        self._write_etcd(f"drop worker {exited.worker_id}", lambda: self.participant.set_workers(wanted))
+        self._etcd_writes.write(f"drop worker {exited.worker_id}", lambda: self.participant.set_workers(wanted))
 
     # -- [addressing] peers that cannot reach each other ------------------------------------
     def _on_network_failure(self, worker_id: str, reason: str) -> None:
@@ -425,9 +367,9 @@ class Agent:
         if len(self._network_failure_rounds) > self.config.max_resets:
             failed = JobStatus(
                 FAILED, f"{reason} ({len(self._network_failure_rounds)} rounds, --max-resets {self.config.max_resets})")
-            self._write_etcd("report the job failed", lambda: self.participant.set_status(failed))
+            self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
             return
-        self._write_etcd(f"ask for a round after {failed_round}",
+        self._etcd_writes.write(f"ask for a round after {failed_round}",
                          lambda: self.participant.control.request_reset(worker_id, failed_round, reason))
 
     def _on_plain_failure(self, worker_id: str, proc: WorkerProcess, how: str) -> None:
@@ -439,10 +381,10 @@ class Agent:
         self._plain_failure_rounds.add(failed_round)
         if self._restarts >= self.config.max_restarts:
             failed = JobStatus(FAILED, f"worker {worker_id} died ({how}); --max-restarts {self.config.max_restarts} used up")
-            self._write_etcd("report the job failed", lambda: self.participant.set_status(failed))
+            self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
             return
         self._restarts += 1
-        self._write_etcd(f"ask for a round after {failed_round}", lambda: self.participant.control.request_reset(
+        self._etcd_writes.write(f"ask for a round after {failed_round}", lambda: self.participant.control.request_reset(
             worker_id, failed_round, f"worker died ({how})"))
 
     # -- leaving -------------------------------------------------------------------------
@@ -458,7 +400,7 @@ class Agent:
         # stops at a commit (with a final checkpoint) because too few would remain is
         # the coordinator's decision (rounds.decide): other hosts may be leaving too.
         self._wanted = []
-        self._write_etcd("withdraw our workers", lambda: self.participant.set_workers((), draining=True))
+        self._etcd_writes.write("withdraw our workers", lambda: self.participant.set_workers((), draining=True))
         if not any(p.elastic for p in self._workers.values()):
             for proc in self._workers.values():
                 proc.stop()
@@ -503,54 +445,24 @@ class Agent:
             )
 
     def _finish(self, status: JobStatus) -> None:
-        """The job is over: let our workers end on their own for a moment, then stop them.
-
-        A worker that says it is writing the final durable checkpoint (rank 0, while the
-        others have finished) gets --final-checkpoint-timeout instead, and the moment
-        to exit once it is done. A signal to the agent stops them at once.
-        """
-        succeeded = status.state == SUCCEEDED
-        moment = 10.0 if succeeded else 2.0
-        final_timeout = self.config.final_checkpoint_timeout
-        started = time.monotonic()
-        give_up = started + moment + final_timeout + 10.0
-        pending = {w for w, p in self._workers.items() if p.alive}  # until their exit is reported
-        busy_until = dict.fromkeys(pending, started)  # when each was last seen writing
-        killed: set[str] = set()
-        interrupted = False
-        while pending and time.monotonic() < give_up:
-            now = time.monotonic()
-            for worker_id in pending - killed:
-                writing = succeeded and os.path.exists(self._final_checkpoint_file(worker_id))
-                if writing:
-                    busy_until[worker_id] = now
-                over = now - started >= final_timeout if writing else now - busy_until[worker_id] >= moment
-                if interrupted or over:
-                    if writing and not interrupted:
-                        log.warning("%s still writing the final checkpoint after %.0fs "
-                                    "(--final-checkpoint-timeout %g): stopping it",
-                                    self._label(worker_id), now - started, final_timeout)
-                    self._workers[worker_id].kill()
-                    killed.add(worker_id)
-                    give_up = min(give_up, now + 5.0)
-            try:
-                item = self._inbox.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            proc = self._workers.get(item.worker_id) if isinstance(item, Exited) else None
-            if proc is not None and proc.pid == item.pid:
-                # Only reported: the job's fate is decided, nothing to react to any more.
-                pending.discard(item.worker_id)
-                self.events.emit(
-                    "worker_exited", worker=item.worker_id, exit_code=item.exit_code, signal=item.signal,
-                    rank=self._plan.rank_of(item.worker_id) if self._plan else None,
-                )
-            elif isinstance(item, _Signal):
-                interrupted = True
+        """The job is over: let our workers end (rank 0 may be writing the final
+        checkpoint: see wind_down.py), then report how it ended."""
+        wind_down(
+            self._workers, self._inbox, succeeded=status.state == SUCCEEDED,
+            final_timeout=self.config.final_checkpoint_timeout,
+            writing=lambda w: os.path.exists(self._final_checkpoint_file(w)),
+            label=self._label, on_exit=self._report_exit,
+        )
         self.events.emit("job_finished", status=status.state, reason=status.reason)
         self._outcome = 0 if status.state == SUCCEEDED else 1
         if status.state != SUCCEEDED:
             print(f"elastic-run: job {self.config.job_id} failed: {status.reason}", file=sys.stderr)
+
+    def _report_exit(self, item: Exited) -> None:
+        self.events.emit(
+            "worker_exited", worker=item.worker_id, exit_code=item.exit_code, signal=item.signal,
+            rank=self._plan.rank_of(item.worker_id) if self._plan else None,
+        )
 
     def _watch_session(self) -> None:
         session = self.participant.session

@@ -48,8 +48,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .events import EventLog
-from .progress import Marks, ProgressBoard
+from ..events import EventLog
+from ..progress import Marks, ProgressBoard
 
 log = logging.getLogger(__name__)
 

@@ -61,3 +61,17 @@ class PlainStores:
 
     def close(self) -> None:
         self._served.clear()
+
+
+def prune_round_keys(store, current_round: int) -> None:
+    """Delete the keys of rounds before the previous one from an agent's round store
+    (``/round/<n>/...``, see runtime.Runtime._enter): a job that re-forms a thousand
+    times must not keep a thousand rounds of keys."""
+    try:
+        keys = store.list_keys()
+    except (AttributeError, RuntimeError):  # an older torch without list_keys
+        return
+    for key in keys:
+        parts = key.split("/", 3)
+        if len(parts) > 2 and parts[1] == "round" and parts[2].isdigit() and int(parts[2]) < current_round - 1:
+            store.delete_key(key)
