@@ -36,6 +36,7 @@ p.add_argument("--dataset-size", type=int, default=240)
 p.add_argument("--slow-rank", type=int, default=None, help="this rank stalls once, mid-step (grace tests)")
 p.add_argument("--slow-step", type=int, default=None, help="... in the first step >= this it runs, between finishing and committing it")
 p.add_argument("--slow-delay", type=float, default=0.0)
+p.add_argument("--slow-round", type=int, default=None, help="... only in this round (a new rank 0 does not stall)")
 p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -73,7 +74,7 @@ def record_step(indices):
                            "round": elastic.round(), "step": state.step, "epoch": state.epoch,
                            "indices": indices})
     if args.slow_step is not None and state.step >= args.slow_step and elastic.rank() == args.slow_rank \
-            and not stalled:
+            and args.slow_round in (None, elastic.round()) and not stalled:
         stalled.append(state.step)  # once per process
         time.sleep(args.slow_delay)
 
