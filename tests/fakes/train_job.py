@@ -43,6 +43,7 @@ p.add_argument("--micro-batch-size", type=int, default=None, help="... each shar
 p.add_argument("--slow-rank", type=int, default=None, help="this rank stalls once, mid-step (grace tests)")
 p.add_argument("--slow-step", type=int, default=None, help="... in the first step >= this it runs, between finishing and committing it")
 p.add_argument("--slow-delay", type=float, default=0.0)
+p.add_argument("--slow-round", type=int, default=None, help="... only in this round (a new rank 0 does not stall)")
 p.add_argument("--hang-rank", type=int, default=None, help="this rank's main thread sleeps forever ...")
 p.add_argument("--hang-step", type=int, default=None, help="... after finishing this step, outside any collective")
 p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
@@ -97,7 +98,7 @@ def record_step(indices):
             and not os.path.exists(os.path.join(args.out, "hung.jsonl")):  # once per job
         sleep_forever()
     if args.slow_step is not None and state.step >= args.slow_step and elastic.rank() == args.slow_rank \
-            and not stalled:
+            and args.slow_round in (None, elastic.round()) and not stalled:
         stalled.append(state.step)  # once per process
         time.sleep(args.slow_delay)
 

@@ -62,6 +62,19 @@ def kill_everything(job: Job) -> None:
     wait_until(lambda: not any(_alive(pid) for pid in workers), 15, "the workers to die with their agent")
 
 
+def stall_rank0_at(step: int) -> list[str]:
+    """Script options: rank 0 of round 1 stops after logging `step`, before committing it,
+    for longer than any test waits. Its peers block in the next step's collective, so the newest
+    durable step and everything logged stay put until the test kills the job."""
+    return ["--slow-rank", "0", "--slow-step", str(step), "--slow-delay", "600", "--slow-round", "1"]
+
+
+def wait_for_the_stall(job: Job, step: int, world: int) -> None:
+    """Every rank has logged `step`: every step before it is logged and committed."""
+    wait_until(lambda: len({s["rank"] for s in job.steps() if s["step"] == step}) == world, 120,
+               f"all {world} ranks to log step {step}")
+
+
 def single_process_params(tmp_path: Path, steps: int) -> dict:
     """The uninterrupted reference: train_job.py as a plain process (a world of one)."""
     out = tmp_path / "single"
@@ -82,13 +95,14 @@ def test_full_restart_with_four_workers_resumes_from_the_newest_durable_step(tmp
     steps, ckpt = 82, tmp_path / "ckpt"  # not a multiple of 5: the last step is the final write
     ckpt_args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
     script = ["--steps", str(steps), "--float64", "--step-delay", "0.02"]
-    first = start(tmp_path / "first", ["--np", "4", *ckpt_args], script)
-    wait_until(lambda: newest_valid_step(ckpt) >= 15, 60, "a durable checkpoint of step >= 15")
+    first = start(tmp_path / "first", ["--np", "4", *ckpt_args], [*script, *stall_rank0_at(16)])
+    wait_for_the_stall(first, 16, world=4)
+    wait_until(lambda: newest_valid_step(ckpt) == 15, 60, "the durable checkpoint of step 15")
     kill_everything(first)
 
     tree, manifest = load_latest(str(ckpt))
     durable = manifest["step"]
-    assert 15 <= durable < steps and durable % 5 == 0
+    assert durable == 15
     assert tree["values"]["step"] == durable
     momentum = [s["momentum_buffer"] for s in tree["optimizer"]["state"].values()]
     assert momentum and all(m.abs().sum() > 0 for m in momentum)  # momentum is on disk too
@@ -114,12 +128,15 @@ def test_full_restart_with_three_workers_finishes_the_interrupted_epoch_exactly_
     ckpt = tmp_path / "ckpt"
     ckpt_args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
     script = ["--epochs", "2", "--dataset-size", str(DATASET), "--step-delay", "0.05"]
-    first = start(tmp_path / "first", ["--np", "4", *ckpt_args], script)
-    wait_until(lambda: newest_valid_step(ckpt) >= 6, 60, "a durable checkpoint of step >= 6")
+    # 15 steps per epoch (240 samples, 4 workers, batches of 4): step 6 is mid-epoch.
+    first = start(tmp_path / "first", ["--np", "4", *ckpt_args], [*script, *stall_rank0_at(7)])
+    wait_for_the_stall(first, 7, world=4)
+    wait_until(lambda: newest_valid_step(ckpt) == 6, 60, "the durable checkpoint of step 6")
     kill_everything(first)
 
     tree, manifest = load_latest(str(ckpt))
     durable, sampler_state = manifest["step"], tree["sampler"]
+    assert durable == 6
     epoch = sampler_state["epoch"]
     assert tree["values"]["epoch"] == epoch == manifest["epoch"]
     consumed = sampler_state["prefix"] + len(sampler_state["processed"])
@@ -151,9 +168,9 @@ def test_a_running_job_continues_from_memory_not_from_an_older_durable_step(tmp_
     job = start(tmp_path / "job",
                 ["--np", "4", "--min-np", "2", "--collective-timeout", "10",
                  "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50"],
-                ["--steps", str(steps), "--step-delay", "0.02"])
+                ["--steps", str(steps), "--step-delay", "0.02", *stall_rank0_at(61)])
+    wait_for_the_stall(job, 61, world=4)
     wait_until(lambda: newest_valid_step(ckpt) == 50, 60, "the durable checkpoint of step 50")
-    job.wait_for_step(60)
     victim = job.worker_pid(0)  # rank 0, the writer: its successor has never read the disk
     os.kill(victim, signal.SIGKILL)
     assert job.wait() == 0, job.text()[-3000:]
