@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from tests.fakes.jsonl import read_jsonl  # noqa: F401 (tests import it from here)
 from tests.fakes.waiting import poll
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,18 +22,6 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
     if not value:
         raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
     return value
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written right now
-    return out
 
 
 class Job:
