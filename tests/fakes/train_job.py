@@ -7,6 +7,8 @@ result equals single-process training on the whole global batch.
 Files written to --out (one line per event, flushed at once, so tests can watch):
   pids.jsonl      {"pid", "rank", "round", "world"} at every (re-)entry
   steps.jsonl     {"pid", "rank", "world", "round", "step", "indices"} per completed step
+                  (sampler mode adds "batch": the whole global batch of the step, every
+                  rank's indices, so the step is accounted for even if only one rank logs it)
   final-<pid>.pt  the final parameters (float64 when --float64)
 """
 
@@ -36,6 +38,8 @@ p.add_argument("--dataset-size", type=int, default=240)
 p.add_argument("--slow-rank", type=int, default=None, help="this rank stalls once, mid-step (grace tests)")
 p.add_argument("--slow-step", type=int, default=None, help="... in the first step >= this it runs, between finishing and committing it")
 p.add_argument("--slow-delay", type=float, default=0.0)
+p.add_argument("--hold-below-world", type=int, default=None,
+               help="sampler mode: while the ring is smaller than this, commit in lockstep without training")
 p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -68,10 +72,12 @@ def one_step(ddp, rows):
     state.optimizer.step()
 
 
-def record_step(indices):
-    append("steps.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
-                           "round": elastic.round(), "step": state.step, "epoch": state.epoch,
-                           "indices": indices})
+def record_step(indices, batch=None):
+    record = {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
+              "round": elastic.round(), "step": state.step, "epoch": state.epoch, "indices": indices}
+    if batch is not None:
+        record["batch"] = batch
+    append("steps.jsonl", record)
     if args.slow_step is not None and state.step >= args.slow_step and elastic.rank() == args.slow_rank \
             and not stalled:
         stalled.append(state.step)  # once per process
@@ -90,6 +96,16 @@ def told_to_stop() -> bool:
     return bool(flag.item())
 
 
+def hold_until_the_ring_grows():
+    """Wait for a joiner at commits (where a grow is applied) without training, so a test
+    sees its grow before the epoch ends however slowly the joiner starts. One barrier per
+    turn keeps the ranks' commits in step: they must all switch at the same commit."""
+    while args.hold_below_world and elastic.size() < args.hold_below_world:
+        dist.barrier()
+        time.sleep(0.05)
+        state.commit()  # raises HostsUpdatedInterrupt at the switch: train is re-entered
+
+
 @elastic.run
 def train(state):
     rank, world = elastic.rank(), elastic.size()
@@ -102,10 +118,16 @@ def train(state):
             state.sampler.set_rank(rank, world)
             batches = list(state.sampler.batches(4))
             for batch_idx, rows in enumerate(batches):
+                hold_until_the_ring_grows()
+                # Every rank logs the whole global batch: a rank killed after the step's
+                # all-reduce but before its own log line still had its share trained on
+                # and committed by the others, and the tests must see that share.
+                shares = [None] * world
+                dist.all_gather_object(shares, rows)
                 one_step(ddp, torch.tensor(rows))
                 state.sampler.record_batch(batch_idx, 4)
                 state.step += 1
-                record_step(rows)
+                record_step(rows, [i for share in shares for i in share])
                 time.sleep(args.step_delay)
                 state.commit()
             state.sampler.set_epoch(state.epoch + 1)
