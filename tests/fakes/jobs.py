@@ -57,7 +57,8 @@ class Job:
     def events(self) -> list[dict]:
         return read_jsonl(self.log_dir / "events.jsonl")
 
-    def wait_for_step(self, step: int, timeout: float = 60) -> None:
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        # Generous: on a loaded 2-core machine, starting workers that import torch takes long.
         wait_until(lambda: any(s["step"] >= step for s in self.steps()), timeout, f"step {step}")
 
     def worker_pid(self, rank: int) -> int:
