@@ -217,7 +217,9 @@ class Agent:
             # must not start a second server on that port), under a fresh namespace
             # per round ("/worker/attempt_<round>"); re-using a namespace hangs.
             TORCHELASTIC_USE_AGENT_STORE="True",
-            TORCHELASTIC_RESTART_COUNT=str(plan.round),
+            # torchrun's meaning: worker-group restarts after failures so far (0 at the
+            # first start; membership changes do not count), not the round number.
+            TORCHELASTIC_RESTART_COUNT=str(self._restarts),
         )
         if cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
