@@ -189,13 +189,16 @@ def processes(etcd_server, job_id, tmp_path):
 # ----------------------------------------------------------------------------- tests: forming rounds
 
 
+# Starting member processes (python + grpc imports) takes long on a loaded 2-core
+# machine: the waits below are generous, the assertions are about plans, not speed.
+@pytest.mark.timeout(120)
 def test_four_member_processes_joining_together_form_one_round(processes, etcd, job_id):
     names = [f"m{i}" for i in range(4)]
     for name in names:
         processes.spawn(name, min_np=4, max_np=4, wait_for_go=True)
     processes.go()
 
-    ok = wait_until(lambda: all(1 in plans_seen(processes.out(m)) for m in names), timeout=15.0)
+    ok = wait_until(lambda: all(1 in plans_seen(processes.out(m)) for m in names), timeout=60.0)
     assert ok, f"not every member saw round 1: {processes.log_tails()}"
     seen = [plans_seen(processes.out(m))[1] for m in names]
     assert all(plan == seen[0] for plan in seen), seen
@@ -208,13 +211,14 @@ def test_four_member_processes_joining_together_form_one_round(processes, etcd, 
     assert list(rounds_in_etcd(etcd, JobKeys(job_id))) == [1]
 
 
+@pytest.mark.timeout(180)
 def test_sixteen_member_processes_racing_write_exactly_one_plan_per_round(processes, etcd, job_id):
     names = [f"m{i:02d}" for i in range(16)]
     for name in names:
         processes.spawn(name, min_np=16, max_np=16, wait_for_go=True)
     processes.go()
 
-    ok = wait_until(lambda: all(1 in plans_seen(processes.out(m)) for m in names), timeout=30.0)
+    ok = wait_until(lambda: all(1 in plans_seen(processes.out(m)) for m in names), timeout=120.0)
     assert ok, f"not every member saw round 1: {processes.log_tails()}"
     rounds = rounds_in_etcd(etcd, JobKeys(job_id))
     assert list(rounds) == [1]
