@@ -275,7 +275,7 @@ class Agent:
         env = worker_env(
             os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id,
             master=self._plain_stores.address(plan), worker_config=worker_config,
-            nproc_per_node=cfg.nproc_per_node, socket_ifname=cfg.socket_ifname,
+            nproc_per_node=cfg.nproc_per_node, socket_ifname=cfg.socket_ifname, restart_count=self._restarts,
         )
         log_path = os.path.join(cfg.log_dir, f"worker-{worker_id}.log") if cfg.log_dir else None
         proc = WorkerProcess(

@@ -27,6 +27,7 @@ def worker_env(
     worker_config: WorkerConfig,
     nproc_per_node: int,
     socket_ifname,
+    restart_count: int,
 ) -> dict[str, str]:
     rank = plan.rank_of(worker_id)
     local = plan.local_ranks(member_id)
@@ -43,10 +44,11 @@ def worker_env(
         MASTER_PORT=str(master[1]),
         TORCHELASTIC_RUN_ID=worker_config.job_id,
         # As under torchrun: env:// connects to the agent's store as a client (rank 0
-        # must not start a second server on that port), under a fresh namespace
-        # per round ("/worker/attempt_<round>"); re-using a namespace hangs.
+        # must not start a second server on that port); every round has a fresh store.
         TORCHELASTIC_USE_AGENT_STORE="True",
-        TORCHELASTIC_RESTART_COUNT=str(plan.round),
+        # torchrun's meaning: worker-group restarts after failures so far (0 at the
+        # first start; membership changes do not count), not the round number.
+        TORCHELASTIC_RESTART_COUNT=str(restart_count),
     )
     # Peers reach gloo/NCCL at the interface holding --host-addr, not at whatever
     # the host name resolves to; the user's own *_SOCKET_IFNAME win.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from tests.fakes.jsonl import read_jsonl  # noqa: F401 (tests import it from here)
 from tests.fakes.waiting import poll
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,18 +22,6 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
     if not value:
         raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
     return value
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written right now
-    return out
 
 
 class Job:
@@ -71,7 +59,8 @@ class Job:
     def events(self) -> list[dict]:
         return read_jsonl(self.log_dir / "events.jsonl")
 
-    def wait_for_step(self, step: int, timeout: float = 60) -> None:
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        # Generous: on a loaded 2-core machine, starting workers that import torch takes long.
         wait_until(lambda: any(s["step"] >= step for s in self.steps()), timeout, f"step {step}")
 
     def worker_pid(self, rank: int) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 from rendezvous import Etcd, EtcdConfig, JobKeys, Member, Participant, RendezvousSettings, new_member_id
 from rendezvous.control import JobStatus
 from rendezvous.rounds import RoundPlan
+from tests.fakes.jsonl import read_jsonl
 
 
 class JsonLines:
@@ -52,18 +53,8 @@ class JsonLines:
 
 
 def read_records(path: Path) -> list[dict]:
-    """The complete lines of an --out file (a line being written is skipped)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # the writer is mid-line
-    return records
+    """The complete lines of an --out file (only a torn last line is skipped)."""
+    return read_jsonl(path)
 
 
 def plans_seen(path: Path) -> dict[int, dict]:

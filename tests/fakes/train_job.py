@@ -9,6 +9,8 @@ G each step is the sampler's next global batch of G (a sum loss times loss_scale
 Files written to --out (one line per event, flushed at once, so tests can watch):
   pids.jsonl      {"pid", "rank", "round", "world"} at every (re-)entry
   steps.jsonl     {"pid", "rank", "world", "round", "step", "indices", "t"} per completed step
+                  (sampler mode adds "batch": the whole global batch of the step, every
+                  rank's indices, so the step is accounted for even if only one rank logs it)
   final-<pid>.pt  the final parameters (float64 when --float64)
   hung.jsonl      {"pid", "rank", "step", "time"} when --hang-rank's main thread starts sleeping forever
 """
@@ -46,6 +48,8 @@ p.add_argument("--slow-delay", type=float, default=0.0)
 p.add_argument("--slow-round", type=int, default=None, help="... only in this round (a new rank 0 does not stall)")
 p.add_argument("--hang-rank", type=int, default=None, help="this rank's main thread sleeps forever ...")
 p.add_argument("--hang-step", type=int, default=None, help="... after finishing this step, outside any collective")
+p.add_argument("--hold-below-world", type=int, default=None,
+               help="sampler mode: while the ring is smaller than this, commit in lockstep without training")
 p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -90,10 +94,13 @@ def global_batch_step(ddp, rows):
     return [i for micro in micro_batches for i in micro]
 
 
-def record_step(indices):
-    append("steps.jsonl", {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
-                           "round": elastic.round(), "step": state.step, "epoch": state.epoch, "t": time.time(),
-                           "indices": indices})
+def record_step(indices, batch=None):
+    record = {"pid": os.getpid(), "rank": elastic.rank(), "world": elastic.size(),
+              "round": elastic.round(), "step": state.step, "epoch": state.epoch, "t": time.time(),
+              "indices": indices}
+    if batch is not None:
+        record["batch"] = batch
+    append("steps.jsonl", record)
     if state.step == args.hang_step and elastic.rank() == args.hang_rank \
             and not os.path.exists(os.path.join(args.out, "hung.jsonl")):  # once per job
         sleep_forever()
@@ -122,6 +129,16 @@ def told_to_stop() -> bool:
     return bool(flag.item())
 
 
+def hold_until_the_ring_grows():
+    """Wait for a joiner at commits (where a grow is applied) without training, so a test
+    sees its grow before the epoch ends however slowly the joiner starts. One barrier per
+    turn keeps the ranks' commits in step: they must all switch at the same commit."""
+    while args.hold_below_world and elastic.size() < args.hold_below_world:
+        dist.barrier()
+        time.sleep(0.05)
+        state.commit()  # raises HostsUpdatedInterrupt at the switch: train is re-entered
+
+
 @elastic.run
 def train(state):
     rank, world = elastic.rank(), elastic.size()
@@ -140,14 +157,22 @@ def train(state):
             for batch_idx, rows in enumerate(batches):
                 if told_to_stop() or (args.max_steps is not None and state.step >= args.max_steps):
                     return
+                hold_until_the_ring_grows()
                 if args.global_batch_size:
                     rows = global_batch_step(ddp, rows)
                     state.sampler.record_batch(batch_idx)
+                    batch = None
                 else:
+                    # Every rank logs the whole global batch: a rank killed after the step's
+                    # all-reduce but before its own log line still had its share trained on
+                    # and committed by the others, and the tests must see that share.
+                    shares = [None] * world
+                    dist.all_gather_object(shares, rows)
                     one_step(ddp, torch.tensor(rows))
                     state.sampler.record_batch(batch_idx, 4)
+                    batch = [i for share in shares for i in share]
                 state.step += 1
-                record_step(rows)
+                record_step(rows, batch)
                 time.sleep(args.step_delay)
                 if state.step % args.commit_every == 0:
                     state.commit()

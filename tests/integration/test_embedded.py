@@ -17,6 +17,7 @@ from rendezvous.embedded import EmbeddedEtcd, find_etcd_binary
 from rendezvous.errors import RendezvousError
 from rendezvous.etcd import Etcd
 from tests.fakes.waiting import poll as wait_until
+from tests.fakes.waiting import readline_within
 
 from ..conftest import etcd_binary_or_skip
 
@@ -134,7 +135,7 @@ def test_etcd_dies_with_its_owner(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     owner = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
     try:
-        pid_text, data_dir = owner.stdout.readline().split()
+        pid_text, data_dir = readline_within(owner.stdout, 30).split()
         etcd_pid = int(pid_text)
         assert not process_gone(etcd_pid)
         owner.send_signal(signal.SIGKILL)

@@ -99,6 +99,7 @@ def test_racing_create_if_absent_has_exactly_one_winner(etcd_server, job_prefix)
         t.join(20)
     for client in clients:
         client.close()
+    assert not [t for t in threads if t.is_alive()], "a racer is still running after 20 s"
     assert not errors
     for r in range(rounds):
         winners = [i for i in range(len(clients)) if wins[i][r]]
@@ -187,7 +188,8 @@ def test_close_ends_a_retrying_call_promptly():
 
     caller = threading.Thread(target=call)
     caller.start()
-    time.sleep(0.3)  # let it enter the retry loop; the assertion below is the bound that matters
+    # In the retry loop: its first attempts have been refused, it sleeps until the next one.
+    assert wait_until(lambda: client.requests >= 2, 10), "the call never started retrying"
     started = time.monotonic()
     client.close()
     caller.join(5)

@@ -32,7 +32,7 @@ def train(state):
         state.commit()
 
 train(state)
-print("final", float(sum(p.sum() for p in model.parameters())))
+print("final", elastic.rank(), float(sum(p.sum() for p in model.parameters())))
 '''
 
 
@@ -41,5 +41,7 @@ def test_two_gpu_workers_train_with_nccl(tmp_path):
     script.write_text(SCRIPT)
     job = Job(tmp_path, ["--np", "2", "--backend", "nccl", "--log-dir", str(tmp_path / "logs"), str(script)])
     assert job.wait(180) == 0, job.text()[-3000:]
-    finals = {line.split()[-1] for line in job.text().splitlines() if "final" in line}
-    assert len(finals) == 1, finals  # both ranks hold the same parameters
+    finals = [line.split()[-2:] for line in job.text().splitlines() if "final" in line]
+    # Both ranks finished, and they hold the same parameters.
+    assert sorted(rank for rank, _ in finals) == ["0", "1"], finals
+    assert len({value for _, value in finals}) == 1, finals

@@ -10,6 +10,7 @@ import pytest
 from rendezvous.errors import ConfigError
 from rendezvous.etcd import Etcd
 from rendezvous.session import Session
+from tests.fakes.waiting import holds
 from tests.fakes.waiting import poll as wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -25,10 +26,11 @@ def test_close_revokes_the_lease_at_once(etcd, job_prefix, no_leaked_threads):
 
 def test_keep_alive_holds_the_key_beyond_the_ttl(etcd, job_prefix, no_leaked_threads):
     with Session(etcd, 1, name="alive") as session:
+        lease = session.lease_id
         etcd.put(job_prefix + "member", b"x", lease=session.lease_id)
-        time.sleep(2.5)  # the property under test is "still there after 2.5 TTLs"
-        assert etcd.get(job_prefix + "member") is not None
-        assert not session.lost.is_set()
+        # The property under test is "still there after 2.5 TTLs": checked all along.
+        assert holds(lambda: etcd.get(job_prefix + "member") is not None and not session.lost.is_set(), 2.5)
+        assert session.lease_id == lease and etcd.lease_time_to_live(lease) >= 0  # -1: gone
 
 
 def test_orphaned_key_vanishes_within_ttl_plus_one_second(etcd, job_prefix, no_leaked_threads):
@@ -88,14 +90,18 @@ def test_session_rides_out_etcd_sigkill_and_restart(fresh_etcd, job_prefix, no_l
     lease = session.lease_id
     client.put(job_prefix + "member", b"x", lease=lease)
 
+    attempts = client.requests
     fresh_etcd.kill()
-    time.sleep(1.0)  # etcd is away for half the TTL: the keep-alive fails meanwhile
+    # etcd is away until the keep-alive has failed against it (at least two attempts).
+    assert wait_until(lambda: client.requests >= attempts + 2, 5), "the keep-alive never tried"
     fresh_etcd.restart()
 
-    # Well past the TTL after the restart, the same lease still holds the key.
-    time.sleep(3.0)
-    kv = client.get(job_prefix + "member")
-    assert kv is not None and kv.lease == lease
+    # For 1.5 TTLs after the restart (well past the TTL), the same lease holds the key.
+    def held() -> bool:
+        kv = client.get(job_prefix + "member")
+        return kv is not None and kv.lease == lease and not session.lost.is_set()
+
+    assert holds(held, 3.0)
     assert session.lease_id == lease and not session.lost.is_set()
     assert client.lease_time_to_live(lease) > 0
     session.close()

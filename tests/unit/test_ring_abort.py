@@ -83,12 +83,32 @@ def test_abort_wakes_collective_blocked_on_silent_peer(tmp_path):
         )
         handle = ring_abort.prepare_ring(before=before)
         assert handle.connections >= 1
-        aborter = threading.Timer(0.3, handle.abort)
+        # Abort once the collective is issued and the main thread waits for it (dist.all_reduce
+        # calls work.wait(), seen by a profile hook), not after a guessed delay.
+        waiting = threading.Event()
+        aborted_at: list[float] = []
+
+        def on_call(frame, event, arg) -> None:
+            if event == "c_call" and getattr(arg, "__name__", "") == "wait":
+                waiting.set()
+
+        def abort_when_waiting() -> None:
+            if waiting.wait(20):
+                aborted_at.append(time.monotonic())
+                handle.abort()
+
+        aborter = threading.Thread(target=abort_when_waiting, daemon=True)
         aborter.start()
-        started = time.monotonic()
-        with pytest.raises(RuntimeError, match="(?i)connection closed"):
-            dist.all_reduce(torch.ones(1000))
-        assert time.monotonic() - started < 5  # the collective timeout is 30 s
+        sys.setprofile(on_call)
+        try:
+            with pytest.raises(RuntimeError, match="(?i)connection closed"):
+                dist.all_reduce(torch.ones(1000))
+        finally:
+            sys.setprofile(None)
+        raised_at = time.monotonic()
+        aborter.join(5)
+        assert aborted_at, "the collective never reached work.wait()"
+        assert raised_at - aborted_at[0] < 5  # the collective timeout is 30 s
         with pytest.raises(RuntimeError):  # later collectives fail too
             dist.all_reduce(torch.ones(3))
         handle.release()

@@ -1,0 +1,294 @@
+"""elastic-run's promises end to end, each with real elastic-run processes on real etcd:
+--max-restarts, --rdzv-timeout, two jobs on one etcd, torchrun's variables, -m MODULE,
+bad ELASTIC_* values, and an agent with its workers over TLS with a password."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from etcd3 import etcdrpc
+
+from rendezvous import JobKeys, RoundPlan
+from rendezvous.embedded import EmbeddedEtcd
+from rendezvous.etcd import Etcd
+from tests.fakes.jobs import ELASTIC_RUN, REPO, Job, read_jsonl
+from tests.fakes.pki import make_pki
+
+from ..conftest import etcd_binary_or_skip
+
+pytestmark = pytest.mark.timeout(300)
+
+ENV_PROBE = REPO / "tests" / "fakes" / "env_probe.py"
+
+
+def new_job_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:10]}"
+
+
+def train(tmp: Path, launcher: list[str], script_args: list[str], *, name: str = "job") -> Job:
+    return Job(tmp, Job.train_args(tmp / "out", tmp / "logs", launcher, script_args), name=name)
+
+
+def finals(out: Path) -> list[dict]:
+    return [torch.load(p, weights_only=True) for p in sorted(out.glob("final-*.pt"))]
+
+
+def assert_identical(params: list[dict]) -> None:
+    assert params, "no worker wrote its final parameters"
+    for other in params[1:]:
+        for name, value in params[0].items():
+            assert torch.equal(value, other[name]), name
+
+
+def events_named(job: Job, name: str) -> list[dict]:
+    return [e for e in job.events() if e["event"] == name]
+
+
+def agent_lines(text: str) -> list[str]:
+    """The agent's own lines (worker output is prefixed with [rankN] or [worker id])."""
+    return [line for line in text.splitlines() if line.startswith("elastic-run:")]
+
+
+# ----------------------------------------------------------------------------- --max-restarts
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_sigkilled_worker_is_replaced_only_within_max_restarts(tmp_path, max_restarts):
+    job = train(tmp_path, ["--np", "3", "--min-np", "2", "--max-restarts", str(max_restarts),
+                           "--collective-timeout", "20"],
+                ["--steps", "150", "--step-delay", "0.03"])
+    job.wait_for_step(10)
+    victim = job.worker_pid(1)
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait(240) == 0, job.text()[-3000:]
+
+    started = events_named(job, "worker_started")
+    killed = [e for e in events_named(job, "worker_exited") if e["signal"] == signal.SIGKILL]
+    assert [e["worker"] for e in killed] == [e["worker"] for e in started if e["pid"] == victim]
+    worlds = [e["world_size"] for e in sorted(events_named(job, "round_formed"), key=lambda e: e["round"])]
+    if max_restarts == 0:
+        assert len(started) == 3, started  # not replaced: the job goes on with two
+        assert worlds == [3, 2], worlds
+        assert len(finals(job.out)) == 2
+    else:
+        assert len(started) == 4, started  # one replacement, started for a later round
+        assert started[-1]["round"] > 1 and started[-1]["pid"] != victim
+        assert worlds[0] == 3 and worlds[-1] == 3, worlds
+        assert len(finals(job.out)) == 3
+    assert_identical(finals(job.out))
+    assert max(s["step"] for s in job.steps()) == 150
+
+
+def test_below_min_np_with_no_restarts_left_the_job_fails_with_one_line(tmp_path):
+    job = train(tmp_path, ["--np", "2", "--min-np", "2", "--max-restarts", "0", "--rdzv-timeout", "5",
+                           "--collective-timeout", "20"],
+                ["--steps", "100000", "--step-delay", "0.03"])
+    job.wait_for_step(5)
+    os.kill(job.worker_pid(1), signal.SIGKILL)
+    assert job.wait(120) == 1, job.text()[-3000:]
+    failed = [line for line in agent_lines(job.text()) if " failed: " in line and line.startswith("elastic-run: job")]
+    assert len(failed) == 1, job.text()[-3000:]
+    assert "only 1 of min_np=2 workers present after waiting 5s" in failed[0], failed
+    assert "Traceback" not in "\n".join(agent_lines(job.text()))
+
+
+# ----------------------------------------------------------------------------- --rdzv-timeout
+
+
+def test_rdzv_timeout_fails_a_job_short_of_min_np_with_one_line_naming_the_count(tmp_path, etcd_server):
+    job_id = new_job_id("rdzv-timeout")
+    started = time.monotonic()
+    job = Job(tmp_path, ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id,
+                         "--host-addr", "127.0.0.1", "--nproc-per-node", "2", "--min-np", "3", "--max-np", "3",
+                         "--rdzv-timeout", "6", "--log-dir", str(tmp_path / "logs"), str(ENV_PROBE),
+                         "--out", str(tmp_path / "env.jsonl")])
+    assert job.wait(120) == 1, job.text()[-3000:]
+    elapsed = time.monotonic() - started
+    assert elapsed >= 6, elapsed  # it waited the timeout out, from the agent's registration
+    failed = [line for line in agent_lines(job.text()) if line.startswith("elastic-run: job")]
+    assert failed == [f"elastic-run: job {job_id} failed: only 2 of min_np=3 workers present after waiting 6s"], \
+        job.text()[-3000:]
+    assert not events_named(job, "worker_started")  # no round, so no worker ever ran
+    assert "Traceback" not in job.text()
+
+
+# ----------------------------------------------------------------------------- two jobs on one etcd
+
+
+def test_two_jobs_on_one_etcd_at_once_both_finish_without_cross_talk(tmp_path, etcd_server, etcd):
+    jobs = {}
+    for name, steps in (("a", 40), ("b", 60)):
+        directory = tmp_path / name
+        directory.mkdir()
+        job_id = new_job_id(f"two-{name}")
+        jobs[name] = (job_id, steps, train(directory, ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id,
+                                                       "--host-addr", "127.0.0.1", "--nproc-per-node", "2",
+                                                       "--min-np", "2", "--max-np", "4"],
+                                           ["--steps", str(steps), "--step-delay", "0.02"], name=name))
+    for job_id, steps, job in jobs.values():
+        assert job.wait(240) == 0, job.text()[-3000:]
+    params = {}
+    for name, (job_id, steps, job) in jobs.items():
+        # Each job ran its own steps once each, in a ring of its own two workers.
+        rank0 = [s["step"] for s in job.steps() if s["rank"] == 0]
+        assert sorted(rank0) == list(range(1, steps + 1)), name
+        assert {s["world"] for s in job.steps()} == {2}, name
+        assert [e["world_size"] for e in events_named(job, "round_formed")] == [2], name
+        assert_identical(finals(job.out))
+        params[name] = finals(job.out)[0]
+        # Its rounds in etcd hold only its own member.
+        (member,) = {e["member"] for e in events_named(job, "agent_started")}
+        kvs, _ = etcd.get_prefix(JobKeys(job_id).prefix + "rounds/")
+        assert kvs and all(RoundPlan.from_json(kv.value).member_order() == [member] for kv in kvs), name
+    assert any(not torch.equal(params["a"][k], params["b"][k]) for k in params["a"])  # 40 steps vs 60
+
+
+# ----------------------------------------------------------------------------- torchrun's variables, -m
+
+
+def test_a_torchrun_script_sees_torchruns_variables(tmp_path, etcd_server):
+    job_id = new_job_id("torchrun-env")
+    out = tmp_path / "env.jsonl"
+    common = ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-addr", "127.0.0.1",
+              "--min-np", "3", "--max-np", "3", "--log-dir", str(tmp_path / "logs")]
+    two = Job(tmp_path, [*common, "--nproc-per-node", "2", "--host-id", "host-two", str(ENV_PROBE), "--out", str(out)],
+              name="two")
+    one = Job(tmp_path, [*common, "--nproc-per-node", "1", "--host-id", "host-one", str(ENV_PROBE), "--out", str(out)],
+              name="one")
+    assert two.wait(240) == 0, two.text()[-3000:]
+    assert one.wait(240) == 0, one.text()[-3000:]
+    records = read_jsonl(out)
+    assert len(records) == 3, records
+    by_agent = {two.proc.pid: [], one.proc.pid: []}
+    for r in records:
+        by_agent[r["agent_pid"]].append(r)
+    assert [len(by_agent[two.proc.pid]), len(by_agent[one.proc.pid])] == [2, 1], records
+    assert sorted(int(r["RANK"]) for r in records) == [0, 1, 2]
+    for agent_pid, mine in by_agent.items():
+        assert sorted(int(r["LOCAL_RANK"]) for r in mine) == list(range(len(mine)))
+        assert {r["LOCAL_WORLD_SIZE"] for r in mine} == {str(len(mine))}
+        assert len({r["GROUP_RANK"] for r in mine}) == 1  # one group rank per agent (node)
+    groups = {agent: int(mine[0]["GROUP_RANK"]) for agent, mine in by_agent.items()}
+    assert sorted(groups.values()) == [0, 1]
+    # As under torchrun, a node's ranks follow its group rank: group 0 holds the lowest ranks.
+    first, second = sorted(by_agent, key=groups.get)
+    assert max(int(r["RANK"]) for r in by_agent[first]) < min(int(r["RANK"]) for r in by_agent[second])
+    for r in records:
+        assert r["WORLD_SIZE"] == "3"
+        assert r["TORCHELASTIC_RUN_ID"] == job_id
+        assert r["TORCHELASTIC_RESTART_COUNT"] == "0"  # torchrun: no restart yet
+        assert r["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in records}) == 1
+
+
+def test_dash_m_runs_a_module_as_main_with_its_arguments(tmp_path):
+    out = tmp_path / "env.jsonl"
+    job = Job(tmp_path, ["--np", "2", "--log-dir", str(tmp_path / "logs"), "-m", "tests.fakes.env_probe",
+                         "--out", str(out), "--flag", "value"])
+    assert job.wait(180) == 0, job.text()[-3000:]
+    records = read_jsonl(out)
+    assert sorted(int(r["RANK"]) for r in records) == [0, 1]
+    for r in records:
+        assert r["main"] is True
+        assert r["argv"] == ["--out", str(out), "--flag", "value"]
+
+
+# ----------------------------------------------------------------------------- bad ELASTIC_* values
+
+
+@pytest.mark.parametrize(
+    "variable, value, names",
+    [
+        ("ELASTIC_NP", "two", "--np"),
+        ("ELASTIC_MIN_NP", "0", "--min-np"),
+        ("ELASTIC_RDZV_TTL", "-1", "--rdzv-ttl"),
+        ("ELASTIC_RDZV_SETTLE", "soon", "--rdzv-settle"),
+        ("ELASTIC_MAX_RESTARTS", "-2", "--max-restarts"),
+        ("ELASTIC_HEALTH_PORT", "http", "--health-port"),
+        ("ELASTIC_BACKEND", "tpu", "--backend"),
+        ("ELASTIC_RDZV_ENDPOINT", "nohost:", "--job-id is required"),
+    ],
+)
+def test_a_bad_elastic_variable_gives_one_line_and_exit_2(tmp_path, variable, value, names):
+    (tmp_path / "x.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+    env.update({"PYTHONPATH": str(REPO), variable: value})
+    args = ["x.py"] if variable == "ELASTIC_NP" else ["--np", "1", "x.py"]
+    result = subprocess.run([*ELASTIC_RUN, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic-run: error: "), result.stderr
+    assert names in lines[0]
+    assert value in lines[0] or variable == "ELASTIC_RDZV_ENDPOINT", lines[0]
+
+
+# ----------------------------------------------------------------------------- TLS and a password
+
+
+@pytest.fixture(scope="module")
+def secure_etcd(tmp_path_factory):
+    """An etcd that wants TLS with a client certificate AND a user name and password."""
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    server = EmbeddedEtcd(
+        binary=etcd_binary_or_skip(),
+        scheme="https",
+        extra_args=["--cert-file", pki["server_cert"], "--key-file", pki["server_key"],
+                    "--trusted-ca-file", pki["ca"], "--client-cert-auth"],
+        client_options=dict(ca_cert=pki["ca"], cert_cert=pki["client_cert"], cert_key=pki["client_key"]),
+    ).start()
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(pki["ca"]).read_bytes(), private_key=Path(pki["client_key"]).read_bytes(),
+        certificate_chain=Path(pki["client_cert"]).read_bytes())
+    channel = grpc.secure_channel(server.endpoint, credentials)
+    auth = etcdrpc.AuthStub(channel)
+    auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="s3cret"), timeout=5)
+    auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), timeout=5)
+    auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+    auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=5)
+    channel.close()
+    yield server, pki
+    server.stop()
+
+
+def secure_options(server, pki, password: str) -> list[str]:
+    return ["--rdzv-endpoint", f"https://{server.endpoint}", "--etcd-ca", pki["ca"], "--etcd-cert", pki["client_cert"],
+            "--etcd-key", pki["client_key"], "--etcd-user", "root", "--etcd-password", password]
+
+
+def test_an_agent_and_its_workers_run_over_tls_with_a_password(tmp_path, secure_etcd):
+    server, pki = secure_etcd
+    job_id = new_job_id("secure")
+    job = train(tmp_path, [*secure_options(server, pki, "s3cret"), "--job-id", job_id, "--host-addr", "127.0.0.1",
+                           "--nproc-per-node", "2", "--min-np", "2"],
+                ["--steps", "20", "--step-delay", "0.02"])
+    assert job.wait(240) == 0, job.text()[-3000:]
+    assert_identical(finals(job.out))
+    assert len(finals(job.out)) == 2
+    # The workers followed the plan themselves: they read it from etcd with the same credentials.
+    assert [e["world_size"] for e in events_named(job, "round_formed")] == [2]
+    with Etcd(server.config(user="root", password="s3cret")) as client:
+        plan = RoundPlan.from_json(client.get(JobKeys(job_id).plan).value)
+        status = json.loads(client.get(JobKeys(job_id).status).value)
+    assert plan.world_size == 2 and status["state"] == "succeeded", status
+
+
+def test_a_wrong_etcd_password_fails_the_agent_at_once_with_one_line(tmp_path, secure_etcd):
+    server, pki = secure_etcd
+    started = time.monotonic()
+    job = train(tmp_path, [*secure_options(server, pki, "wrong"), "--job-id", new_job_id("secure"),
+                           "--host-addr", "127.0.0.1", "--nproc-per-node", "1", "--min-np", "1"],
+                ["--steps", "5"])
+    assert job.wait(60) == 1, job.text()
+    assert time.monotonic() - started < 30  # not retried for the 30 s retry deadline
+    assert agent_lines(job.text()) == [f"elastic-run: etcd at {server.endpoint} rejected user 'root': "
+                                       "wrong user name or password"], job.text()
