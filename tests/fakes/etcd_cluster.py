@@ -46,7 +46,7 @@ class Member:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def status(self, timeout: float = 1.0):
+    def status(self, timeout: float = 3.0):
         """etcd's Maintenance Status of this member (its own id, the leader's id), or None."""
         with grpc.insecure_channel(self.endpoint) as channel:
             try:
@@ -121,9 +121,10 @@ class EtcdCluster:
                  "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
                  "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
                  "--initial-cluster", self._initial_cluster, "--initial-cluster-state", "new",
-                 "--initial-cluster-token", self._token, "--log-level", "warn"],
+                 "--initial-cluster-token", self._token, "--log-level", "info"],
                 # etcd's default raft timers (100 ms heartbeat, 1 s election): shorter ones
-                # elect spurious leaders on a loaded 2-core machine.
+                # elect spurious leaders on a loaded 2-core machine. Info level: the
+                # logs then say who was elected when ("elected leader"), for diagnosis.
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent, close_fds=True,
             )

@@ -12,7 +12,9 @@ Three hosts, one worker each (--min-np 2), as in test_partitions.py.
   and when etcd is reachable again its agent registers again and the job grows back.
 * **peers cut, etcd reachable** (``cut_peers``). Its lease stays alive, so nothing
   evicts it by TTL, and every worker blocks in a collective: a victim, not a culprit,
-  for the hang watchdog.
+  for the hang watchdog. The survivors should go on within ttl + 2 s and the host
+  rejoin when healed; not built yet, so that test is an expected failure (its reason
+  says what happens today).
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def test_a_host_cut_from_etcd_only_is_left_behind_within_ttl_and_rejoins(netns_h
     finish(tmp_path, jobs, out)
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "not built yet: a host that reaches etcd but not its peers keeps its lease, so nothing evicts it. "
+    "Measured (3 hosts, ttl 6 s, --collective-timeout 60): every worker blocked in allreduce until gloo's "
+    "timeout 60 s after the cut; the reset requests then formed a round with all three hosts again, whose "
+    "set-up was still blocked 88 s later (the cut host is unreachable); no survivor step within 150 s of the cut. gloo's timeout errors name no peer "
+    "(a survivor's said 'Connection closed by peer' naming the other survivor), so they cannot name the culprit"))
 def test_a_host_cut_from_its_peers_only_is_left_behind_and_rejoins(netns_hosts, tmp_path):
     hosts = netns_hosts(3)
     jobs = start(hosts, tmp_path, "peercut")
@@ -77,7 +86,7 @@ def test_a_host_cut_from_its_peers_only_is_left_behind_and_rejoins(netns_hosts, 
     cut_at = time.time()
     hosts[2].cut_peers()
     assert not hosts[2].reaches(hosts[0].addr, 22) and hosts[2].reaches(hosts.bridge_addr, hosts.etcd.client_port)
-    after_cut = wait_until(lambda: steps_after(out, cut_at, 2), 150, "a step of the 2 survivors")
+    after_cut = wait_until(lambda: steps_after(out, cut_at, 2), TTL + 2 + SLACK_S + 10, "a step of the 2 survivors")
     stall = min(s["t"] for s in after_cut) - cut_at
     print(f"\nhost 2 cut from its peers: survivors' next step after {stall:.2f}s (ttl {TTL:g}s)")
     assert stall <= TTL + 2 + SLACK_S, f"survivors stalled {stall:.1f}s"

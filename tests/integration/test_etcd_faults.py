@@ -78,7 +78,7 @@ def test_killing_the_etcd_leader_loses_no_step_and_forms_no_round(tmp_path, etcd
     assert leader is not None
     killed_at = time.time()
     etcd_cluster.kill(leader)
-    new_leader = wait_until(lambda: etcd_cluster.leader(), 30, "a new etcd leader")
+    new_leader = wait_until(lambda: etcd_cluster.leader(), 60, "a new etcd leader", interval=0.2)
     assert new_leader != leader
     # Long enough for every lease keep-alive (ttl/3) and a watch to have failed over.
     wait_until(lambda: len([s for s in steps_of_rank0(a) if s["t"] > killed_at + 12]) >= 5, 90,
