@@ -1,0 +1,98 @@
+"""Asymmetric partitions on namespaced hosts: a host loses etcd or its peers, not both.
+
+Three hosts, one worker each (--min-np 2), as in test_partitions.py.
+
+* **etcd cut, peers reachable** (``cut_etcd``). While membership is stable the ring
+  needs no etcd and trains on. But the host cannot refresh its lease: after
+  --rdzv-ttl it is gone from the job's point of view, and the coordinator plans a
+  round without it, like any host that went silent. That is the consistent choice: a
+  host that cannot see the plans cannot be told about re-formations, fenced or
+  admitted, so it must not stay in the ring. The survivors go on within ttl + 2 s of
+  the cut, the cut host's workers never complete a step of the round the job left,
+  and when etcd is reachable again its agent registers again and the job grows back.
+* **peers cut, etcd reachable** (``cut_peers``). Its lease stays alive, so nothing
+  evicts it by TTL, and every worker blocks in a collective: a victim, not a culprit,
+  for the hang watchdog. The survivors should go on within ttl + 2 s and the host
+  rejoin when healed; not built yet, so that test is an expected failure (its reason
+  says what happens today).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.fakes.jobs import read_jsonl, wait_until
+from tests.hosts.test_partitions import SLACK_S, TTL, start, steps_after
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def finish(tmp_path, jobs, out):
+    (tmp_path / "stop").touch()
+    for job in jobs:
+        assert job.wait(120) == 0, job.text()[-3000:]
+    finals = [torch.load(p, weights_only=True) for p in sorted(out.glob("final-*.pt"))]
+    assert len(finals) == 3
+    for other in finals[1:]:
+        for name, value in finals[0].items():
+            assert torch.equal(value, other[name]), name
+    for job in jobs:
+        assert not [e for e in job.events() if e.get("user_error")]
+
+
+@pytest.mark.parametrize("victim", [pytest.param(0, id="rank0-store-and-coordinator"), pytest.param(2, id="plain")])
+def test_a_host_cut_from_etcd_only_is_left_behind_within_ttl_and_rejoins(netns_hosts, tmp_path, victim):
+    hosts = netns_hosts(3)
+    jobs = start(hosts, tmp_path, f"etcdcut-{victim}")
+    out = tmp_path / "out"
+    wait_until(lambda: len(steps_after(out, 0, 3)) >= 15, 180, "the 3-worker ring to train")
+    old_round = max(s["round"] for s in steps_after(out, 0, 3))
+
+    cut_at = time.time()
+    hosts[victim].cut_etcd()
+    assert not hosts[victim].reaches(hosts.bridge_addr, hosts.etcd.client_port)
+    after_cut = wait_until(lambda: steps_after(out, cut_at, 2), TTL + 60, "a step of the 2 survivors")
+    stall = min(s["t"] for s in after_cut) - cut_at
+    print(f"\nhost {victim} cut from etcd: survivors' next step after {stall:.2f}s (ttl {TTL:g}s)")
+    assert stall <= TTL + 2 + SLACK_S, f"survivors stalled {stall:.1f}s"
+    # Fenced: no step of the round the job left completes once the survivors moved on.
+    first_new = min(s["t"] for s in after_cut)
+    late = [s for s in read_jsonl(out / "steps.jsonl") if s["round"] == old_round and s["t"] > first_new]
+    assert not late, late
+
+    healed_at = time.time()
+    hosts[victim].heal()
+    rejoined = wait_until(lambda: steps_after(out, healed_at, 3), 180, "the cut host to rejoin")
+    print(f"host {victim} reaches etcd again: back to 3 workers after {min(s['t'] for s in rejoined) - healed_at:.2f}s")
+    finish(tmp_path, jobs, out)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "not built yet: a host that reaches etcd but not its peers keeps its lease, so nothing evicts it. "
+    "Measured (3 hosts, ttl 6 s, --collective-timeout 60): every worker blocked in allreduce until gloo's "
+    "timeout 60 s after the cut; the reset requests then formed a round with all three hosts again, whose "
+    "set-up was still blocked 88 s later (the cut host is unreachable); no survivor step within 150 s of the cut. gloo's timeout errors name no peer "
+    "(a survivor's said 'Connection closed by peer' naming the other survivor), so they cannot name the culprit"))
+def test_a_host_cut_from_its_peers_only_is_left_behind_and_rejoins(netns_hosts, tmp_path):
+    hosts = netns_hosts(3)
+    jobs = start(hosts, tmp_path, "peercut")
+    out = tmp_path / "out"
+    wait_until(lambda: len(steps_after(out, 0, 3)) >= 15, 180, "the 3-worker ring to train")
+
+    cut_at = time.time()
+    hosts[2].cut_peers()
+    assert not hosts[2].reaches(hosts[0].addr, 22) and hosts[2].reaches(hosts.bridge_addr, hosts.etcd.client_port)
+    after_cut = wait_until(lambda: steps_after(out, cut_at, 2), TTL + 2 + SLACK_S + 10, "a step of the 2 survivors")
+    stall = min(s["t"] for s in after_cut) - cut_at
+    print(f"\nhost 2 cut from its peers: survivors' next step after {stall:.2f}s (ttl {TTL:g}s)")
+    assert stall <= TTL + 2 + SLACK_S, f"survivors stalled {stall:.1f}s"
+
+    healed_at = time.time()
+    hosts[2].heal()
+    rejoined = wait_until(lambda: steps_after(out, healed_at, 3), 180, "the cut host to rejoin")
+    print(f"host 2 reaches its peers again: back to 3 workers after {min(s['t'] for s in rejoined) - healed_at:.2f}s")
+    finish(tmp_path, jobs, out)
