@@ -90,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     def opt(flag, kind=str, default=None, help=""):
         name = flag.lstrip("-")
         env = "ELASTIC_" + name.upper().replace("-", "_")
-        p.add_argument(flag, type=kind, default=_env(name, default), metavar=name.split("-")[-1].upper(),
+        from_env = _env(name)
+        # Wrapped, so argparse leaves it alone and the check below names the variable.
+        value = _EnvValue(env, from_env) if from_env is not None else default
+        p.add_argument(flag, type=kind, default=value, metavar=name.split("-")[-1].upper(),
                        help=f"{help} [env {env}]" + (f" (default {default})" if default is not None else ""))
 
     opt("--np", _positive_int, help="workers to start with; without an endpoint, all on this host")
@@ -134,16 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _EnvValue:
+    """An option's value taken from its environment variable, not yet checked."""
+
+    def __init__(self, variable: str, text: str):
+        self.variable, self.text = variable, text
+
+
 def _coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Values that came from the environment arrive as strings: convert and check them."""
+    """Values that came from the environment arrive as strings: convert and check them,
+    naming the variable (not the option) when one is bad."""
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        if isinstance(value, str) and action.type not in (None, str):
-            try:
-                setattr(args, action.dest, action.type(value))
-            except (TypeError, ValueError):
-                env = "ELASTIC_" + action.dest.upper()
-                raise ConfigError(f"{env}={value!r}: expected a {action.type.__name__}")
+        if not isinstance(value, _EnvValue):
+            continue
+        if action.type in (None, str):
+            setattr(args, action.dest, value.text)
+            continue
+        try:
+            setattr(args, action.dest, action.type(value.text))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{value.variable}={value.text!r}: expected a {action.type.__name__}") from None
 
 
 def _split_at_script(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -264,6 +264,12 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
 
     previous = set(plan.worker_ids())
     gone = previous - {s.worker_id for s in admitted}
+    # A round after a loss or a broken ring is formed by the survivors alone when they
+    # are enough: a newcomer (a replacement, a spare) is a process that has yet to
+    # start and import torch, seconds the survivors would wait in the round's set-up.
+    # It joins at a later commit like any joiner, without stalling anyone.
+    survivors = tuple(s for s in admitted if s.worker_id in previous)
+    recovering = survivors if len(survivors) >= settings.min_np else admitted
     if gone:
         # Never worth waiting for: the survivors are stalled until the next round.
         draining = {m.member_id for m in snapshot.members if m.draining}
@@ -272,19 +278,19 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
         reason = ", ".join(
             part for part in (f"{len(lost)} worker(s) lost" if lost else "", f"{left} left" if left else "") if part
         )
-        return FormRound(admitted, reason, lost)
+        return FormRound(recovering, reason, lost)
 
     requests = [r for r in snapshot.requests if r.round >= plan.round]
     if requests:
         known_lost = tuple(dict.fromkeys(w for r in requests for w in r.lost))
         if known_lost:
             # An agent killed these itself: nothing more to wait for.
-            return FormRound(admitted, f"reset requested: {requests[0].reason}", known_lost)
+            return FormRound(recovering, f"reset requested: {requests[0].reason}", known_lost)
         # Give the agents a moment to report the crash behind the broken ring, so the
         # new round does not include a dead worker; then re-form with whoever is there.
         first = min(r.seen_at for r in requests)
         if now >= first + settings.reset_grace:
-            return FormRound(admitted, f"reset requested: {requests[0].reason}", after_failure=True)
+            return FormRound(recovering, f"reset requested: {requests[0].reason}", after_failure=True)
         return Wait(first + settings.reset_grace, "reset requested, waiting for reports")
 
     if admitted == plan.slots:

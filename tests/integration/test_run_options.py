@@ -208,12 +208,13 @@ def test_dash_m_runs_a_module_as_main_with_its_arguments(tmp_path):
 @pytest.mark.parametrize(
     "variable, value, names",
     [
-        ("ELASTIC_NP", "two", "--np"),
-        ("ELASTIC_MIN_NP", "0", "--min-np"),
-        ("ELASTIC_RDZV_TTL", "-1", "--rdzv-ttl"),
-        ("ELASTIC_RDZV_SETTLE", "soon", "--rdzv-settle"),
-        ("ELASTIC_MAX_RESTARTS", "-2", "--max-restarts"),
-        ("ELASTIC_HEALTH_PORT", "http", "--health-port"),
+        # The line names the variable the bad value came from, not the option.
+        ("ELASTIC_NP", "two", "ELASTIC_NP='two'"),
+        ("ELASTIC_MIN_NP", "0", "ELASTIC_MIN_NP='0'"),
+        ("ELASTIC_RDZV_TTL", "-1", "ELASTIC_RDZV_TTL='-1'"),
+        ("ELASTIC_RDZV_SETTLE", "soon", "ELASTIC_RDZV_SETTLE='soon'"),
+        ("ELASTIC_MAX_RESTARTS", "-2", "ELASTIC_MAX_RESTARTS='-2'"),
+        ("ELASTIC_HEALTH_PORT", "http", "ELASTIC_HEALTH_PORT='http'"),
         ("ELASTIC_BACKEND", "tpu", "--backend"),
         ("ELASTIC_RDZV_ENDPOINT", "nohost:", "--job-id is required"),
     ],

@@ -84,7 +84,26 @@ def test_spares_beyond_max_np_wait_and_are_admitted_after_a_leave():
     full = (member("a", ["a0", "a1"], 1), member("b", ["b0", "b1"], 2), member("s", ["s0"], 3))
     assert decide(Snapshot(p, full, last_change=1.0), S, now=5.0) == Wait(None, "membership unchanged")
     after_leave = (member("a", ["a0", "a1"], 1), member("b", ["b0"], 2), member("s", ["s0"], 3))
-    assert workers(decide(Snapshot(p, after_leave, last_change=6.0), S, now=6.0)) == ["a0", "a1", "b0", "s0"]
+    # The survivors re-form at once without the spare (it has yet to start) ...
+    assert workers(decide(Snapshot(p, after_leave, last_change=6.0), S, now=6.0)) == ["a0", "a1", "b0"]
+    # ... which joins in the next round, at a commit, like any joiner.
+    p2 = plan(2, ("a", "a0"), ("a", "a1"), ("b", "b0"))
+    assert workers(decide(Snapshot(p2, after_leave, last_change=6.0), S, now=6.5)) == ["a0", "a1", "b0", "s0"]
+
+
+def test_a_replacement_worker_joins_after_the_survivors_re_formed():
+    # The agent reports the crash and offers a replacement in one update: the loss
+    # round must not wait for the replacement to start up.
+    p = plan(3, ("a", "a0"), ("a", "a1"), ("b", "b0"))
+    replaced = (member("a", ["a0", "a2"], 1), member("b", ["b0"], 2))
+    decision = decide(Snapshot(p, replaced, last_change=9.0), S, now=9.0)
+    assert workers(decision) == ["a0", "b0"] and decision.lost == ("a1",)
+
+
+def test_newcomers_fill_a_loss_round_only_when_survivors_are_below_min_np():
+    p = plan(3, ("a", "a0"), ("b", "b0"))
+    ms = (member("a", ["a0"], 1), member("n", ["n0"], 3))
+    assert workers(decide(Snapshot(p, ms, last_change=9.0), S, now=9.0)) == ["a0", "n0"]
 
 
 def test_reset_request_waits_for_grace_then_reforms_same_members():
