@@ -27,7 +27,7 @@ import torch
 from tests.fakes.jobs import read_jsonl, wait_until
 from tests.hosts.test_partitions import SLACK_S, TTL, start, steps_after
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]  # heavy: the slow run, which CI runs too
 
 
 def finish(tmp_path, jobs, out):

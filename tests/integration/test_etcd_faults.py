@@ -70,6 +70,7 @@ def finish_and_check(tmp_path, jobs, fault_at):
     assert [e["status"] for e in events if e["event"] == "job_finished"] == ["succeeded"] * len(jobs)
 
 
+@pytest.mark.slow  # three etcd members and a job: the slow run (CI runs it); the soak kills leaders too
 def test_killing_the_etcd_leader_loses_no_step_and_forms_no_round(tmp_path, etcd_cluster):
     jobs = start_agents(tmp_path, etcd_cluster.endpoints)
     a = jobs[0]

@@ -157,6 +157,7 @@ def test_kills_and_joins_through_worlds_4_3_4_3_2_follow_the_plain_trajectory(tm
     print(f"max |elastic - plain| parameter difference: {worst:.3g}")
 
 
+@pytest.mark.slow  # a plain run plus a job with a kill and a join; the unit properties run by default
 def test_worlds_3_2_3_with_micro_batches_follow_the_plain_trajectory(tmp_path, etcd_server):
     # M=16: 34/33 per rank at W=3 -> 3 micro-batches, 50 at W=2 -> 4, 100 alone -> 7.
     script = [*SCRIPT, "--micro-batch-size", "16"]

@@ -53,7 +53,7 @@ def kill_host(job: Job) -> float:
     return killed_at
 
 
-@pytest.mark.parametrize("victim", ["rank0-store-and-coordinator", "plain"])
+@pytest.mark.parametrize("victim", ["rank0-store-and-coordinator", pytest.param("plain", marks=pytest.mark.slow)])
 def test_survivors_go_on_without_waiting_for_the_lost_hosts_ttl(tmp_path, etcd_server, victim):
     jobs = three_hosts(tmp_path, etcd_server)
     a, b, c = jobs

@@ -26,6 +26,7 @@ from tests.fakes.pki import make_pki
 from ..conftest import etcd_binary_or_skip
 
 pytestmark = pytest.mark.timeout(300)
+heavy = pytest.mark.slow  # several real jobs each: the slow run, which CI runs too
 
 ENV_PROBE = REPO / "tests" / "fakes" / "env_probe.py"
 
@@ -61,6 +62,7 @@ def agent_lines(text: str) -> list[str]:
 # ----------------------------------------------------------------------------- --max-restarts
 
 
+@heavy
 @pytest.mark.parametrize("max_restarts", [0, 1])
 def test_a_sigkilled_worker_is_replaced_only_within_max_restarts(tmp_path, max_restarts):
     job = train(tmp_path, ["--np", "3", "--min-np", "2", "--max-restarts", str(max_restarts),
@@ -124,6 +126,7 @@ def test_rdzv_timeout_fails_a_job_short_of_min_np_with_one_line_naming_the_count
 # ----------------------------------------------------------------------------- two jobs on one etcd
 
 
+@heavy
 def test_two_jobs_on_one_etcd_at_once_both_finish_without_cross_talk(tmp_path, etcd_server, etcd):
     jobs = {}
     for name, steps in (("a", 40), ("b", 60)):
@@ -266,6 +269,7 @@ def secure_options(server, pki, password: str) -> list[str]:
             "--etcd-key", pki["client_key"], "--etcd-user", "root", "--etcd-password", password]
 
 
+@heavy
 def test_an_agent_and_its_workers_run_over_tls_with_a_password(tmp_path, secure_etcd):
     server, pki = secure_etcd
     job_id = new_job_id("secure")
