@@ -2,7 +2,7 @@
 
 from .control import FAILED, RUNNING, STOPPING, SUCCEEDED, ControlChannel, JobStatus
 from .coordinator import Coordinator
-from .embedded import EmbeddedEtcd, find_etcd_binary
+from .embedded import EmbeddedEtcd, EmbeddedEtcdCluster, find_etcd_binary
 from .errors import (
     ConfigError,
     LeaseLostError,
@@ -21,7 +21,7 @@ from .rounds import Member, RendezvousSettings, RoundPlan, Slot, decide
 from .session import Session
 
 __all__ = [
-    "ConfigError", "ControlChannel", "Coordinator", "EmbeddedEtcd", "Etcd", "EtcdConfig",
+    "ConfigError", "ControlChannel", "Coordinator", "EmbeddedEtcd", "EmbeddedEtcdCluster", "Etcd", "EtcdConfig",
     "FAILED", "JobKeys", "JobStatus", "KeyValue", "LeaseLostError", "Member",
     "MemberRegistration", "Participant", "RUNNING", "RendezvousAuthError",
     "RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",

@@ -1,7 +1,9 @@
-"""A single-member etcd server run as a child process: laptops, tests, chaos tests.
+"""etcd servers run as child processes: laptops, tests, chaos tests and benchmarks.
 
-`elastic-run` without `--rdzv-endpoint` starts one of these, and the test suite
-starts them to test against a real etcd. The child is tied to its owner: it gets
+`elastic-run` without `--rdzv-endpoint` starts one single-member EmbeddedEtcd, and
+the test suite starts them to test against a real etcd. EmbeddedEtcdCluster runs
+several members on one host (three by default), for faults that only a real cluster
+has: a leader killed, a member lost, quorum lost. The child is tied to its owner: it gets
 SIGKILL when the owner dies (Linux PR_SET_PDEATHSIG), and atexit stops it.
 """
 
@@ -21,6 +23,9 @@ import tempfile
 import threading
 import time
 from typing import Mapping, Sequence
+
+import grpc
+from etcd3 import etcdrpc
 
 from .errors import RendezvousAuthError, RendezvousConnectionError, RendezvousError
 from .etcd import Etcd, EtcdConfig
@@ -111,6 +116,9 @@ class EmbeddedEtcd:
         self._log_file = None
         self._log_offset = 0  # where this launch's output starts in the log
         self._lock = threading.Lock()
+        # Set by EmbeddedEtcdCluster for its members; a lone server is its own cluster.
+        self._name = "embedded"
+        self._initial_cluster: str | None = None
 
     # -- properties
 
@@ -227,13 +235,13 @@ class EmbeddedEtcd:
         peer_url = f"http://{self.host}:{self.peer_port}"
         return [
             self.binary,
-            "--name", "embedded",
+            "--name", self._name,
             "--data-dir", self._data_dir,
             "--listen-client-urls", client_url,
             "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url,
             "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"embedded={peer_url}",
+            "--initial-cluster", self._initial_cluster or f"{self._name}={peer_url}",
             "--initial-cluster-state", "new",
             "--log-level", "warn",
             # One member on loopback: short raft timers make start-up and
@@ -245,6 +253,14 @@ class EmbeddedEtcd:
         ]
 
     def _launch(self, timeout: float) -> None:
+        self._spawn()
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _spawn(self) -> None:
         with self._lock:
             self._log_file = open(self._log_path, "ab")
             self._log_offset = self._log_file.tell()
@@ -257,11 +273,6 @@ class EmbeddedEtcd:
                 close_fds=True,
             )
             _running.add(self)
-        try:
-            self._wait_healthy(timeout)
-        except BaseException:
-            self.kill()
-            raise
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -308,6 +319,93 @@ class EmbeddedEtcd:
 
 class _BindRace(Exception):
     """Internal: etcd could not bind a port we probed as free."""
+
+
+class EmbeddedEtcdCluster:
+    """`size` etcd members (three by default) of one cluster, all on `host`.
+
+    For faults a single member cannot show: the leader SIGKILLed (``members[i].kill()``,
+    ``leader()`` says which one leads), a minority lost, quorum lost. Each member is an
+    EmbeddedEtcd with its own ports, data dir and log; ``members[i].restart()`` brings
+    a killed one back into the cluster. Start it from a long-lived thread, as a member.
+    """
+
+    def __init__(self, size: int = 3, *, host: str = "127.0.0.1", binary: str | None = None,
+                 extra_args: Sequence[str] = ()):
+        if size < 1:
+            raise RendezvousError(f"invalid etcd cluster size {size}: expected at least 1")
+        self.members = [EmbeddedEtcd(host=host, binary=binary, extra_args=extra_args) for _ in range(size)]
+        for index, member in enumerate(self.members):
+            member._name = f"member{index}"
+
+    @property
+    def endpoints(self) -> str:
+        """host:port,host:port,... as `--rdzv-endpoint` takes them."""
+        return ",".join(member.endpoint for member in self.members)
+
+    def config(self, **kwargs) -> EtcdConfig:
+        return EtcdConfig(endpoints=tuple((m.host, m.client_port) for m in self.members), **kwargs)
+
+    def start(self, timeout: float = 30.0) -> "EmbeddedEtcdCluster":
+        """Start every member at once (a member alone never becomes healthy: no quorum)."""
+        for last_try in (False, True):
+            ports = iter(_free_ports(self.members[0].host, 2 * len(self.members)))
+            for member in self.members:
+                member.client_port, member.peer_port = next(ports), next(ports)
+            initial = ",".join(f"{m._name}=http://{m.host}:{m.peer_port}" for m in self.members)
+            for member in self.members:
+                member._initial_cluster = initial
+                member.binary = member.binary or find_etcd_binary()
+                member._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
+                member._data_dir = os.path.join(member._work_dir, "data")
+                member._log_path = os.path.join(member._work_dir, "etcd.log")
+                member._spawn()
+            try:
+                for member in self.members:
+                    member._wait_healthy(timeout)
+                return self
+            except _BindRace:
+                self.stop()
+                if last_try:
+                    raise RendezvousError("embedded etcd cluster could not bind free ports") from None
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def leader(self, timeout: float = 2.0) -> EmbeddedEtcd | None:
+        """The member that leads now, as a running member says (None if none knows)."""
+        for member in self.members:
+            if not member.running:
+                continue
+            with grpc.insecure_channel(member.endpoint) as channel:
+                try:
+                    status = etcdrpc.MaintenanceStub(channel).Status(etcdrpc.StatusRequest(), timeout=timeout)
+                except grpc.RpcError:
+                    continue
+            for candidate in self.members:
+                if candidate.running and _member_id(candidate, timeout) == status.leader:
+                    return candidate
+        return None
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+    def __enter__(self) -> "EmbeddedEtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _member_id(member: EmbeddedEtcd, timeout: float) -> int | None:
+    """The raft id a member reports for itself (its responses' header)."""
+    with grpc.insecure_channel(member.endpoint) as channel:
+        try:
+            return etcdrpc.MaintenanceStub(channel).Status(etcdrpc.StatusRequest(), timeout=timeout).header.member_id
+        except grpc.RpcError:
+            return None
 
 
 @atexit.register

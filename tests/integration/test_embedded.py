@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rendezvous import embedded
-from rendezvous.embedded import EmbeddedEtcd, find_etcd_binary
+from rendezvous.embedded import EmbeddedEtcd, EmbeddedEtcdCluster, find_etcd_binary
 from rendezvous.errors import RendezvousError
 from rendezvous.etcd import Etcd
 from tests.fakes.waiting import poll as wait_until
@@ -146,3 +146,28 @@ def test_etcd_dies_with_its_owner(tmp_path):
         owner.wait(10)
         owner.stdout.close()
     shutil.rmtree(os.path.dirname(data_dir), ignore_errors=True)  # the owner died before its cleanup
+
+
+# ----------------------------------------------------------------------------- a cluster
+
+
+def test_cluster_survives_its_leader_killed_and_takes_it_back():
+    cluster = EmbeddedEtcdCluster(3, binary=etcd_binary_or_skip()).start()
+    work_dirs = [os.path.dirname(member.data_dir) for member in cluster.members]
+    try:
+        assert cluster.endpoints == ",".join(member.endpoint for member in cluster.members)
+        assert len({member.client_port for member in cluster.members}) == 3
+        with Etcd(cluster.config()) as client:
+            client.put("/cluster/k", b"before")
+            leader = wait_until(cluster.leader, timeout=10)
+            assert leader in cluster.members
+            leader.kill()
+            client.put("/cluster/k", b"after")  # two of three members are a quorum
+            new_leader = wait_until(cluster.leader, timeout=10)
+            assert new_leader is not None and new_leader is not leader
+            leader.restart()  # rejoins the cluster from its data dir
+        with Etcd(leader.config()) as direct:
+            assert wait_until(lambda: getattr(direct.get("/cluster/k"), "value", None), timeout=10) == b"after"
+    finally:
+        cluster.stop()
+    assert not any(os.path.exists(work_dir) for work_dir in work_dirs)
