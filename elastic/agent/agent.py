@@ -451,7 +451,7 @@ class Agent:
             self._workers, self._inbox, succeeded=status.state == SUCCEEDED,
             final_timeout=self.config.final_checkpoint_timeout,
             writing=lambda w: os.path.exists(self._final_checkpoint_file(w)),
-            label=self._label, on_exit=self._report_exit,
+            label=self._label, on_exit=self._report_exit, is_signal=lambda item: isinstance(item, _Signal),
         )
         self.events.emit("job_finished", status=status.state, reason=status.reason)
         self._outcome = 0 if status.state == SUCCEEDED else 1

@@ -33,8 +33,13 @@ def wind_down(
     writing: Callable[[str], bool],
     label: Callable[[str], str],
     on_exit: Callable[[Exited], None],
+    is_signal: Callable[[object], bool],
 ) -> None:
-    """Return once every live worker has exited (killing those whose time is up)."""
+    """Return once every live worker has exited (killing those whose time is up).
+
+    ``is_signal(item)``: the inbox item is a signal to the agent. The inbox carries other
+    news too (control-channel updates), which changes nothing here.
+    """
     moment = _MOMENT_AFTER_SUCCESS_S if succeeded else _MOMENT_AFTER_FAILURE_S
     started = time.monotonic()
     give_up = started + moment + final_timeout + 10.0
@@ -66,5 +71,5 @@ def wind_down(
             # Only reported: the job's fate is decided, nothing to react to any more.
             pending.discard(item.worker_id)
             on_exit(item)
-        elif not isinstance(item, Exited):
-            interrupted = True  # a signal to the agent
+        elif is_signal(item):
+            interrupted = True
