@@ -410,18 +410,32 @@ class Runtime:
         )
 
     def _arrive(self, store, plan: RoundPlan) -> bool:
-        """Wait until every worker of ``plan`` has arrived; False if superseded."""
+        """Wait until every worker of ``plan`` has arrived; False if superseded.
+
+        Whether the round forms or is abandoned for a newer one is decided once, for
+        everybody, by a compare-and-set on the round's store: a worker that saw every
+        arrival and one that saw a newer plan can race (a loss round is often followed
+        at once by the round that admits a replacement), and a round that some join
+        while others leave would block its joiners until the collective timeout.
+        """
         store.add("arrived", 1)
         deadline = time.monotonic() + self.config.rdzv_timeout
-        while store.add("arrived", 0) < plan.world_size:
+        while True:
+            if store.add("arrived", 0) >= plan.world_size:
+                return self._settle_round(store, "formed") == "formed"
             if self._superseded(plan):
-                return False
+                return self._settle_round(store, "abandoned") == "formed"
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
                     f"round {plan.round}: not every worker arrived within {self.config.rdzv_timeout:g}s"
                 )
             time.sleep(_ARRIVAL_POLL)
-        return True
+
+    @staticmethod
+    def _settle_round(store, outcome: str) -> str:
+        """The round's outcome: ours if nobody settled it yet, else the one already set."""
+        value = store.compare_set("outcome", "", outcome)
+        return value.decode() if isinstance(value, bytes) else str(value)
 
     # -- fencing durable writes ---------------------------------------------------
     def durable_fence(self):
