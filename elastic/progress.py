@@ -60,6 +60,10 @@ WAITING_MODULES = (
     "torch.distributed", "torch.nn.parallel", "torch.autograd", "torch.cuda", "torch.utils.data",
     "elastic", "rendezvous", "checkpoint",
 )
+# Libraries our rendezvous calls (etcd's client and its retries): like the standard
+# library they do not decide; the frame that called them does (ours while re-forming
+# through an etcd outage, the user's if a script calls them itself).
+PASS_THROUGH_MODULES = ("tenacity", "grpc", "etcd3")
 BUSY_SHARE = 0.1  # main-thread CPU time per wall time above which it counts as busy
 USER, WAITING = "user", "waiting"
 
@@ -168,6 +172,8 @@ def classify(frames: Sequence[Frame], stdlib: Iterable[str] = ()) -> tuple[str, 
             continue
         where = f"{frame.filename}:{frame.lineno} in {frame.function}"
         module = frame.module or ""
+        if any(module == m or module.startswith(m + ".") for m in PASS_THROUGH_MODULES):
+            continue
         if any(module == m or module.startswith(m + ".") for m in WAITING_MODULES):
             return WAITING, where
         return USER, where

@@ -213,3 +213,16 @@ def test_hang_timeout_option_rejects_bad_values(tmp_path, text):
     script.write_text("")
     with pytest.raises(ConfigError, match="--hang-timeout"):
         parse(["--np", "1", "--backend", "gloo", "--hang-timeout", text, str(script)])
+
+
+def test_a_main_thread_retrying_an_etcd_call_for_the_runtime_is_waiting_not_stuck():
+    # Re-forming through an etcd outage: tenacity and grpc frames under rendezvous.etcd.
+    from elastic.progress import WAITING, Frame, classify
+
+    frames = [
+        Frame("grpc._channel", "/venv/site-packages/grpc/_channel.py", 1, "_blocking"),
+        Frame("tenacity", "/venv/site-packages/tenacity/__init__.py", 560, "__call__"),
+        Frame("rendezvous.etcd", "/repo/rendezvous/etcd.py", 310, "_call"),
+        Frame("elastic.runtime", "/repo/elastic/runtime.py", 420, "__call__"),
+    ]
+    assert classify(frames)[0] == WAITING
