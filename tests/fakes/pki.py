@@ -56,3 +56,17 @@ def make_pki(directory: Path) -> dict[str, str]:
     paths["server_cert"], paths["server_key"] = _write_pair(directory, "server", server_key, server)
     paths["client_cert"], paths["client_key"] = _write_pair(directory, "client", client_key, client)
     return paths
+
+
+def tls_etcd_server(binary: str, pki: dict[str, str]):
+    """An (unstarted) embedded etcd that wants TLS with a client certificate from ``pki``,
+    and a client configured to present it."""
+    from rendezvous.embedded import EmbeddedEtcd
+
+    return EmbeddedEtcd(
+        binary=binary,
+        scheme="https",
+        extra_args=["--cert-file", pki["server_cert"], "--key-file", pki["server_key"],
+                    "--trusted-ca-file", pki["ca"], "--client-cert-auth"],
+        client_options=dict(ca_cert=pki["ca"], cert_cert=pki["client_cert"], cert_key=pki["client_key"]),
+    )

@@ -11,7 +11,7 @@ from etcd3 import etcdrpc
 from rendezvous.embedded import EmbeddedEtcd
 from rendezvous.errors import RendezvousAuthError
 from rendezvous.etcd import Etcd
-from tests.fakes.pki import make_pki
+from tests.fakes.pki import make_pki, tls_etcd_server
 
 from ..conftest import etcd_binary_or_skip
 
@@ -28,13 +28,7 @@ def pki(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def tls_etcd(pki):
-    server = EmbeddedEtcd(
-        binary=etcd_binary_or_skip(),
-        scheme="https",
-        extra_args=["--cert-file", pki["server_cert"], "--key-file", pki["server_key"],
-                    "--trusted-ca-file", pki["ca"], "--client-cert-auth"],
-        client_options=dict(ca_cert=pki["ca"], cert_cert=pki["client_cert"], cert_key=pki["client_key"]),
-    ).start()
+    server = tls_etcd_server(etcd_binary_or_skip(), pki).start()
     yield server
     server.stop()
 

@@ -18,10 +18,9 @@ import torch
 from etcd3 import etcdrpc
 
 from rendezvous import JobKeys, RoundPlan
-from rendezvous.embedded import EmbeddedEtcd
 from rendezvous.etcd import Etcd
 from tests.fakes.jobs import ELASTIC_RUN, REPO, Job, read_jsonl
-from tests.fakes.pki import make_pki
+from tests.fakes.pki import make_pki, tls_etcd_server
 
 from ..conftest import etcd_binary_or_skip
 
@@ -243,13 +242,7 @@ def test_a_bad_elastic_variable_gives_one_line_and_exit_2(tmp_path, variable, va
 def secure_etcd(tmp_path_factory):
     """An etcd that wants TLS with a client certificate AND a user name and password."""
     pki = make_pki(tmp_path_factory.mktemp("pki"))
-    server = EmbeddedEtcd(
-        binary=etcd_binary_or_skip(),
-        scheme="https",
-        extra_args=["--cert-file", pki["server_cert"], "--key-file", pki["server_key"],
-                    "--trusted-ca-file", pki["ca"], "--client-cert-auth"],
-        client_options=dict(ca_cert=pki["ca"], cert_cert=pki["client_cert"], cert_key=pki["client_key"]),
-    ).start()
+    server = tls_etcd_server(etcd_binary_or_skip(), pki).start()
     credentials = grpc.ssl_channel_credentials(
         root_certificates=Path(pki["ca"]).read_bytes(), private_key=Path(pki["client_key"]).read_bytes(),
         certificate_chain=Path(pki["client_cert"]).read_bytes())
