@@ -22,25 +22,11 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from tests.fakes.jobs import read_jsonl, wait_until
-from tests.hosts.test_partitions import SLACK_S, TTL, start, steps_after
+from tests.hosts.test_partitions import SLACK_S, TTL, finish, start, steps_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]  # heavy: the slow run, which CI runs too
-
-
-def finish(tmp_path, jobs, out):
-    (tmp_path / "stop").touch()
-    for job in jobs:
-        assert job.wait(120) == 0, job.text()[-3000:]
-    finals = [torch.load(p, weights_only=True) for p in sorted(out.glob("final-*.pt"))]
-    assert len(finals) == 3
-    for other in finals[1:]:
-        for name, value in finals[0].items():
-            assert torch.equal(value, other[name]), name
-    for job in jobs:
-        assert not [e for e in job.events() if e.get("user_error")]
 
 
 @pytest.mark.parametrize("victim", [pytest.param(0, id="rank0-store-and-coordinator"), pytest.param(2, id="plain")])

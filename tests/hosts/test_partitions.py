@@ -68,10 +68,15 @@ def test_survivors_go_on_within_ttl_and_the_cut_host_rejoins_when_healed(netns_h
     rejoined = wait_until(lambda: steps_after(out, healed_at, 3), 180, "the cut host to rejoin")
     print(f"host {victim} healed: back to 3 workers after {min(s['t'] for s in rejoined) - healed_at:.2f}s")
 
+    finish(tmp_path, jobs, out)
+
+
+def finish(tmp_path, jobs, out):
+    """Stop the job; every agent exits 0, the three workers end equal, no user error."""
     (tmp_path / "stop").touch()
     for job in jobs:
         assert job.wait(120) == 0, job.text()[-3000:]
-    finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "out").glob("final-*.pt"))]
+    finals = [torch.load(p, weights_only=True) for p in sorted(out.glob("final-*.pt"))]
     assert len(finals) == 3
     for other in finals[1:]:
         for name, value in finals[0].items():
