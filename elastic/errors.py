@@ -37,10 +37,17 @@ class PeersUnreachable(ElasticError):
     def __init__(self, round_number: int, addresses: list[str], cause: str):
         self.round = round_number
         self.addresses = addresses
+        self.cause = cause
         super().__init__(
             f"round {round_number}: workers could not connect to each other at {', '.join(addresses)} "
             f"({cause}); check --host-addr, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME and firewalls"
         )
+
+
+    def detached(self) -> "PeersUnreachable":
+        """The same error without traceback or context, which would pin the half-built
+        process group's frames (see ``recovery.py``)."""
+        return PeersUnreachable(self.round, self.addresses, self.cause)
 
 
 class LeftJob(ElasticError):
@@ -83,4 +90,6 @@ def is_communication_error(exc: BaseException) -> bool:
 def summarize(exc: BaseException) -> str:
     """One line naming the error, for logs and events (gloo messages span lines)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, PeersUnreachable):
+        return first  # a whole sentence already, which says what went wrong in words
     return f"{type(exc).__name__}: {first[:300]}"

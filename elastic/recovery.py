@@ -34,6 +34,7 @@ from .errors import (
     HostsUpdatedInterrupt,
     JobStopping,
     LeftJob,
+    PeersUnreachable,
     ResetLimitExceeded,
     is_communication_error,
     summarize,
@@ -52,6 +53,7 @@ class _Interruption:
     detected: float  # monotonic time of detection
     stop: bool = False  # the job was told to stop: save the last commit and leave
     left: bool = False  # this worker is no longer part of the job (withdrawn, job over)
+    unreachable: Optional[PeersUnreachable] = None  # the peers could not connect (no traceback kept)
 
 
 def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
@@ -80,7 +82,7 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
                 raise SystemExit(0)
             # -- we are outside the except block: the old ring can be freed now.
             if interruption.failed:
-                _spend(budget, runtime, interruption.reason)
+                _spend(budget, runtime, interruption.reason, unreachable=interruption.unreachable)
                 state.restore()
             finished_reform = (interruption, _reform(runtime, interruption, budget))
 
@@ -92,35 +94,46 @@ def _reform(runtime, interruption: _Interruption, budget: ResetBudget):
     reason, failed = interruption.reason, interruption.failed
     while True:
         outcome = _try_reform(runtime, reason, failed)
-        if not isinstance(outcome, str):
+        if not isinstance(outcome, _ReformFailed):
             return outcome
-        if outcome.startswith(_LEFT):
-            _leave(runtime, outcome[len(_LEFT):])
+        if outcome.left:
+            _leave(runtime, outcome.reason)
         # The next ring broke while it formed (a peer died in init, etcd went away):
         # one more failure, whose new round the next attempt waits for.
-        log.warning("round %d: re-forming failed (%s); trying the next round", runtime.round, outcome)
-        _spend(budget, runtime, outcome)
-        reason, failed = outcome, True
+        log.warning("round %d: re-forming failed (%s); trying the next round", runtime.round, outcome.reason)
+        _spend(budget, runtime, outcome.reason, unreachable=outcome.unreachable)
+        reason, failed = outcome.reason, True
 
 
-_LEFT = "left: "
+@dataclass(frozen=True)
+class _ReformFailed:
+    reason: str  # one line
+    left: bool = False  # this worker is no longer part of the job
+    unreachable: Optional[PeersUnreachable] = None  # the peers could not connect (no traceback kept)
 
 
-def _try_reform(runtime, reason: str, failed: bool) -> Union[object, str]:
-    """``runtime.reform``'s times, or a one-line reason why it failed (no exception
-    object outlives this frame: it would pin the half-built group)."""
+def _try_reform(runtime, reason: str, failed: bool):
+    """``runtime.reform``'s times, or a ``_ReformFailed`` saying why it failed (no
+    exception object outlives this frame: it would pin the half-built group)."""
     try:
         return runtime.reform(reason, failed=failed)
     except LeftJob as exc:
-        return _LEFT + str(exc)
+        return _ReformFailed(str(exc), left=True)
+    except PeersUnreachable as exc:
+        return _ReformFailed(summarize(exc), unreachable=exc.detached())
     except Exception as exc:
         if not _is_infrastructure_error(exc):
             raise
-        return summarize(exc)
+        return _ReformFailed(summarize(exc))
 
 
-def _spend(budget: ResetBudget, runtime, reason: str) -> None:
+def _spend(budget: ResetBudget, runtime, reason: str, unreachable: Optional[PeersUnreachable] = None) -> None:
     if not budget.spend(time.monotonic()):
+        if unreachable is not None:
+            # The budget ran out on workers that cannot reach each other: a fault of the
+            # network, whose rounds the agent counts against --max-resets itself. Exiting
+            # as a user error (ResetLimitExceeded) would fail the job under the wrong reason.
+            raise unreachable
         raise ResetLimitExceeded(
             f"ring re-formed {budget.recent - 1} times within {budget.window_s:g}s "
             f"(--max-resets {budget.limit} per --reset-window); last failure: {reason}"
@@ -181,5 +194,6 @@ def _call(body, *args) -> Optional[_Interruption]:
         if not _is_infrastructure_error(exc):
             raise  # a bug in user code: this worker fails, the agent reports it
         log.warning("ring broken: %s", summarize(exc))
-        return _Interruption(summarize(exc), failed=True, detected=time.monotonic())
+        unreachable = exc.detached() if isinstance(exc, PeersUnreachable) else None
+        return _Interruption(summarize(exc), failed=True, detected=time.monotonic(), unreachable=unreachable)
 
