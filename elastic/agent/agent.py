@@ -59,6 +59,7 @@ from rendezvous import (
 from .etcd_writes import EtcdWrites
 from ..errors import PeersUnreachable
 from ..events import EventLog
+from .event_tail import EventTail
 from .plain_store import PlainStores, prune_round_keys
 from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
@@ -122,9 +123,12 @@ class Agent:
         self._session_lost = False
         self._etcd_writes = EtcdWrites()  # reports queued while etcd is away
         self._scratch = tempfile.mkdtemp(prefix="elastic-agent-")
+        # Without a log directory the events still go to a file: the agent reads its
+        # workers' events from it (event_tail.py).
         self.events = EventLog(
-            os.path.join(config.log_dir, "events.jsonl") if config.log_dir else None, host=config.host_id
+            os.path.join(config.log_dir or self._scratch, "events.jsonl"), host=config.host_id
         )
+        self._event_tail = EventTail(self.events.path)
         self.health = HealthState(ttl=config.ttl)
         self._watchdog = Watchdog(HangPolicy(timeout=config.hang_timeout), self._scratch, self.events, config.log_dir)
         self._health_server: Optional[HealthServer] = None
@@ -187,6 +191,8 @@ class Agent:
                 self._on_exit(item)
             elif isinstance(item, _Signal):
                 self._on_signal(item.signum)
+            for event in self._event_tail.read_new():
+                self._on_event(event)
             self._etcd_writes.flush()
             self._restart_plain_workers()
             self._watchdog.check(self._workers, self._plan)  # a hung worker is killed; its exit comes next
@@ -197,6 +203,9 @@ class Agent:
                 log.warning("round %s: cannot follow the plan yet (%s); retrying", self.events.round, exc)
             self._check_grace()
         return self._outcome
+
+    def _on_event(self, event: dict) -> None:
+        """An event of this host's workers or of the agent itself (in file order)."""
 
     # -- following the plan -----------------------------------------------------------
     def _follow_control(self) -> None:
