@@ -83,6 +83,7 @@ class Coordinator:
         self._request_revisions: dict[str, int] = {}  # worker id -> mod revision of its request key
         self._last_change = clock()
         self._below_min_since: Optional[float] = None
+        self._plan_seen: tuple[int, float] = (0, 0.0)  # (round, when we first saw its plan)
         self._dirty = False
 
     def start(self) -> "Coordinator":
@@ -272,12 +273,15 @@ class Coordinator:
                     self._below_min_since = now
             else:
                 self._below_min_since = None
+            if plan is not None and plan.round != self._plan_seen[0]:
+                self._plan_seen = (plan.round, now)
             snapshot = Snapshot(
                 plan=plan,
                 members=members,
                 requests=tuple(self._requests.values()),
                 last_change=self._last_change,
                 below_min_since=self._below_min_since,
+                plan_seen_at=self._plan_seen[1] if plan is not None else None,
             )
             self._dirty = False
         decision = decide(snapshot, self._settings, now)
@@ -348,6 +352,8 @@ class Coordinator:
             store_addr=f"{first.addr}:{first.store_port}",
             created=time.time(),
             lost=decision.lost,
+            reason=decision.reason,
+            recovers=decision.recovers,
         )
         plan_kv = self._etcd.get(self._keys.plan)
         if plan_kv is not None and RoundPlan.from_json(plan_kv.value).round != (number - 1):

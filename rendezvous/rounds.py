@@ -28,6 +28,9 @@ class RendezvousSettings:
     settle: float = 0.5  # seconds to wait for more joiners once min_np are present
     timeout: float = 600.0  # seconds to wait below min_np before the job fails
     reset_grace: float = 0.3  # after a reset request, time for the agents' reports to arrive
+    # After a round that re-forms a broken ring, time for its survivors to form it before
+    # a round that only admits newcomers replaces it (see ``decide``).
+    recovery_hold: float = 2.0
 
     def __post_init__(self) -> None:
         if self.min_np < 1:
@@ -36,7 +39,7 @@ class RendezvousSettings:
             raise ConfigError(
                 f"max_np ({self.max_np}) must be at least min_np ({self.min_np})"
             )
-        for name in ("settle", "timeout", "reset_grace"):
+        for name in ("settle", "timeout", "reset_grace", "recovery_hold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative (got {getattr(self, name)})")
 
@@ -101,6 +104,8 @@ class RoundPlan:
     # Workers of the previous round that died or vanished (not a graceful leave):
     # their ring is broken, so its survivors abort it instead of waiting on it.
     lost: tuple[str, ...] = ()
+    reason: str = ""  # why the coordinator formed it, for people and `elastic-run status`
+    recovers: bool = False  # formed because the previous ring broke (a loss, a reset request)
 
     @property
     def world_size(self) -> int:
@@ -137,6 +142,8 @@ class RoundPlan:
                 "members": [[m, *self.hosts[m]] for m in members],
                 "ranks": [[index[s.member_id], s.worker_id] for s in self.slots],
                 "lost": list(self.lost),
+                "reason": self.reason,
+                "recovers": self.recovers,
             },
             separators=(",", ":"),
         ).encode()
@@ -152,6 +159,8 @@ class RoundPlan:
             store_addr=obj["store"],
             created=float(obj["created"]),
             lost=tuple(obj.get("lost", ())),
+            reason=str(obj.get("reason", "")),
+            recovers=bool(obj.get("recovers", False)),
         )
 
 
@@ -175,6 +184,7 @@ class Snapshot:
     requests: tuple[ResetRequest, ...] = ()
     last_change: float = 0.0  # when the member set last changed
     below_min_since: Optional[float] = None  # when candidates first fell below min_np
+    plan_seen_at: Optional[float] = None  # when the coordinator first saw ``plan``
 
 
 @dataclass(frozen=True)
@@ -192,6 +202,7 @@ class FormRound:
     # coordinator looks for members whose agents are dead (liveness.py), so the round
     # never names a dead agent's store or waits on its workers.
     after_failure: bool = False
+    recovers: bool = False  # the previous ring broke: see RoundPlan.recovers
 
 
 @dataclass(frozen=True)
@@ -278,25 +289,31 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
         reason = ", ".join(
             part for part in (f"{len(lost)} worker(s) lost" if lost else "", f"{left} left" if left else "") if part
         )
-        return FormRound(recovering, reason, lost)
+        return FormRound(recovering, reason, lost, recovers=bool(lost))
 
     requests = [r for r in snapshot.requests if r.round >= plan.round]
     if requests:
         known_lost = tuple(dict.fromkeys(w for r in requests for w in r.lost))
         if known_lost:
             # An agent killed these itself: nothing more to wait for.
-            return FormRound(recovering, f"reset requested: {requests[0].reason}", known_lost)
+            return FormRound(recovering, f"reset requested: {requests[0].reason}", known_lost, recovers=True)
         # Give the agents a moment to report the crash behind the broken ring, so the
         # new round does not include a dead worker; then re-form with whoever is there.
         first = min(r.seen_at for r in requests)
         if now >= first + settings.reset_grace:
-            return FormRound(recovering, f"reset requested: {requests[0].reason}", after_failure=True)
+            return FormRound(recovering, f"reset requested: {requests[0].reason}", after_failure=True, recovers=True)
         return Wait(first + settings.reset_grace, "reset requested, waiting for reports")
 
     if admitted == plan.slots:
         return Wait(None, "membership unchanged")
 
     # Only additions: the running ring keeps going, so settle to batch joiners.
+    if plan.recovers and snapshot.plan_seen_at is not None and now < snapshot.plan_seen_at + settings.recovery_hold:
+        # The survivors of a broken ring may still be forming this plan's round. A newer
+        # plan now would make them abandon it for one that waits on the newcomers (a
+        # replacement offered with the crash report is still importing torch: seconds
+        # of stall). Once their round runs, newcomers join at a commit without a stall.
+        return Wait(snapshot.plan_seen_at + settings.recovery_hold, "letting the survivors form their round first")
     if count == settings.max_np:
         return FormRound(admitted, f"{count - len(previous)} worker(s) joined, max_np reached")
     settle_at = snapshot.last_change + settings.settle

@@ -185,3 +185,35 @@ def test_a_round_after_a_reset_request_is_marked_as_after_failure():
     assert decide(Snapshot(p, ms, req), S, now=7.3).after_failure
     joined = (*ms, member("n", ["n0"], 3))
     assert not decide(Snapshot(p, joined, last_change=0.0), S, now=7.3).after_failure
+
+
+def test_a_replacement_waits_until_the_survivors_had_time_to_form_their_round():
+    # Round 4 re-formed a broken ring without the dead a1; the agent offers a2 at once.
+    # A join round now would make the survivors, still forming round 4, abandon it for
+    # one that waits seconds for a2 to start: it comes after recovery_hold instead.
+    survivors = RoundPlan(4, (Slot("a", "a0"), Slot("b", "b0")), {"a": ("ha", "x"), "b": ("hb", "x")},
+                          "x:1", 0.0, lost=("a1",), recovers=True)
+    offered = (member("a", ["a0", "a2"], 1), member("b", ["b0", "b1"], 2))  # 4 = max_np: no settle
+    held = decide(Snapshot(survivors, offered, last_change=10.0, plan_seen_at=10.0), S, now=10.1)
+    assert held == Wait(10.0 + S.recovery_hold, "letting the survivors form their round first")
+    assert workers(decide(Snapshot(survivors, offered, last_change=10.0, plan_seen_at=10.0), S,
+                          now=10.0 + S.recovery_hold)) == ["a0", "b0", "a2", "b1"]
+    # A join after a round that did not re-form a broken ring is not held.
+    grown = RoundPlan(4, survivors.slots, survivors.hosts, "x:1", 0.0)
+    assert workers(decide(Snapshot(grown, offered, last_change=10.0, plan_seen_at=10.0), S, now=10.1)) == [
+        "a0", "b0", "a2", "b1"]
+    # Nor is another failure during the hold: b0 dies too.
+    failed_again = (member("a", ["a0", "a2"], 1), member("b", ["b1"], 2))
+    decision = decide(Snapshot(survivors, failed_again, last_change=10.0, plan_seen_at=10.0), S, now=10.1)
+    assert decision.lost == ("b0",) and decision.recovers
+
+
+def test_rounds_that_re_form_a_broken_ring_say_so_and_carry_their_reason():
+    p = plan(3, ("a", "a0"), ("a", "a1"), ("b", "b0"))
+    lost = decide(Snapshot(p, (member("a", ["a0"], 1), member("b", ["b0"], 2)), last_change=1.0), S, now=1.0)
+    assert lost.recovers and lost.reason == "1 worker(s) lost"
+    requested = decide(Snapshot(p, (member("a", ["a0", "a1"], 1), member("b", ["b0"], 2)),
+                                (ResetRequest("a0", 3, "gloo timeout", seen_at=1.0),)), S, now=2.0)
+    assert requested.recovers and requested.after_failure
+    q = RoundPlan(4, p.slots, p.hosts, "x:1", 0.0, reason="1 worker(s) lost", recovers=True)
+    assert RoundPlan.from_json(q.to_json()) == q
