@@ -26,7 +26,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar, Union
+from typing import Callable, Optional, TypeVar
 
 from rendezvous import RendezvousError
 

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from typing import Mapping, Sequence
 
 import grpc
@@ -119,8 +120,18 @@ class EmbeddedEtcd:
         # Set by EmbeddedEtcdCluster for its members; a lone server is its own cluster.
         self._name = "embedded"
         self._initial_cluster: str | None = None
+        self._cluster_token = "embedded"
+        # One member on loopback: short raft timers make start-up and restart fast.
+        # Several members keep etcd's defaults (100 ms heartbeat, 1 s election): shorter
+        # ones elect spurious leaders between members on a loaded 2-core machine.
+        self._raft_timers: tuple[str, ...] = ("--heartbeat-interval", "25", "--election-timeout", "250")
 
     # -- properties
+
+    @property
+    def name(self) -> str:
+        """The member's name in its cluster ("embedded" when alone)."""
+        return self._name
 
     @property
     def endpoint(self) -> str:
@@ -243,11 +254,10 @@ class EmbeddedEtcd:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", self._initial_cluster or f"{self._name}={peer_url}",
             "--initial-cluster-state", "new",
+            "--initial-cluster-token", self._cluster_token,
             "--log-level", "warn",
-            # One member on loopback: short raft timers make start-up and
-            # restart fast; fewer entries between snapshots keep the WAL small.
-            "--heartbeat-interval", "25",
-            "--election-timeout", "250",
+            *self._raft_timers,
+            # Fewer entries between snapshots keep the WAL small.
             "--snapshot-count", "10000",
             *self.extra_args,
         ]
@@ -331,12 +341,16 @@ class EmbeddedEtcdCluster:
     """
 
     def __init__(self, size: int = 3, *, host: str = "127.0.0.1", binary: str | None = None,
-                 extra_args: Sequence[str] = ()):
+                 extra_args: Sequence[str] = (), log_dir: str | None = None):
         if size < 1:
             raise RendezvousError(f"invalid etcd cluster size {size}: expected at least 1")
         self.members = [EmbeddedEtcd(host=host, binary=binary, extra_args=extra_args) for _ in range(size)]
+        self.log_dir = log_dir  # member logs go there (kept after stop) instead of the temp dirs
+        token = f"cluster-{uuid.uuid4().hex[:8]}"  # peers of another test's cluster are not ours
         for index, member in enumerate(self.members):
             member._name = f"member{index}"
+            member._cluster_token = token
+            member._raft_timers = ()
 
     @property
     def endpoints(self) -> str:
@@ -358,7 +372,7 @@ class EmbeddedEtcdCluster:
                 member.binary = member.binary or find_etcd_binary()
                 member._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
                 member._data_dir = os.path.join(member._work_dir, "data")
-                member._log_path = os.path.join(member._work_dir, "etcd.log")
+                member._log_path = os.path.join(self.log_dir or member._work_dir, f"{member._name}.log")
                 member._spawn()
             try:
                 for member in self.members:
@@ -387,6 +401,17 @@ class EmbeddedEtcdCluster:
                 if candidate.running and _member_id(candidate, timeout) == status.leader:
                     return candidate
         return None
+
+    def wait_leader(self, timeout: float, *, not_: EmbeddedEtcd | None = None) -> EmbeddedEtcd | None:
+        """The leader once there is one (other than ``not_``), or None after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            leader = self.leader(timeout=1.0)
+            if leader is not None and leader is not not_:
+                return leader
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def stop(self) -> None:
         for member in self.members:

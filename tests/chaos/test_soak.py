@@ -38,7 +38,8 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.chaos.soak_bed import EtcdCluster, Fleet, single_process_reference
+from rendezvous.embedded import EmbeddedEtcdCluster
+from tests.chaos.soak_bed import Fleet, single_process_reference
 from tests.fakes.jobs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -84,7 +85,7 @@ def schedule(rng: random.Random, count: int) -> list[str]:
 
 
 class Soak:
-    def __init__(self, fleet: Fleet, cluster: EtcdCluster, rng: random.Random):
+    def __init__(self, fleet: Fleet, cluster: EmbeddedEtcdCluster, rng: random.Random):
         self.fleet, self.cluster, self.rng = fleet, cluster, rng
         self.problems: list[str] = []
         self.t_start = 0.0
@@ -124,11 +125,11 @@ class Soak:
             assert victim is not None, "the etcd cluster has no leader"
             host_name = f"etcd-{victim.name}"
             t0 = time.time()
-            self.cluster.kill(victim)
+            victim.kill()
             new_leader = self.cluster.wait_leader(30, not_=victim)
             detect_s = time.time() - t0 if new_leader else None
             nxt = self.first_step(t0, "a step after the etcd leader kill")
-            self.cluster.restart(victim)
+            victim.restart(timeout=60)
         else:
             agent = self.fleet.agents[index]
             host_name = host.name
@@ -184,7 +185,7 @@ def _signal(pid: int, sig: int) -> None:
 @pytest.fixture
 def etcd_cluster(netns_hosts, tmp_path):
     hosts = netns_hosts(HOSTS, etcd=False)
-    cluster = EtcdCluster(hosts.bridge_addr, tmp_path)
+    cluster = EmbeddedEtcdCluster(3, host=hosts.bridge_addr, log_dir=str(tmp_path))
     try:
         yield hosts, cluster.start()
     finally:
