@@ -101,6 +101,7 @@ class RoundPlan:
     # Workers of the previous round that died or vanished (not a graceful leave):
     # their ring is broken, so its survivors abort it instead of waiting on it.
     lost: tuple[str, ...] = ()
+    reason: str = ""  # why the coordinator formed it, for people (elastic-run status)
 
     @property
     def world_size(self) -> int:
@@ -137,6 +138,7 @@ class RoundPlan:
                 "members": [[m, *self.hosts[m]] for m in members],
                 "ranks": [[index[s.member_id], s.worker_id] for s in self.slots],
                 "lost": list(self.lost),
+                "reason": self.reason[:200],
             },
             separators=(",", ":"),
         ).encode()
@@ -152,6 +154,7 @@ class RoundPlan:
             store_addr=obj["store"],
             created=float(obj["created"]),
             lost=tuple(obj.get("lost", ())),
+            reason=obj.get("reason", ""),
         )
 
 
