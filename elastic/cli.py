@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 from typing import Optional, Sequence
 
 from rendezvous import (
@@ -19,6 +22,9 @@ from rendezvous import (
     EmbeddedEtcd,
     Etcd,
     EtcdConfig,
+    JobKeys,
+    JobStatus,
+    RUNNING,
     RendezvousError,
     RendezvousSettings,
     validate_job_id,
@@ -306,6 +312,39 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     return config, args
 
 
+def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> None:
+    """Keep the embedded etcd up until the job's other agents have left (bounded).
+
+    They are still winding down (a joiner's worker may be writing the final
+    checkpoint): stopping etcd under them would break their watches and leases and
+    fill the end of their logs with warnings about an etcd that went away. A signal
+    ends the wait at once.
+    """
+    interrupted = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _s, _f: interrupted.set())
+    deadline = time.monotonic() + timeout
+    said = False
+    try:
+        status = etcd.get(keys.status, retry_deadline=2.0)
+    except RendezvousError:
+        return
+    if status is None or JobStatus.from_json(status.value).state == RUNNING:
+        return  # we left a running job: waiting would not keep it running for long
+    while not interrupted.is_set() and time.monotonic() < deadline:
+        try:
+            others = len(etcd.get_prefix(keys.members, retry_deadline=2.0)[0])
+        except RendezvousError:
+            return
+        if not others:
+            return
+        if not said:
+            logging.getLogger(__name__).info(
+                "keeping the embedded etcd up until the other %d agent(s) have left (at most %.0f s)", others, timeout)
+            said = True
+        interrupted.wait(0.5)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["checkpoints"]:
@@ -337,7 +376,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         etcd = Etcd(config_of_etcd)
         etcd.check()
-        return Agent(config, etcd, endpoints).run()
+        code = Agent(config, etcd, endpoints).run()
+        if embedded is not None:
+            _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)
+        return code
     except ConfigError as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
