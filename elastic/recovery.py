@@ -196,7 +196,8 @@ def _call(body, *args) -> Optional[_Interruption]:
         if not _is_infrastructure_error(exc):
             raise  # a bug in user code: this worker fails, the agent reports it
         # The whole text (gloo's spans lines) for the log file; reform_done is the console's line.
-        log.warning("ring broken: %s: %s", type(exc).__name__, str(exc).strip(), extra=FILE_ONLY)
+        whole = summarize(exc) if isinstance(exc, PeersUnreachable) else f"{type(exc).__name__}: {str(exc).strip()}"
+        log.warning("ring broken: %s", whole, extra=FILE_ONLY)
         unreachable = exc.detached() if isinstance(exc, PeersUnreachable) else None
         return _Interruption(summarize(exc), failed=True, detected=time.monotonic(), unreachable=unreachable)
 

@@ -102,3 +102,27 @@ def test_the_waiting_line_comes_at_once_on_a_change_and_every_interval():
     assert line.report(3, 573.0, now=7.0) == "waiting for workers: 3 of 4 present, failing in 573 s"
     line.reset()
     assert line.report(3, 600.0, now=7.5) is not None
+
+
+def test_watch_draws_each_read_and_shows_a_failed_read_as_one_line(monkeypatch):
+    from elastic import status_command
+    from rendezvous import JobKeys, RendezvousConnectionError
+
+    first = job_view(JobSnapshot("job", running_job(), NOW))
+    reads = iter([RendezvousConnectionError("cannot reach etcd at x:1"), first])
+
+    def view(_etcd, _keys):
+        item = next(reads)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    monkeypatch.setattr(status_command, "_view", view)
+    waits = []
+    out = io.StringIO()
+    code = status_command._watch(None, JobKeys("job"), True, out, first,
+                                 lambda seconds: waits.append(seconds) or len(waits) == 3)
+    lines = out.getvalue().splitlines()
+    assert code == 0 and waits == [2.0, 2.0, 2.0]
+    assert [json.loads(lines[0])["round"], lines[1], json.loads(lines[2])["round"]] == [
+        2, "elastic-run status: cannot reach etcd at x:1; trying again", 2]
