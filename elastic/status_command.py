@@ -32,7 +32,8 @@ _READ_DEADLINE_S = 5.0
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elastic-run status", description="Show what an elastic job is doing, or how it ended, "
                 "from etcd alone.")
-    for flag, text in JOB_OPTIONS + ETCD_OPTIONS:
+    add_option(p, "--rdzv-endpoint", help="the job's etcd v3 endpoints HOST:PORT[,HOST:PORT...]")
+    for flag, text in [o for o in JOB_OPTIONS if o[0] != "--rdzv-endpoint"] + list(ETCD_OPTIONS):
         add_option(p, flag, help=text)
     p.add_argument("--json", action="store_true", help="one JSON object (with --watch: one per line)")
     p.add_argument("--watch", action="store_true", help="draw again every 2 s until Ctrl-C")
