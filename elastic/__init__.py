@@ -17,6 +17,7 @@ from typing import Optional
 
 from rendezvous import RendezvousError
 
+from .console import WorkerFormatter
 from .errors import ElasticError, LeftJob, HostsUpdatedInterrupt, PeersUnreachable, ResetLimitExceeded, is_communication_error, summarize
 from .recovery import run
 from .runtime import Runtime
@@ -39,7 +40,7 @@ def init() -> None:
     if _current is not None:
         return
     config = WorkerConfig.from_env()
-    _configure_logging()
+    _configure_logging(marks=config is not None)
     if config is not None and config.error_file:
         _report_errors_to(config.error_file)
     runtime = Runtime(config)
@@ -84,13 +85,14 @@ def round() -> int:  # noqa: A001 - mirrors the event field name
     return _runtime().round
 
 
-def _configure_logging() -> None:
+def _configure_logging(*, marks: bool) -> None:
     # The runtime's packages log one line per event; user code's logging is left alone.
     for name in ("elastic", "checkpoint", "rendezvous"):
         logger = logging.getLogger(name)
         if not logger.handlers:
             handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter(f"{name}: %(message)s"))
+            # Under an agent, the details of a failure go to the log file only (console.py).
+            handler.setFormatter(WorkerFormatter(f"{name}: %(message)s", marks=marks))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO if name != "rendezvous" else logging.WARNING)
             logger.propagate = False

@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 from typing import Optional, Sequence
 
 from rendezvous import (
@@ -19,6 +22,9 @@ from rendezvous import (
     EmbeddedEtcd,
     Etcd,
     EtcdConfig,
+    JobKeys,
+    JobStatus,
+    RUNNING,
     RendezvousError,
     RendezvousSettings,
     validate_job_id,
@@ -37,7 +43,8 @@ scripts are restarted together on any change. Every option can also be given as 
 environment variable: --min-np is ELASTIC_MIN_NP, and so on.
 
 Without --rdzv-endpoint an embedded etcd is started and all workers run on this host.
-`elastic-run checkpoints DIR` lists and verifies the checkpoints in DIR."""
+`elastic-run checkpoints DIR` lists and verifies the checkpoints in DIR.
+`elastic-run status --rdzv-endpoint E --job-id J` shows what a job is doing (or how it ended)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,24 +91,52 @@ _non_negative_int.__name__ = "non-negative integer"
 _positive_float.__name__ = "positive number"
 
 
+def add_option(p: argparse.ArgumentParser, flag: str, kind=str, default=None, help: str = "") -> None:
+    """An option with its environment form (``--min-np`` <- ``ELASTIC_MIN_NP``)."""
+    name = flag.lstrip("-")
+    env = "ELASTIC_" + name.upper().replace("-", "_")
+    from_env = _env(name)
+    # Wrapped, so argparse leaves it alone and the check below names the variable.
+    value = _EnvValue(env, from_env) if from_env is not None else default
+    p.add_argument(flag, type=kind, default=value, metavar=name.split("-")[-1].upper(),
+                   help=f"{help} [env {env}]" + (f" (default {default})" if default is not None else ""))
+
+
+# Where the job lives and how to reach etcd: shared by the launcher and `elastic-run status`.
+JOB_OPTIONS = (
+    ("--rdzv-endpoint", "etcd v3 endpoints HOST:PORT[,HOST:PORT...]; none: start an embedded etcd"),
+    ("--job-id", "the job's name; required with --rdzv-endpoint"),
+)
+ETCD_OPTIONS = (
+    ("--etcd-ca", "CA certificate (PEM) for TLS to etcd"),
+    ("--etcd-cert", "client certificate (PEM)"),
+    ("--etcd-key", "client key (PEM)"),
+    ("--etcd-user", "etcd user name"),
+    ("--etcd-password", "etcd password"),
+)
+
+
+def etcd_config(args: argparse.Namespace) -> EtcdConfig:
+    """The EtcdConfig the options describe (endpoint, TLS files, credentials)."""
+    return EtcdConfig.from_string(
+        args.rdzv_endpoint,
+        ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
+        user=args.etcd_user, password=args.etcd_password,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elastic-run", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def opt(flag, kind=str, default=None, help=""):
-        name = flag.lstrip("-")
-        env = "ELASTIC_" + name.upper().replace("-", "_")
-        from_env = _env(name)
-        # Wrapped, so argparse leaves it alone and the check below names the variable.
-        value = _EnvValue(env, from_env) if from_env is not None else default
-        p.add_argument(flag, type=kind, default=value, metavar=name.split("-")[-1].upper(),
-                       help=f"{help} [env {env}]" + (f" (default {default})" if default is not None else ""))
+        add_option(p, flag, kind, default, help)
 
     opt("--np", _positive_int, help="workers to start with; without an endpoint, all on this host")
     opt("--min-np", _positive_int, help="smallest world size the job runs with (default --np)")
     opt("--max-np", _positive_int, help="largest world size; further workers wait as spares (default --np)")
     opt("--nproc-per-node", _positive_int, help="workers this agent runs (default --np, else --min-np, without an endpoint; else 1)")
-    opt("--rdzv-endpoint", help="etcd v3 endpoints HOST:PORT[,HOST:PORT...]; none: start an embedded etcd")
-    opt("--job-id", help="the job's name; required with --rdzv-endpoint")
+    for flag, text in JOB_OPTIONS:
+        opt(flag, help=text)
     opt("--host-id", help="this host's identity (default: the host name)")
     opt("--host-addr", help="address other hosts reach this host's workers at (default: this host's address "
                             "on the route to etcd; gloo/NCCL then use the interface holding it)")
@@ -125,11 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--checkpoint-keep", _positive_int, 3, "durable checkpoints to keep")
     opt("--final-checkpoint-timeout", _positive_float, 600.0,
         "seconds rank 0 may go on writing the final checkpoint once the job has ended")
-    opt("--etcd-ca", help="CA certificate (PEM) for TLS to etcd")
-    opt("--etcd-cert", help="client certificate (PEM)")
-    opt("--etcd-key", help="client key (PEM)")
-    opt("--etcd-user", help="etcd user name")
-    opt("--etcd-password", help="etcd password")
+    for flag, text in ETCD_OPTIONS:
+        opt(flag, help=text)
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script (all of them: "
@@ -144,7 +176,7 @@ class _EnvValue:
         self.variable, self.text = variable, text
 
 
-def _coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Values that came from the environment arrive as strings: convert and check them,
     naming the variable (not the option) when one is bad."""
     for action in parser._actions:
@@ -205,7 +237,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     # "--" ends the options, so a SCRIPT such as "-x.py" is not taken for one.
     args = parser.parse_args([*launcher, "--", *script[:1]] if script else launcher)
     args.args = script[1:]
-    _coerce_env_values(parser, args)
+    coerce_env_values(parser, args)
     if args.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
     if not args.module and not os.path.isfile(args.script):
@@ -280,12 +312,49 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     return config, args
 
 
+def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> None:
+    """Keep the embedded etcd up until the job's other agents have left (bounded).
+
+    They are still winding down (a joiner's worker may be writing the final
+    checkpoint): stopping etcd under them would break their watches and leases and
+    fill the end of their logs with warnings about an etcd that went away. A signal
+    ends the wait at once.
+    """
+    interrupted = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _s, _f: interrupted.set())
+    deadline = time.monotonic() + timeout
+    said = False
+    try:
+        status = etcd.get(keys.status, retry_deadline=2.0)
+    except RendezvousError:
+        return
+    if status is None or JobStatus.from_json(status.value).state == RUNNING:
+        return  # we left a running job: waiting would not keep it running for long
+    while not interrupted.is_set() and time.monotonic() < deadline:
+        try:
+            others = len(etcd.get_prefix(keys.members, retry_deadline=2.0)[0])
+        except RendezvousError:
+            return
+        if not others:
+            return
+        if not said:
+            logging.getLogger(__name__).info(
+                "keeping the embedded etcd up until the other %d agent(s) have left (at most %.0f s)", others, timeout)
+            said = True
+        interrupted.wait(0.5)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["checkpoints"]:
         from checkpoint.cli import main as checkpoints_main
 
         return checkpoints_main(argv[1:])
+    if argv[:1] == ["status"]:
+        from .status_command import main as status_main
+
+        return status_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="elastic-run: %(message)s", stream=sys.stderr)
     try:
         config, args = parse(argv)
@@ -295,23 +364,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     embedded = None
     try:
         if args.rdzv_endpoint:
-            etcd_config = EtcdConfig.from_string(
-                args.rdzv_endpoint,
-                ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
-                user=args.etcd_user, password=args.etcd_password,
-            )
+            config_of_etcd = etcd_config(args)
             endpoints = args.rdzv_endpoint
         else:
             embedded = EmbeddedEtcd().start()
             endpoints = embedded.endpoint
-            etcd_config = EtcdConfig.from_string(endpoints)
+            config_of_etcd = EtcdConfig.from_string(endpoints)
             logging.getLogger(__name__).info(
                 "embedded etcd at %s; join with: elastic-run --rdzv-endpoint %s --job-id %s ...",
                 endpoints, endpoints, config.job_id,
             )
-        etcd = Etcd(etcd_config)
+        etcd = Etcd(config_of_etcd)
         etcd.check()
-        return Agent(config, etcd, endpoints).run()
+        code = Agent(config, etcd, endpoints).run()
+        if embedded is not None:
+            _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)
+        return code
     except ConfigError as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR

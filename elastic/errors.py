@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch.distributed as dist
 
 
@@ -87,9 +89,16 @@ def is_communication_error(exc: BaseException) -> bool:
     return False
 
 
+# gloo starts its messages with the C++ source location and ends many with advice;
+# neither tells a person what happened (the whole text stays in the worker's log).
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+_ADVICE = re.compile(r"\.?\s*This is typically caused by .*$")
+
+
 def summarize(exc: BaseException) -> str:
     """One line naming the error, for logs and events (gloo messages span lines)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, PeersUnreachable):
         return first  # a whole sentence already, which says what went wrong in words
+    first = _ADVICE.sub("", _SOURCE_LOCATION.sub("", first))
     return f"{type(exc).__name__}: {first[:300]}"

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from .console import FILE_ONLY
+
 log = logging.getLogger("elastic.events")
 
 
@@ -28,7 +30,8 @@ class EventLog:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, *, console: bool = True, **fields: Any) -> None:
+        """Record the event; ``console=False``: its human line goes to the log file only."""
         record = {
             "time": time.time(),
             "event": event,
@@ -40,7 +43,9 @@ class EventLog:
         details = " ".join(
             f"{k}={_short(v)}" for k, v in record.items() if k not in ("time", "event", "host", "round", "rank")
         )
-        log.info("round %s: %s %s", record["round"], event, details)
+        # Before the first round there is no round to name (not "round None").
+        prefix = f"round {record['round']}: " if record["round"] is not None else ""
+        log.info("%s%s %s", prefix, event, details, extra=None if console else FILE_ONLY)
         if not self._path:
             return
         line = (json.dumps(record, default=str) + "\n").encode()

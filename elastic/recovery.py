@@ -39,6 +39,7 @@ from .errors import (
     is_communication_error,
     summarize,
 )
+from .console import FILE_ONLY
 from .reset_budget import ResetBudget
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ def _reform(runtime, interruption: _Interruption, budget: ResetBudget):
             _leave(runtime, outcome.reason)
         # The next ring broke while it formed (a peer died in init, etcd went away):
         # one more failure, whose new round the next attempt waits for.
-        log.warning("round %d: re-forming failed (%s); trying the next round", runtime.round, outcome.reason)
+        log.warning("round %d: re-forming failed (%s); trying the next round", runtime.round, outcome.reason,
+                    extra=FILE_ONLY)
         _spend(budget, runtime, outcome.reason, unreachable=outcome.unreachable)
         reason, failed = outcome.reason, True
 
@@ -193,7 +195,9 @@ def _call(body, *args) -> Optional[_Interruption]:
     except Exception as exc:
         if not _is_infrastructure_error(exc):
             raise  # a bug in user code: this worker fails, the agent reports it
-        log.warning("ring broken: %s", summarize(exc))
+        # The whole text (gloo's spans lines) for the log file; reform_done is the console's line.
+        whole = summarize(exc) if isinstance(exc, PeersUnreachable) else f"{type(exc).__name__}: {str(exc).strip()}"
+        log.warning("ring broken: %s", whole, extra=FILE_ONLY)
         unreachable = exc.detached() if isinstance(exc, PeersUnreachable) else None
         return _Interruption(summarize(exc), failed=True, detected=time.monotonic(), unreachable=unreachable)
 

@@ -40,6 +40,8 @@ from typing import Dict, FrozenSet, Tuple
 import torch
 import torch.distributed as dist
 
+from .console import FILE_ONLY
+
 log = logging.getLogger(__name__)
 
 _FD_DIRS = ("/proc/self/fd", "/dev/fd")
@@ -152,7 +154,8 @@ class RingHandle:
             backend.abort()
             return
         closed = sum(_shutdown_if_same(fd, inode) for fd, inode in self._connections)
-        log.info("ring aborted: shut down %d of %d gloo connections", closed, len(self._connections))
+        log.info("ring aborted: shut down %d of %d gloo connections", closed, len(self._connections),
+                 extra=FILE_ONLY)
 
     def release(self) -> None:
         """Forget the group (call before destroying it); abort() becomes a no-op."""

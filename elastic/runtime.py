@@ -41,6 +41,7 @@ from rendezvous import (
 )
 from rendezvous.errors import RendezvousTimeoutError
 
+from .console import FILE_ONLY
 from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
 from .events import EventLog
 from .progress import Progress
@@ -234,7 +235,7 @@ class Runtime:
         t1 = time.monotonic()
         nudge = None
         if failed:
-            self.events.emit("failure_detected", reason=reason)
+            self.events.emit("failure_detected", reason=reason, console=False)  # reform_done says it
             nudge = _Nudge(self, old_round, reason)
             nudge()  # ask for a round at once; the wait below repeats it if etcd refused
         # [graceful-leave] A planned switch to a round without us: our host withdrew
@@ -263,7 +264,7 @@ class Runtime:
                 why = f"round {plan.round} lost {len(plan.lost)} worker(s)"
             else:
                 return
-            log.info("round %d: aborting the ring (%s)", current.round, why)
+            log.info("round %d: aborting the ring (%s)", current.round, why, extra=FILE_ONLY)
             self._ring.abort()
 
     def release_group(self, collect: bool = True) -> None:

@@ -13,6 +13,8 @@ from .errors import (
     RendezvousTimeoutError,
 )
 from .etcd import Etcd, EtcdConfig, KeyValue
+from .history import keep_ended_job
+from .job_view import JobView, job_view, read_job
 from .keys import JobKeys, validate_job_id
 from .liveness import evict_dead_members, evict_if_dead
 from .membership import MemberRegistration
@@ -22,7 +24,7 @@ from .session import Session
 
 __all__ = [
     "ConfigError", "ControlChannel", "Coordinator", "EmbeddedEtcd", "EmbeddedEtcdCluster", "Etcd", "EtcdConfig",
-    "FAILED", "JobKeys", "JobStatus", "KeyValue", "LeaseLostError", "Member",
+    "FAILED", "JobKeys", "JobStatus", "JobView", "job_view", "keep_ended_job", "read_job", "KeyValue", "LeaseLostError", "Member",
     "MemberRegistration", "Participant", "RUNNING", "RendezvousAuthError",
     "RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",
     "RendezvousSettings", "RendezvousTimeoutError", "RoundPlan", "STOPPING", "SUCCEEDED", "Session",

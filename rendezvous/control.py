@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
@@ -27,6 +27,8 @@ RUNNING, STOPPING, SUCCEEDED, FAILED = "running", "stopping", "succeeded", "fail
 class JobStatus:
     state: str = RUNNING
     reason: str = ""
+    # Wall-clock time the status was written (0: unknown), for people reading it later.
+    since: float = field(default=0.0, compare=False)
 
     @property
     def over(self) -> bool:
@@ -34,12 +36,12 @@ class JobStatus:
         return self.state in (SUCCEEDED, FAILED)
 
     def to_json(self) -> bytes:
-        return json.dumps({"state": self.state, "reason": self.reason}).encode()
+        return json.dumps({"state": self.state, "reason": self.reason, "since": self.since or time.time()}).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "JobStatus":
         obj = json.loads(data)
-        return cls(obj["state"], obj.get("reason", ""))
+        return cls(obj["state"], obj.get("reason", ""), float(obj.get("since", 0.0)))
 
 
 Listener = Callable[[Optional[RoundPlan], JobStatus], None]

@@ -50,6 +50,35 @@ log = logging.getLogger(__name__)
 
 RoundListener = Callable[[RoundPlan, str], None]
 
+# While fewer than min_np workers are present, say so this often (seconds).
+WAITING_LINE_INTERVAL_S = 5.0
+
+
+class WaitingLine:
+    """"waiting for workers: 2 of 4 present, failing in 580 s", every few seconds
+    while the leader waits below min_np (times from the coordinator's clock)."""
+
+    def __init__(self, min_np: int, interval: float = WAITING_LINE_INTERVAL_S):
+        self._min_np = min_np
+        self._interval = interval
+        self._last: Optional[tuple[float, int]] = None  # (when, count) of the last line
+
+    def text(self, present: int, remaining: float) -> str:
+        return f"waiting for workers: {present} of {self._min_np} present, failing in {max(0.0, remaining):.0f} s"
+
+    def report(self, present: int, remaining: float, now: float) -> Optional[str]:
+        """Log (and return) the line when it is due: at once, when the count changes,
+        and every ``interval`` seconds."""
+        if self._last is not None and self._last[1] == present and now - self._last[0] < self._interval:
+            return None
+        self._last = (now, present)
+        line = self.text(present, remaining)
+        log.info("%s", line)
+        return line
+
+    def reset(self) -> None:
+        self._last = None
+
 
 class Coordinator:
     def __init__(
@@ -84,6 +113,7 @@ class Coordinator:
         self._last_change = clock()
         self._below_min_since: Optional[float] = None
         self._plan_seen: tuple[int, float] = (0, 0.0)  # (round, when we first saw its plan)
+        self._waiting = WaitingLine(settings.min_np)
         self._dirty = False
 
     def start(self) -> "Coordinator":
@@ -105,6 +135,11 @@ class Coordinator:
                 # Cut off from etcd: nothing to lead or campaign for until the
                 # session comes back (on a new lease), then campaign again.
                 self.leading.clear()
+                self._stop.wait(0.5)
+                continue
+            if self._control.status.over:
+                # The job ended: nothing left to decide, and taking over from the leader
+                # that just left would only put a confusing line at the end of the log.
                 self._stop.wait(0.5)
                 continue
             try:
@@ -271,8 +306,10 @@ class Coordinator:
             if present < self._settings.min_np:
                 if self._below_min_since is None:
                     self._below_min_since = now
+                self._waiting.report(present, self._below_min_since + self._settings.timeout - now, now)
             else:
                 self._below_min_since = None
+                self._waiting.reset()
             if plan is not None and plan.round != self._plan_seen[0]:
                 self._plan_seen = (plan.round, now)
             snapshot = Snapshot(

@@ -332,12 +332,13 @@ class Etcd:
 
         self._call("check", rpc, deadline=timeout)
 
-    def get(self, key: str) -> KeyValue | None:
+    def get(self, key: str, *, retry_deadline: float | None = None) -> KeyValue | None:
         request = etcdrpc.RangeRequest(key=key.encode())
-        response = self._call(f"get {key}", lambda ch, t, md: etcdrpc.KVStub(ch).Range(request, timeout=t, metadata=md))
+        response = self._call(f"get {key}", lambda ch, t, md: etcdrpc.KVStub(ch).Range(request, timeout=t, metadata=md),
+                              deadline=retry_deadline)
         return KeyValue.from_proto(response.kvs[0]) if response.kvs else None
 
-    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+    def get_prefix(self, prefix: str, *, retry_deadline: float | None = None) -> tuple[list[KeyValue], int]:
         """All keys under `prefix`, sorted by key, and the revision they were read at."""
         request = etcdrpc.RangeRequest(
             key=prefix.encode(),
@@ -346,7 +347,8 @@ class Etcd:
             sort_target=etcdrpc.RangeRequest.KEY,
         )
         response = self._call(f"get prefix {prefix}",
-                              lambda ch, t, md: etcdrpc.KVStub(ch).Range(request, timeout=t, metadata=md))
+                              lambda ch, t, md: etcdrpc.KVStub(ch).Range(request, timeout=t, metadata=md),
+                              deadline=retry_deadline)
         return [KeyValue.from_proto(kv) for kv in response.kvs], response.header.revision
 
     def current_revision(self) -> int:
@@ -372,14 +374,16 @@ class Etcd:
                               lambda ch, t, md: etcdrpc.KVStub(ch).DeleteRange(request, timeout=t, metadata=md))
         return response.deleted
 
-    def txn(self, compare: Sequence, success: Sequence, failure: Sequence = ()) -> tuple[bool, int]:
+    def txn(self, compare: Sequence, success: Sequence, failure: Sequence = (), *,
+            retry_deadline: float | None = None) -> tuple[bool, int]:
         """Apply `success` if every comparison holds, else `failure`: (succeeded, revision)."""
         request = etcdrpc.TxnRequest(
             compare=[_compare_message(c) for c in compare],
             success=[_op_message(op) for op in success],
             failure=[_op_message(op) for op in failure],
         )
-        response = self._call("txn", lambda ch, t, md: etcdrpc.KVStub(ch).Txn(request, timeout=t, metadata=md))
+        response = self._call("txn", lambda ch, t, md: etcdrpc.KVStub(ch).Txn(request, timeout=t, metadata=md),
+                              deadline=retry_deadline)
         return response.succeeded, response.header.revision
 
     def grant_lease(self, ttl: float, *, retry_deadline: float | None = None) -> int:

@@ -19,6 +19,9 @@ never read or watch each other's keys.
 
 Every key is bounded: requests are deleted once a round answers them, old rounds
 and plain stores are deleted as new ones are written, members go with leases.
+When the job ends, its status, newest plan and kept rounds are put on one lease
+of KEEP_ENDED_S (history.py), so `elastic-run status` can still tell how it
+ended, and then they vanish; its leftover requests and plain stores go at once.
 
 Agents and workers watch only ``control/`` (a handful of keys), so the etcd
 traffic of a round is O(N) in the number of members: N member writes seen by
@@ -34,6 +37,9 @@ from .errors import ConfigError
 
 # Plans of past rounds kept for people (and tools) reading what happened.
 KEEP_ROUNDS = 32
+
+# How long an ended job's status and rounds stay readable (then their lease expires).
+KEEP_ENDED_S = 24 * 3600.0
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROOT = "/elastic"

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from .control import ControlChannel, JobStatus
+from .control import RUNNING, ControlChannel, JobStatus
 from .coordinator import Coordinator, RoundListener
 from .errors import RendezvousClosedError, RendezvousTimeoutError
 from .etcd import Etcd
+from .history import keep_ended_job
 from .keys import JobKeys
 from .membership import MemberRegistration
 from .rounds import Member, RendezvousSettings, RoundPlan
@@ -117,6 +118,8 @@ class Participant:
             self.coordinator.stop()
         if self.registration is not None:
             self.registration.leave()
+        if self.control.status.state != RUNNING:
+            keep_ended_job(self.etcd, self.keys)  # readable by `elastic-run status` for a day
         if self.session is not None:
             self.session.close()
         self.control.close()

@@ -142,7 +142,7 @@ class RoundPlan:
                 "members": [[m, *self.hosts[m]] for m in members],
                 "ranks": [[index[s.member_id], s.worker_id] for s in self.slots],
                 "lost": list(self.lost),
-                "reason": self.reason,
+                "reason": self.reason[:200],
                 "recovers": self.recovers,
             },
             separators=(",", ":"),

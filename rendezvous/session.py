@@ -79,7 +79,8 @@ class Session:
                 self.lease_id, retry_deadline=min(self._etcd.config.retry_deadline, self.ttl, _CLOSE_DEADLINE_S)
             )
         except RendezvousError as exc:
-            log.warning("session %s: could not revoke lease %x (%s); its keys expire within %gs",
+            # Harmless (the keys expire on their own), so not a warning at the end of a run.
+            log.info("session %s: could not revoke lease %x (%s); its keys expire within %gs",
                         self.name, self.lease_id, exc, self.ttl)
 
     def orphan(self) -> None:

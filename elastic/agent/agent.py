@@ -200,7 +200,7 @@ class Agent:
                 self._follow_control()
             except RendezvousError as exc:
                 self._plan = self._plan_started  # not acted on yet: the next turn tries again
-                log.warning("round %s: cannot follow the plan yet (%s); retrying", self.events.round, exc)
+                log.warning("cannot follow the newest plan yet (%s); retrying", exc)
             self._check_grace()
         return self._outcome
 

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from ..console import route
+
 
 @dataclass(frozen=True)
 class Exited:
@@ -80,9 +82,12 @@ class WorkerProcess:
 
     def _forward_output(self) -> None:
         for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode(errors="replace")
+            raw, to_console = route(raw)  # details of a failure stay in the log file
             if self._log is not None:
                 self._log.write(raw)
+            if not to_console:
+                continue
+            line = raw.decode(errors="replace")
             self._out.write(f"[{self._label()}]: {line}")
             self._out.flush()
         self.proc.stdout.close()
