@@ -132,10 +132,10 @@ class AgentMetrics:
         """One event of this host (in file order)."""
         if self.host is not None and event.get("host") not in (None, self.host):
             return
-        handler = getattr(self, "_on_" + str(event.get("event")), None)
+        handler = self._HANDLERS.get(event.get("event"))
         if handler is not None:
             with self._lock:
-                handler(event)
+                handler(self, event)
 
     def observe_marks(self, marks: Mapping[str, Marks], plan=None) -> None:
         """The progress marks of the live workers, read on one turn of the agent's loop."""
@@ -218,6 +218,18 @@ class AgentMetrics:
         score = event.get("straggler_score")
         if isinstance(score, (int, float)) and event.get("worker"):
             self._labelled(self.straggler_score, event["worker"], event.get("rank")).set(score)
+
+    _HANDLERS = {
+        "agent_started": _on_agent_started,
+        "worker_started": _on_worker_started,
+        "worker_exited": _on_worker_exited,
+        "round_started": _on_round_started,
+        "round_formed": _on_round_formed,
+        "reform_done": _on_reform_done,
+        "checkpoint_written": _on_checkpoint_written,
+        "checkpoint_failed": _on_checkpoint_failed,
+        "step_times": _on_step_times,
+    }
 
     # -- helpers ---------------------------------------------------------------------------
     def _set_round(self, event: Mapping[str, Any]) -> None:
