@@ -131,13 +131,13 @@ class Agent:
         )
         self._event_tail = EventTail(self.events.path)
         self.health = HealthState(ttl=config.ttl)
-        self.metrics = AgentMetrics(host=config.host_id)  # fed by _on_event and the watchdog's reads
+        self.member_id = new_member_id(config.host_id)
+        self.metrics = AgentMetrics(config.host_id, self.member_id)  # fed by _on_event and the watchdog's reads
         self._watchdog = Watchdog(HangPolicy(timeout=config.hang_timeout), self._scratch, self.events, config.log_dir,
                                   on_marks=self.metrics.observe_marks)
         self._health_server: Optional[HealthServer] = None
         self._session_monitor: Optional[SessionMonitor] = None
         self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
-        self.member_id = new_member_id(config.host_id)
         self._store = None
         self.participant: Optional[Participant] = None
 

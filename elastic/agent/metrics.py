@@ -77,11 +77,15 @@ class AgentMetrics:
     """The metrics of one agent, in a registry of its own.
 
     ``host``: the agent's host id; events of other hosts (agents sharing a log
-    directory) are ignored. Thread-safe: the agent feeds it, the HTTP server reads.
+    directory) are ignored. ``member``: the agent's member id; another agent's worker
+    starts (two agents of one host id in one log directory) are not our restarts.
+    Thread-safe: the agent feeds it, the HTTP server reads.
     """
 
-    def __init__(self, host: Optional[str] = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, host: Optional[str] = None, member: Optional[str] = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.host = host
+        self.member = member
         self._clock = clock
         self._lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=True)
@@ -161,9 +165,12 @@ class AgentMetrics:
 
     # -- events ------------------------------------------------------------------------
     def _on_agent_started(self, event: Mapping[str, Any]) -> None:
-        self._initial_workers = int(event.get("workers") or 0)
+        if self._ours(event.get("member")):
+            self._initial_workers = int(event.get("workers") or 0)
 
     def _on_worker_started(self, event: Mapping[str, Any]) -> None:
+        if not self._ours(str(event.get("worker")).rsplit(".", 1)[0]):
+            return
         self._started += 1
         if self._initial_workers is not None and self._started > self._initial_workers:
             self.worker_restarts.inc()
@@ -232,6 +239,9 @@ class AgentMetrics:
     }
 
     # -- helpers ---------------------------------------------------------------------------
+    def _ours(self, member) -> bool:
+        return self.member is None or member == self.member
+
     def _set_round(self, event: Mapping[str, Any]) -> None:
         round_number, world_size = event.get("round"), event.get("world_size")
         # Events of one host arrive in file order, but the coordinator's thread and the

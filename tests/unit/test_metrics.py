@@ -209,3 +209,15 @@ def test_the_health_server_serves_metrics_in_the_text_format():
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["elastic_world_size"].samples[0].value == 3
     assert families["elastic_recovery_seconds"].type == "histogram"
+
+
+def test_another_agents_workers_in_the_same_log_directory_are_not_our_restarts():
+    metrics = AgentMetrics(host=HOST, member="h1-aaa")
+    for member in ("h1-aaa", "h1-bbb"):  # two agents of one host id share the events file
+        metrics.observe(ev("agent_started", member=member, workers=1))
+        metrics.observe(ev("worker_started", worker=f"{member}.w0", rank=0))
+    assert value(metrics, "elastic_worker_restarts_total") == 0
+    metrics.observe(ev("worker_started", worker="h1-bbb.w1", rank=1))
+    assert value(metrics, "elastic_worker_restarts_total") == 0
+    metrics.observe(ev("worker_started", worker="h1-aaa.w1", rank=1))
+    assert value(metrics, "elastic_worker_restarts_total") == 1
