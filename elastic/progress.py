@@ -25,7 +25,7 @@ agent's watchdog, see ``watchdog.py``), no locks: every field is an aligned
 A commit also counts itself and adds its interval to a running total: the
 agent's metrics (``agent/metrics.py``) read commits and step time from there.
 
-The per-step cost is one ``time.monotonic()`` and six ``struct.pack_into``
+The per-step cost is one ``time.monotonic()`` and four ``struct.pack_into``
 into the mapping: no system call (the kernel writes the page back when it likes).
 
 The worker also asks ``faulthandler`` to dump every thread's stack into a file
@@ -49,7 +49,8 @@ from typing import Iterable, Optional, Sequence
 BOARD_SIZE = 256
 # Slots (little-endian, 8 bytes each), then the text of ``where``.
 _PROGRESS, _PROGRESS_AT, _SLOWEST, _BEATS, _ALIVE_AT, _USER_SINCE = 0, 8, 16, 24, 32, 40
-_COMMITS, _STEPS, _STEP_TOTAL = 48, 56, 64  # for the agent's metrics (agent/metrics.py)
+_COMMITS = 48  # then steps (56) and step_total (64): for the agent's metrics (agent/metrics.py)
+_METRICS_SLOTS = struct.Struct("<QQd")  # commits, steps, step_total
 _WHERE_LEN, _WHERE = 72, 80
 _WHERE_MAX = BOARD_SIZE - _WHERE
 
@@ -114,10 +115,12 @@ class ProgressBoard:
             last = struct.unpack_from("<d", m, _PROGRESS_AT)[0]
             if now - last > struct.unpack_from("<d", m, _SLOWEST)[0]:
                 struct.pack_into("<d", m, _SLOWEST, now - last)
-            struct.pack_into("<d", m, _STEP_TOTAL, struct.unpack_from("<d", m, _STEP_TOTAL)[0] + now - last)
-            struct.pack_into("<Q", m, _STEPS, struct.unpack_from("<Q", m, _STEPS)[0] + 1)
         if commit:
-            struct.pack_into("<Q", m, _COMMITS, struct.unpack_from("<Q", m, _COMMITS)[0] + 1)
+            # The three metrics slots are adjacent: one read and one write for all.
+            commits, steps, total = _METRICS_SLOTS.unpack_from(m, _COMMITS)
+            if interval:
+                steps, total = steps + 1, total + now - last
+            _METRICS_SLOTS.pack_into(m, _COMMITS, commits + 1, steps, total)
         struct.pack_into("<d", m, _PROGRESS_AT, now)
         struct.pack_into("<Q", m, _PROGRESS, struct.unpack_from("<Q", m, _PROGRESS)[0] + 1)
 
