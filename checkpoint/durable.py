@@ -24,6 +24,11 @@ one starts), so nothing a writer does may destroy the other's work:
 
 A write may carry a fence (``still_current``), asked right before publishing: a
 rank 0 whose round is over must not publish what it wrote for that round.
+
+Each write's outcome can be reported (``report``, called on the writer's thread as
+``report(name, **fields)``): ``checkpoint_written`` (step, bytes, seconds, path) or
+``checkpoint_failed`` (step, error); elastic passes its event log, so the agent's
+metrics show the last durable checkpoint without reading the directory.
 """
 from __future__ import annotations
 
@@ -139,9 +144,11 @@ class _Job:
 class DurableWriter:
     """Writes checkpoints of a tree per `policy` on a background thread (one at a time)."""
 
-    def __init__(self, policy: CheckpointPolicy, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: CheckpointPolicy, *, clock: Callable[[], float] = time.monotonic,
+                 report: Callable[..., None] | None = None) -> None:
         self.policy = policy
         self._clock = clock
+        self._report = report
         self._staging = Snapshot()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -261,17 +268,20 @@ class DurableWriter:
                 shutil.rmtree(tmp, ignore_errors=True)
                 self.last_error = f"checkpoint of step {job.step} not published: {refusal}"
                 logger.warning(self.last_error)
+                self._tell("checkpoint_failed", step=job.step, error=self.last_error)
                 return
             final = self._publish(tmp, job.step)
             mf.fsync_dir(directory)
         except Exception as exc:  # noqa: BLE001 - nothing may escape into training
             shutil.rmtree(tmp, ignore_errors=True)
-            self._fail(f"checkpoint of step {job.step} to {final} failed: {_describe(exc)}")
+            self._fail(f"checkpoint of step {job.step} to {final} failed: {_describe(exc)}", step=job.step)
             return
         self.last_error = None
         self.last_path = final
         self.last_write_seconds = time.monotonic() - started
         logger.debug("checkpoint of step %d written to %s in %.3f s", job.step, final, self.last_write_seconds)
+        self._tell("checkpoint_written", step=job.step, bytes=files[mf.STATE_NAME]["size"],
+                   seconds=round(self.last_write_seconds, 4), path=final)
         self._prune(own=final)
 
     def _write_state(self, path: str) -> dict[str, Any]:
@@ -329,9 +339,18 @@ class DurableWriter:
             except OSError as exc:
                 logger.warning("cannot delete old checkpoint %s: %s", path, _describe(exc))
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, step: int | None = None) -> None:
         self.last_error = message
         logger.error(message)
+        self._tell("checkpoint_failed", step=step, error=message)
+
+    def _tell(self, name: str, **fields: Any) -> None:
+        if self._report is None:
+            return
+        try:
+            self._report(name, **fields)
+        except Exception as exc:  # noqa: BLE001 - a broken report must not fail the write
+            logger.debug("checkpoint report %s failed: %s", name, exc)
 
 
 def _wait_for_test_gate() -> None:

@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--max-restarts", _non_negative_int, 0, "crashed workers this agent replaces")
     opt("--backend", str, "auto", "auto (nccl with CUDA, else gloo), gloo or nccl")
     opt("--log-dir", help="per-worker logs and events.jsonl")
-    opt("--health-port", int, help="serve GET /healthz on this port for pod probes")
+    opt("--health-port", int, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
     opt("--grace-period", _positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
     opt("--checkpoint-dir", help="durable checkpoints: written here, resumed from here")
     opt("--checkpoint-every", _positive_int, help="write a durable checkpoint every N commits")

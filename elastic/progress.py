@@ -22,7 +22,10 @@ agent's watchdog, see ``watchdog.py``), no locks: every field is an aligned
   main thread. Busy user code (an evaluation pass, a long computation) is never
   such a stretch: it is slow, not stuck.
 
-The per-step cost is one ``time.monotonic()`` and three ``struct.pack_into``
+A commit also counts itself and adds its interval to a running total: the
+agent's metrics (``agent/metrics.py``) read commits and step time from there.
+
+The per-step cost is one ``time.monotonic()`` and four ``struct.pack_into``
 into the mapping: no system call (the kernel writes the page back when it likes).
 
 The worker also asks ``faulthandler`` to dump every thread's stack into a file
@@ -46,7 +49,9 @@ from typing import Iterable, Optional, Sequence
 BOARD_SIZE = 256
 # Slots (little-endian, 8 bytes each), then the text of ``where``.
 _PROGRESS, _PROGRESS_AT, _SLOWEST, _BEATS, _ALIVE_AT, _USER_SINCE = 0, 8, 16, 24, 32, 40
-_WHERE_LEN, _WHERE = 48, 56
+_COMMITS = 48  # then steps (56) and step_total (64): for the agent's metrics (agent/metrics.py)
+_METRICS_SLOTS = struct.Struct("<QQd")  # commits, steps, step_total
+_WHERE_LEN, _WHERE = 72, 80
 _WHERE_MAX = BOARD_SIZE - _WHERE
 
 HEARTBEAT_INTERVAL = 0.25  # seconds between heartbeats; the agent's bounds are >= 1 s
@@ -79,6 +84,9 @@ class Marks:
     alive_at: float = 0.0
     user_since: float = 0.0  # main thread seen idle in user code, without progress, since then
     where: str = ""  # the user frame it was last seen in
+    commits: int = 0  # commits of this process, every round's
+    steps: int = 0  # intervals recorded (commits after a round's first), and ...
+    step_total: float = 0.0  # ... their total length: the agent's step time is a ratio of deltas
 
 
 class ProgressBoard:
@@ -101,12 +109,18 @@ class ProgressBoard:
         self._map.close()
 
     # -- the main thread ---------------------------------------------------------
-    def mark(self, now: float, *, interval: bool) -> None:
+    def mark(self, now: float, *, interval: bool, commit: bool = False) -> None:
         m = self._map
         if interval:
             last = struct.unpack_from("<d", m, _PROGRESS_AT)[0]
             if now - last > struct.unpack_from("<d", m, _SLOWEST)[0]:
                 struct.pack_into("<d", m, _SLOWEST, now - last)
+        if commit:
+            # The three metrics slots are adjacent: one read and one write for all.
+            commits, steps, total = _METRICS_SLOTS.unpack_from(m, _COMMITS)
+            if interval:
+                steps, total = steps + 1, total + now - last
+            _METRICS_SLOTS.pack_into(m, _COMMITS, commits + 1, steps, total)
         struct.pack_into("<d", m, _PROGRESS_AT, now)
         struct.pack_into("<Q", m, _PROGRESS, struct.unpack_from("<Q", m, _PROGRESS)[0] + 1)
 
@@ -137,10 +151,11 @@ class ProgressBoard:
     # -- the agent ----------------------------------------------------------------------
     def read(self) -> Marks:
         m = self._map
-        progress, progress_at, slowest, beats, alive_at, user_since, length = struct.unpack_from("<QddQddQ", m, 0)
+        progress, progress_at, slowest, beats, alive_at, user_since, commits, steps, step_total, length = (
+            struct.unpack_from("<QddQddQQdQ", m, 0))
         length = min(length, _WHERE_MAX)
         return Marks(progress, progress_at, slowest, beats, alive_at, user_since,
-                     m[_WHERE:_WHERE + length].decode(errors="replace"))
+                     m[_WHERE:_WHERE + length].decode(errors="replace"), commits, steps, step_total)
 
 
 @dataclass(frozen=True)
@@ -246,8 +261,8 @@ class Progress:
             faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
         self._heartbeat = Heartbeat(self.board).start()
 
-    def mark(self, *, interval: bool) -> None:
-        self.board.mark(time.monotonic(), interval=interval)
+    def mark(self, *, interval: bool, commit: bool = False) -> None:
+        self.board.mark(time.monotonic(), interval=interval, commit=commit)
 
     def close(self) -> None:
         self._heartbeat.stop()

@@ -171,7 +171,7 @@ class Runtime:
         self._commits += 1
         if self._progress is not None:
             # The first commit of a round follows DDP's broadcast and warm-up: not a step.
-            self._progress.mark(interval=self._commits > 1)
+            self._progress.mark(interval=self._commits > 1, commit=True)
         if not self.should_switch(self._commits):
             return None
         return self._switch_action

@@ -205,7 +205,10 @@ class State:
         # Created only on rank 0, and only when first needed: a new writer removes
         # stale temporary directories, which must never be a live rank 0's write.
         if self._writer is None:
-            object.__setattr__(self, "_writer", DurableWriter(self._policy))
+            from . import _runtime
+
+            # Each write's outcome becomes an event: the agent's metrics read it (agent/metrics.py).
+            object.__setattr__(self, "_writer", DurableWriter(self._policy, report=_runtime().events.emit))
         return self._writer
 
     def _submit(self, writer: DurableWriter, runtime) -> None:

@@ -64,6 +64,7 @@ from .plain_store import PlainStores, prune_round_keys
 from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor
+from .metrics import AgentMetrics, round_change
 from ..worker_config import WorkerConfig
 from .worker_env import worker_env
 from .workers import Exited, WorkerProcess
@@ -130,11 +131,13 @@ class Agent:
         )
         self._event_tail = EventTail(self.events.path)
         self.health = HealthState(ttl=config.ttl)
-        self._watchdog = Watchdog(HangPolicy(timeout=config.hang_timeout), self._scratch, self.events, config.log_dir)
+        self.member_id = new_member_id(config.host_id)
+        self.metrics = AgentMetrics(config.host_id, self.member_id)  # fed by _on_event and the watchdog's reads
+        self._watchdog = Watchdog(HangPolicy(timeout=config.hang_timeout), self._scratch, self.events, config.log_dir,
+                                  on_marks=self.metrics.observe_marks)
         self._health_server: Optional[HealthServer] = None
         self._session_monitor: Optional[SessionMonitor] = None
         self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
-        self.member_id = new_member_id(config.host_id)
         self._store = None
         self.participant: Optional[Participant] = None
 
@@ -148,7 +151,7 @@ class Agent:
             timeout=datetime.timedelta(seconds=cfg.settings.timeout),
         )
         if cfg.health_port is not None:
-            self._health_server = HealthServer(cfg.health_port, self.health.probe).start()
+            self._health_server = HealthServer(cfg.health_port, self.health.probe, metrics=self.metrics.exposition).start()
         self._wanted = [self._new_worker_id() for _ in range(cfg.nproc_per_node)]
         member = Member(
             member_id=self.member_id,
@@ -206,6 +209,7 @@ class Agent:
 
     def _on_event(self, event: dict) -> None:
         """An event of this host's workers or of the agent itself (in file order)."""
+        self.metrics.observe(event)
 
     # -- following the plan -----------------------------------------------------------
     def _follow_control(self) -> None:
@@ -222,6 +226,7 @@ class Agent:
             return
         self._plan_started, self._plan = self._plan, plan
         self.events.round = plan.round
+        self.events.emit("round_started", **round_change(self._plan_started, plan))
         self._plain_stores.serve_if_rank0(plan)
         prune_round_keys(self._store, plan.round)
         self._restart_plain_workers()

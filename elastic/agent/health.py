@@ -10,7 +10,9 @@ Two small pieces, kept apart so each can be tested alone:
   succeeded for longer than the TTL, even while a check is still blocked retrying
   (the session itself only gives up after max(ttl, retry deadline)).
 - `HealthServer` serves any such verdict over HTTP from a daemon thread:
-  GET /healthz and /readyz -> 200 "ok: <detail>" or 503 "<detail>".
+  GET /healthz and /readyz -> 200 "ok: <detail>" or 503 "<detail>";
+  and, when given an exposition function, GET /metrics -> Prometheus' text format
+  (the metrics themselves are metrics.py's).
 
 A session lost for less than the TTL is still healthy on purpose: etcd being briefly
 unavailable (a restart, a leader change) must not get a training pod killed. Past the
@@ -29,6 +31,10 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 Probe = Callable[[], "tuple[bool, str]"]
+Exposition = Callable[[], bytes]
+METRICS_PATH = "/metrics"
+# Prometheus' text format, version 0.0.4 (what prometheus_client's generate_latest writes).
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Both paths answer the same verdict: the agent has no state in which it should take
 # no traffic yet must not be restarted (no Service sends traffic to workers; readiness
@@ -158,9 +164,13 @@ class SessionMonitor:
 class _ProbeHandler(http.server.BaseHTTPRequestHandler):
     # Set per server class in HealthServer.start (one handler class per server).
     probe: Probe
+    metrics: "Exposition | None" = None
 
     def do_GET(self) -> None:  # noqa: N802 - name fixed by http.server
         path = self.path.split("?", 1)[0]
+        if path == METRICS_PATH and type(self).metrics is not None:
+            self._metrics()
+            return
         if path not in PROBE_PATHS:
             self._answer(404, f"not found: {path} (try /healthz or /readyz)")
             return
@@ -175,10 +185,19 @@ class _ProbeHandler(http.server.BaseHTTPRequestHandler):
         else:
             self._answer(503, detail)
 
-    def _answer(self, status: int, text: str) -> None:
-        body = (text + "\n").encode("utf-8")
+    def _metrics(self) -> None:
+        try:
+            body = type(self).metrics()
+        except Exception as exc:  # a broken collector must not take the probes down
+            logger.warning("metrics exposition raised %s: %s", type(exc).__name__, exc)
+            self._answer(500, f"metrics failed: {type(exc).__name__}: {exc}")
+            return
+        self._answer(200, body, METRICS_CONTENT_TYPE)
+
+    def _answer(self, status: int, text: "str | bytes", content_type: str = "text/plain; charset=utf-8") -> None:
+        body = text if isinstance(text, bytes) else (text + "\n").encode("utf-8")
         self.send_response(status)
-        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -191,11 +210,12 @@ class _ProbeHandler(http.server.BaseHTTPRequestHandler):
 class HealthServer:
     """Tiny HTTP server (stdlib http.server in a daemon thread) for pod probes."""
 
-    def __init__(self, port: int, probe: Probe, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, probe: Probe, host: str = "0.0.0.0", metrics: "Exposition | None" = None) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"health port must be in 0..65535, got {port!r}")
         self._requested_port = port
         self._probe = probe
+        self._metrics = metrics
         self._host = host
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -210,7 +230,10 @@ class HealthServer:
     def start(self) -> "HealthServer":
         if self._server is not None:
             raise RuntimeError("HealthServer already started")
-        handler = type("HealthProbeHandler", (_ProbeHandler,), {"probe": staticmethod(self._probe)})
+        handler = type("HealthProbeHandler", (_ProbeHandler,), {
+            "probe": staticmethod(self._probe),
+            "metrics": staticmethod(self._metrics) if self._metrics is not None else None,
+        })
         server = http.server.ThreadingHTTPServer((self._host, self._requested_port), handler)
         # A slow or stuck prober must never keep the agent from exiting.
         server.daemon_threads = True
@@ -220,7 +243,8 @@ class HealthServer:
             name=f"health-server-{self.port}", daemon=True,
         )
         self._thread.start()
-        logger.info("health endpoint listening on %s:%d (/healthz, /readyz)", self._host, self.port)
+        paths = "/healthz, /readyz" + (", /metrics" if self._metrics is not None else "")
+        logger.info("health endpoint listening on %s:%d (%s)", self._host, self.port, paths)
         return self
 
     def stop(self) -> None:

@@ -127,8 +127,10 @@ class Watchdog:
     _BLIND_GAP = 2.0
 
     def __init__(self, policy: HangPolicy, scratch: str, events: EventLog, log_dir: Optional[str],
-                 *, clock: Callable[[], float] = time.monotonic):
+                 *, clock: Callable[[], float] = time.monotonic,
+                 on_marks: Optional[Callable[[dict, object], None]] = None):
         self.policy = policy
+        self._on_marks = on_marks  # (marks by worker, plan) of each check: the agent's metrics
         self._scratch = scratch
         self._events = events
         self._log_dir = log_dir
@@ -161,17 +163,19 @@ class Watchdog:
         last, self._last_check = self._last_check, now
         if last is not None and now - last > self._BLIND_GAP:
             return []
-        hung = []
+        hung, read = [], {}
         for worker_id, proc in workers.items():
             board = self._boards.get(worker_id)
             if board is None or proc.pid in self._handled or not proc.alive:
                 continue
-            marks = board.read()
+            marks = read[worker_id] = board.read()
             late = marks.beats and now - marks.alive_at > self.policy.bound(marks.slowest, stuck=False)
             state = _proc_state(proc.pid) if late else ""
             verdict = judge(marks, self.policy, now, state)
             if verdict.hung:
                 hung.append((worker_id, proc, verdict, state))
+        if self._on_marks is not None:
+            self._on_marks(read, plan)
         if hung:
             self._evict(hung, plan)
         return [w for w, *_ in hung]

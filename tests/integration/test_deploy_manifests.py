@@ -284,6 +284,17 @@ def test_worker_probes_use_the_agents_health_endpoint(path):
         assert named_port(container, http_get["port"]) == health_port, probe
 
 
+@pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "workers"], ids=lambda p: p.name or "deploy")
+def test_worker_pods_are_annotated_for_prometheus_on_the_health_port(path):
+    docs = render(path)
+    workload, _, _ = worker(docs)
+    annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+    health_port = int(manifest_env(docs, pod_name="w-0")["ELASTIC_HEALTH_PORT"])
+    assert annotations.get("prometheus.io/scrape") == "true"
+    assert annotations.get("prometheus.io/path") == "/metrics"
+    assert int(annotations.get("prometheus.io/port", -1)) == health_port
+
+
 def test_workers_run_as_a_deployment_scaled_by_kubectl_scale():
     workload, _, _ = worker(render(DEPLOY_DIR))
     assert workload["kind"] == "Deployment"

@@ -282,3 +282,23 @@ def test_cli_missing_directory_is_exit_2_with_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: checkpoint directory {missing} does not exist"]
     assert result.stdout == ""
+
+
+def test_each_write_reports_its_outcome(tmp_path):
+    """What the agent's metrics read (elastic/agent/metrics.py): published checkpoints
+    with their size, and failed writes (here: the directory is under a regular file)."""
+    told = []
+    report = lambda name, **fields: told.append((name, fields))  # noqa: E731
+    writer = DurableWriter(CheckpointPolicy(str(tmp_path / "ckpt")), report=report)
+    assert writer.submit(_tree(7), step=7) and writer.flush(WAIT)
+    [(name, fields)] = told
+    assert name == "checkpoint_written" and fields["step"] == 7
+    assert fields["bytes"] == os.path.getsize(_state_path(tmp_path / "ckpt", 7))
+    assert fields["path"] == writer.last_path and fields["seconds"] >= 0
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    told.clear()
+    failing = DurableWriter(CheckpointPolicy(str(blocker / "ckpt")), report=report)
+    assert failing.submit({"x": torch.ones(1)}, step=3) and failing.flush(WAIT)
+    assert [(n, f.get("step")) for n, f in told] == [("checkpoint_failed", None), ("checkpoint_failed", 3)]
+    assert "Not a directory" in told[-1][1]["error"]
