@@ -28,7 +28,9 @@ class EventLog:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, *, level: int = logging.INFO, **fields: Any) -> None:
+        """Record ``event``; its human line is logged at ``level`` (DEBUG keeps periodic
+        events such as ``step_times`` off the console)."""
         record = {
             "time": time.time(),
             "event": event,
@@ -40,7 +42,7 @@ class EventLog:
         details = " ".join(
             f"{k}={_short(v)}" for k, v in record.items() if k not in ("time", "event", "host", "round", "rank")
         )
-        log.info("round %s: %s %s", record["round"], event, details)
+        log.log(level, "round %s: %s %s", record["round"], event, details)
         if not self._path:
             return
         line = (json.dumps(record, default=str) + "\n").encode()

@@ -61,6 +61,7 @@ from ..errors import PeersUnreachable
 from ..events import EventLog
 from .event_tail import EventTail
 from .plain_store import PlainStores, prune_round_keys
+from .straggler_eviction import StragglerOptions, on_straggler_event
 from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor
@@ -97,6 +98,7 @@ class AgentConfig:
     etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
     final_checkpoint_timeout: float = 600.0  # for a worker still writing the final checkpoint
     hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
+    stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers
 
 
 @dataclass
@@ -206,6 +208,7 @@ class Agent:
 
     def _on_event(self, event: dict) -> None:
         """An event of this host's workers or of the agent itself (in file order)."""
+        on_straggler_event(self, event)
 
     # -- following the plan -----------------------------------------------------------
     def _follow_control(self) -> None:
@@ -278,6 +281,7 @@ class Agent:
             final_checkpoint_file=self._final_checkpoint_file(worker_id),
             progress_file=progress_file,
             stacks_file=stacks_file,
+            straggler_ratio=cfg.stragglers.ratio,
             **cfg.etcd_options,
             **cfg.checkpoint,
         )
