@@ -169,3 +169,42 @@ def test_a_window_is_every_k_commits_after_the_rounds_first(caplog):
     assert fields["worker"] == "w0" and fields["steps"] == 2 and fields["straggler_score"] == 1.0
     assert fields["compute_s"] == pytest.approx(max(0.0, fields["step_s"] - 0.01), abs=1e-4)
     assert fields["level"] == logging.DEBUG  # periodic: kept off the console
+
+
+# -- the options ----------------------------------------------------------------------
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    for name in ("ELASTIC_STRAGGLER_RATIO", "ELASTIC_EVICT_STRAGGLERS"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "train.py"
+    path.write_text("")
+    return str(path)
+
+
+def test_the_options_and_their_environment_forms(script, monkeypatch):
+    from elastic.cli import parse
+
+    assert parse(["--np", "2", script])[0].stragglers == StragglerOptions(ratio=1.5, evict=False)
+    config, _ = parse(["--np", "2", "--straggler-ratio", "2.5", "--evict-stragglers", script, "--evict-stragglers"])
+    assert config.stragglers == StragglerOptions(ratio=2.5, evict=True)
+    assert config.command == (script, "--evict-stragglers")  # after SCRIPT: the script's
+    monkeypatch.setenv("ELASTIC_STRAGGLER_RATIO", "3")
+    monkeypatch.setenv("ELASTIC_EVICT_STRAGGLERS", "yes")
+    assert parse(["--np", "2", script])[0].stragglers == StragglerOptions(ratio=3.0, evict=True)
+    monkeypatch.setenv("ELASTIC_EVICT_STRAGGLERS", "0")
+    assert parse(["--np", "2", script])[0].stragglers.evict is False
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--straggler-ratio", "1"], {}, "argument --straggler-ratio: invalid number above 1 value: '1'"),
+    ([], {"ELASTIC_STRAGGLER_RATIO": "fast"}, "ELASTIC_STRAGGLER_RATIO='fast': expected a number above 1"),
+    ([], {"ELASTIC_EVICT_STRAGGLERS": "maybe"},
+     "ELASTIC_EVICT_STRAGGLERS='maybe': expected 1/true/yes/on or 0/false/no/off"),
+])
+def test_bad_values_are_one_line_and_exit_2(script, monkeypatch, capsys, argv, env, message):
+    from elastic.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--np", "2", *argv, script]) == 2
+    assert capsys.readouterr().err == f"elastic-run: error: {message}\n"
