@@ -59,9 +59,10 @@ from rendezvous import (
 from .etcd_writes import EtcdWrites
 from ..errors import PeersUnreachable
 from ..events import EventLog
+from ..stragglers import StragglerOptions
 from .event_tail import EventTail
 from .plain_store import PlainStores, prune_round_keys
-from .straggler_eviction import StragglerOptions, on_straggler_event
+from .straggler_eviction import on_straggler_event
 from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor

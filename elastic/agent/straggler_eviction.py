@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from ..stragglers import StragglerOptions, eviction_allowed  # noqa: F401 (the agent's config)
+from ..stragglers import eviction_allowed
 
 log = logging.getLogger(__name__)
 
