@@ -27,11 +27,13 @@ What is measured (per worker, per commit interval)
     attribution of a stretch goes by the frame seen at its end; with NCCL the GPU
     waits are invisible from the CPU, so scores stay near 1.
 
-Every ``WINDOW_COMMITS`` commits of a round the ranks exchange (step_s, compute_s)
-with one all_gather of two floats per rank, at the same commit on every rank (the
-commits of a ring are in lockstep), so it cannot deadlock; if it raises, the ring
-is broken like after any collective and the recovery path takes over. Every rank
-then emits ``step_times`` with its own figures and its ``straggler_score``
+Every ``WINDOW_COMMITS`` commits of a round the ranks exchange their window's wall
+and waiting seconds with one all_gather of two floats per rank, at the same commit
+on every rank (the commits of a ring are in lockstep), so it cannot deadlock; if it
+raises, the ring is broken like after any collective and the recovery path takes
+over. A window closes at an exchange once it spans ``MIN_WINDOW_S`` on every rank
+(short steps would give a few samples: a noisy figure); every rank then emits
+``step_times`` with its own figures and its ``straggler_score``
 (own compute_s / median over the ranks). A worker whose score exceeds
 ``--straggler-ratio`` in ``PERSISTENT_WINDOWS`` windows in a row emits
 ``straggler_detected`` (about itself, so its own agent sees it) and logs one
@@ -57,7 +59,8 @@ from .progress import WAITING, classify, main_thread_frames, stdlib_prefixes
 
 log = logging.getLogger(__name__)
 
-WINDOW_COMMITS = 10  # commits per window: one exchange of two floats per rank
+WINDOW_COMMITS = 10  # commits between exchanges: one all_gather of two floats per rank
+MIN_WINDOW_S = 1.0  # a window closes at an exchange once it spans this long on every rank
 PERSISTENT_WINDOWS = 3  # windows in a row above the ratio before a rank is reported
 SAMPLE_INTERVAL = 0.01  # seconds between samples of the main thread (jittered +-50%)
 # Frames in these modules, on a main thread that uses no CPU, are waits on peers.
@@ -186,10 +189,12 @@ class StragglerWatch:
     """The worker's side: windows of commits, the exchange, the events."""
 
     def __init__(self, runtime, ratio: float, clock: Optional[WaitClock] = None,
-                 every: int = WINDOW_COMMITS, windows: int = PERSISTENT_WINDOWS):
+                 every: int = WINDOW_COMMITS, windows: int = PERSISTENT_WINDOWS,
+                 min_window_s: float = MIN_WINDOW_S):
         self._runtime = runtime
         self._clock = clock if clock is not None else WaitClock().start()
         self._every = every
+        self._min_window_s = min_window_s
         self._persistence = Persistence(ratio, windows)
         self._start: Optional[tuple[float, float]] = None  # (time, waiting_s) at the window's start
         self._round = None
@@ -208,33 +213,40 @@ class StragglerWatch:
         """``commits`` counts the round's commits, equal on every rank."""
         now, waiting = time.monotonic(), self._clock.waiting_s
         if self._start is None:
-            self._start = (now, waiting)  # the interval before the round's first commit is no step
+            self._start = (now, waiting, commits)  # the interval before the round's first commit is no step
             return
-        steps = commits - 1  # intervals since the round's first commit
-        if steps % self._every:
+        if (commits - 1) % self._every:
             return
-        began, waited = self._start
-        self._start = (now, waiting)
-        step_s = (now - began) / self._every
-        compute_s = max(0.0, step_s - (waiting - waited) / self._every)
-        self._exchange(step_s, compute_s)
-
-    def _exchange(self, step_s: float, compute_s: float) -> None:
+        began, waited, first = self._start
+        elapsed, blocked = now - began, waiting - waited
+        # One all_gather of (seconds, seconds waiting) since the window began, per rank.
+        mine = torch.tensor([elapsed, blocked], dtype=torch.float64)
         rt = self._runtime
-        mine = torch.tensor([step_s, compute_s], dtype=torch.float64)
         if rt.world_size > 1:
             if rt.backend == "nccl":
                 mine = mine.cuda()
             every = [torch.zeros_like(mine) for _ in range(rt.world_size)]
             dist.all_gather(every, mine)  # a broken ring raises here, like any collective
-            computes = [float(t[1]) for t in every]
+            figures = [(float(t[0]), float(t[1])) for t in every]
         else:
-            computes = [compute_s]
+            figures = [(elapsed, blocked)]
+        # Short steps make short windows, and a few samples are a noisy estimate: the
+        # window grows (by another WINDOW_COMMITS) until it spans MIN_WINDOW_S on every
+        # rank. Decided on the gathered figures, hence alike on every rank.
+        if min(e for e, _ in figures) < self._min_window_s:
+            return
+        self._start = (now, waiting, commits)
+        self._close_window(commits - first, figures)
+
+    def _close_window(self, steps: int, figures: list[tuple[float, float]]) -> None:
+        rt = self._runtime
+        computes = [max(0.0, e - b) / steps for e, b in figures]
+        step_s, compute_s = figures[rt.rank][0] / steps, computes[rt.rank]
         window_scores = scores(computes)
         rank = rt.rank
         worker = rt.config.worker_id
         rt.events.emit(
-            "step_times", level=logging.DEBUG, worker=worker, steps=self._every,
+            "step_times", level=logging.DEBUG, worker=worker, steps=steps,
             step_s=round(step_s, 5), compute_s=round(compute_s, 5), straggler_score=round(window_scores[rank], 3),
         )
         plan = rt.plan
@@ -250,8 +262,8 @@ class StragglerWatch:
         ratio = window_scores[rank]
         log.warning(
             "round %s: straggler: host %s rank %d computes %.1fx the median (%.3fs vs %.3fs per step) "
-            "for %d windows of %d commits", rt.round, host, rank, ratio, compute_s,
-            statistics.median(computes), self._persistence.windows, self._every,
+            "for %d windows in a row", rt.round, host, rank, ratio, compute_s,
+            statistics.median(computes), self._persistence.windows,
         )
         # The record's own host and rank name the straggler (it reports itself); the
         # line above is the one shown on the console.

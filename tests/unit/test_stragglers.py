@@ -156,7 +156,7 @@ def test_a_window_is_every_k_commits_after_the_rounds_first(caplog):
         events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
     )
     clock = _FakeClock()
-    watch = StragglerWatch(runtime, ratio=1.5, clock=clock, every=2, windows=1)
+    watch = StragglerWatch(runtime, ratio=1.5, clock=clock, every=2, windows=1, min_window_s=0.0)
     watch.begin_round()
     watch.on_commit(1)  # the round's first commit starts the window
     clock.waiting_s = 0.01
@@ -169,6 +169,25 @@ def test_a_window_is_every_k_commits_after_the_rounds_first(caplog):
     assert fields["worker"] == "w0" and fields["steps"] == 2 and fields["straggler_score"] == 1.0
     assert fields["compute_s"] == pytest.approx(max(0.0, fields["step_s"] - 0.01), abs=1e-4)
     assert fields["level"] == logging.DEBUG  # periodic: kept off the console
+
+
+def test_a_short_window_grows_until_it_spans_the_minimum():
+    emitted = []
+    runtime = SimpleNamespace(
+        round=1, rank=0, world_size=1, backend="gloo", plan=None, config=SimpleNamespace(worker_id="w0"),
+        events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
+    )
+    watch = StragglerWatch(runtime, ratio=1.5, clock=_FakeClock(), every=2, windows=1, min_window_s=0.2)
+    watch.begin_round()
+    for commits in range(1, 6):
+        watch.on_commit(commits)  # exchanges at 3 and 5: both well under 0.2 s
+    assert emitted == []
+    time.sleep(0.25)
+    watch.on_commit(6)
+    assert emitted == []  # no exchange at an even commit
+    watch.on_commit(7)
+    [(name, fields)] = emitted
+    assert fields["steps"] == 6 and fields["step_s"] == pytest.approx(0.25 / 6, rel=0.5)
 
 
 # -- the options ----------------------------------------------------------------------
