@@ -32,6 +32,7 @@ from rendezvous import (
 
 from .agent import addressing
 from .agent import Agent, AgentConfig
+from .stragglers import StragglerOptions
 
 USAGE_ERROR = 2
 
@@ -85,7 +86,26 @@ def _hang_timeout(text: str) -> float:
     return value
 
 
+def _ratio_above_one(text: str) -> float:
+    value = float(text)
+    if not value > 1:  # at or below 1, half of any ring would be "slower than the median"
+        raise ValueError
+    return value
+
+
+def _switch(text: str) -> bool:
+    """An on/off option's environment form."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError
+
+
 _positive_int.__name__ = "positive integer"
+_ratio_above_one.__name__ = "number above 1"
+_switch.__name__ = "1/true/yes/on or 0/false/no/off"
 _hang_timeout.__name__ = "number of seconds >= 1, or 0/off"
 _non_negative_int.__name__ = "non-negative integer"
 _positive_float.__name__ = "positive number"
@@ -160,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--checkpoint-keep", _positive_int, 3, "durable checkpoints to keep")
     opt("--final-checkpoint-timeout", _positive_float, 600.0,
         "seconds rank 0 may go on writing the final checkpoint once the job has ended")
+    opt("--straggler-ratio", _ratio_above_one, 1.5,
+        "report a worker whose compute time per step (outside collectives) stays above this many times "
+        "the median of the ranks, in 3 windows of 10 commits in a row")
+
+    def switch(flag, help):
+        env = "ELASTIC_" + flag.lstrip("-").upper().replace("-", "_")
+        from_env = _env(flag.lstrip("-"))
+        p.add_argument(flag, action="store_const", const=True, default=_EnvValue(env, from_env)
+                       if from_env is not None else False, help=f"{help} [env {env}=1]")
+
+    switch("--evict-stragglers", "a reported straggler's host leaves the job gracefully (as on SIGTERM; "
+           "nothing rolled back), if the rest stays >= --min-np")
     for flag, text in ETCD_OPTIONS:
         opt(flag, help=text)
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
@@ -183,13 +215,18 @@ def coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace)
         value = getattr(args, action.dest, None)
         if not isinstance(value, _EnvValue):
             continue
-        if action.type in (None, str):
+        kind = _switch if action.const is True else action.type
+        if kind in (None, str):
             setattr(args, action.dest, value.text)
             continue
         try:
-            setattr(args, action.dest, action.type(value.text))
+            setattr(args, action.dest, kind(value.text))
         except (TypeError, ValueError):
-            raise ConfigError(f"{value.variable}={value.text!r}: expected a {action.type.__name__}") from None
+            raise ConfigError(f"{value.variable}={value.text!r}: expected {_article(kind.__name__)}") from None
+
+
+def _article(kind: str) -> str:
+    return kind if kind[0].isdigit() else f"a {kind}"
 
 
 def _split_at_script(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -308,6 +345,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         etcd_options=etcd_options,
         final_checkpoint_timeout=args.final_checkpoint_timeout,
         hang_timeout=args.hang_timeout,
+        stragglers=StragglerOptions(ratio=args.straggler_ratio, evict=bool(args.evict_stragglers)),
     )
     return config, args
 

@@ -166,17 +166,19 @@ class Frame:
     function: str
 
 
-def _stdlib_prefixes() -> tuple[str, ...]:
+def stdlib_prefixes() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     return tuple({paths["stdlib"], paths["platstdlib"]})
 
 
-def classify(frames: Sequence[Frame], stdlib: Iterable[str] = ()) -> tuple[str, str]:
+def classify(frames: Sequence[Frame], stdlib: Iterable[str] = (),
+             waiting: Sequence[str] = WAITING_MODULES) -> tuple[str, str]:
     """Where is the main thread? ``frames`` innermost first.
 
     The innermost frame outside the standard library decides (``Event.wait``
     called from a training script is the script waiting): in a module of
-    ``WAITING_MODULES`` it is WAITING on peers, anywhere else it is in USER code.
+    ``waiting`` (default ``WAITING_MODULES``) it is WAITING on peers, anywhere else
+    it is in USER code.
     Returns the verdict and the deciding frame as "file:line in function".
     """
     stdlib = tuple(stdlib)
@@ -189,13 +191,13 @@ def classify(frames: Sequence[Frame], stdlib: Iterable[str] = ()) -> tuple[str, 
         module = frame.module or ""
         if any(module == m or module.startswith(m + ".") for m in PASS_THROUGH_MODULES):
             continue
-        if any(module == m or module.startswith(m + ".") for m in WAITING_MODULES):
+        if any(module == m or module.startswith(m + ".") for m in waiting):
             return WAITING, where
         return USER, where
     return WAITING, ""  # only interpreter frames: starting up or shutting down
 
 
-def _main_thread_frames(main_ident: int, limit: int = 64) -> list[Frame]:
+def main_thread_frames(main_ident: int, limit: int = 64) -> list[Frame]:
     frame = sys._current_frames().get(main_ident)
     out = []
     while frame is not None and len(out) < limit:
@@ -212,7 +214,7 @@ class Heartbeat:
         self._board = board
         self._interval = interval
         self._stop = threading.Event()
-        self._stdlib = _stdlib_prefixes()
+        self._stdlib = stdlib_prefixes()
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name="elastic-heartbeat", daemon=True)
 
@@ -236,7 +238,7 @@ class Heartbeat:
             marks = self._board.read()
             if marks.progress != seen_progress:
                 seen_progress, user_since = marks.progress, 0.0
-            kind, where = classify(_main_thread_frames(self._main), self._stdlib)
+            kind, where = classify(main_thread_frames(self._main), self._stdlib)
             if kind == USER and not busy:
                 user_since = user_since or now
             else:

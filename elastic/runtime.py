@@ -46,6 +46,7 @@ from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
 from .events import EventLog
 from .progress import Progress
 from .ring_abort import RingHandle, prepare_ring, socket_snapshot
+from .stragglers import StragglerWatch
 from .worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class Runtime:
         self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
         self._backend_lock = threading.Lock()
         self._progress: Optional[Progress] = None  # marks for the agent's hang watchdog
+        self._stragglers: Optional[StragglerWatch] = None  # step times, exchanged every few commits
 
     @property
     def max_resets(self) -> int:
@@ -117,6 +119,7 @@ class Runtime:
         cfg = self.config
         if cfg.progress_file:
             self._progress = Progress(cfg.progress_file, cfg.stacks_file)
+        self._stragglers = StragglerWatch(self, cfg.straggler_ratio)
         if cfg.marker_file:
             # Tells the agent this worker follows rounds itself (no restart on change).
             with open(cfg.marker_file, "w") as f:
@@ -159,6 +162,8 @@ class Runtime:
         self._commits = 0
         if self._progress is not None:
             self._progress.mark(interval=False)  # the re-formation is no step interval
+        if self._stragglers is not None:
+            self._stragglers.begin_round()
 
     def end_training(self) -> None:
         """The training function returned for good."""
@@ -172,6 +177,8 @@ class Runtime:
         if self._progress is not None:
             # The first commit of a round follows DDP's broadcast and warm-up: not a step.
             self._progress.mark(interval=self._commits > 1, commit=True)
+        if self._stragglers is not None:
+            self._stragglers.on_commit(self._commits)  # every few commits: one small all_gather
         if not self.should_switch(self._commits):
             return None
         return self._switch_action
@@ -472,6 +479,9 @@ class Runtime:
         if self._progress is not None:
             self._progress.close()
             self._progress = None
+        if self._stragglers is not None:
+            self._stragglers.close()
+            self._stragglers = None
 
 
 class _Nudge:

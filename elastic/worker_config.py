@@ -43,6 +43,7 @@ class WorkerConfig:
     checkpoint_every: Optional[int] = None
     checkpoint_interval: Optional[float] = None
     checkpoint_keep: int = 3
+    straggler_ratio: float = 1.5  # --straggler-ratio: compute time over the median that counts as slow
 
     def to_env(self) -> dict[str, str]:
         env = {}

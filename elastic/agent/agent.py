@@ -59,8 +59,10 @@ from rendezvous import (
 from .etcd_writes import EtcdWrites
 from ..errors import PeersUnreachable
 from ..events import EventLog
+from ..stragglers import StragglerOptions
 from .event_tail import EventTail
 from .plain_store import PlainStores, prune_round_keys
+from .straggler_eviction import on_straggler_event
 from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor
@@ -98,6 +100,7 @@ class AgentConfig:
     etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
     final_checkpoint_timeout: float = 600.0  # for a worker still writing the final checkpoint
     hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
+    stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers
 
 
 @dataclass
@@ -210,6 +213,7 @@ class Agent:
     def _on_event(self, event: dict) -> None:
         """An event of this host's workers or of the agent itself (in file order)."""
         self.metrics.observe(event)
+        on_straggler_event(self, event)
 
     # -- following the plan -----------------------------------------------------------
     def _follow_control(self) -> None:
@@ -283,6 +287,7 @@ class Agent:
             final_checkpoint_file=self._final_checkpoint_file(worker_id),
             progress_file=progress_file,
             stacks_file=stacks_file,
+            straggler_ratio=cfg.stragglers.ratio,
             **cfg.etcd_options,
             **cfg.checkpoint,
         )

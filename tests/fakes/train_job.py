@@ -32,6 +32,9 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=50)
 p.add_argument("--commit-every", type=int, default=1)
 p.add_argument("--step-delay", type=float, default=0.0)
+p.add_argument("--extra-step-delay", type=float, default=float(os.environ.get("TRAIN_JOB_EXTRA_STEP_DELAY", 0)),
+               help="sleep this much more per step (a straggler); from the environment, it slows one host's "
+                    "workers whatever their ranks")
 p.add_argument("--global-batch", type=int, default=32)
 p.add_argument("--float64", action="store_true")
 p.add_argument("--fail-rank", type=int, default=None)
@@ -186,7 +189,7 @@ def train(state):
         one_step(ddp, rows)
         state.step += 1
         record_step(None)
-        time.sleep(args.step_delay)
+        time.sleep(args.step_delay + args.extra_step_delay)
         if state.step % args.commit_every == 0:
             state.commit()
 

@@ -1,0 +1,274 @@
+"""Stragglers: which worker makes every step of the ring slow?
+
+In synchronous SGD every rank's step takes as long as the slowest rank's: the fast
+ones wait for it in the gradient all-reduce. Wall time per step is therefore the
+same everywhere and says nothing; what differs is the time *outside* collectives.
+
+What is measured (per worker, per commit interval)
+    ``step_s``     wall time between two commits (the first commit of a round is
+                   the start: the interval before it holds the re-formation).
+    ``compute_s``  ``step_s`` minus the time the main thread was waiting on peers.
+                   A ``WaitClock`` thread samples the main thread every ~10 ms
+                   (jittered, so it cannot alias with a periodic step). Between two
+                   samples, the time the main thread was *blocked* (neither running
+                   nor waiting for a CPU, from the kernel's per-thread scheduler
+                   statistics) counts as waiting on peers when its innermost frame
+                   is in torch.distributed, DDP (torch.nn.parallel), the autograd
+                   engine or this runtime. Both are needed: DDP's backward computes
+                   and waits for the all-reduce in the same autograd frame, and only
+                   the scheduler tells the two apart; a ``time.sleep`` or a slow read
+                   in user code is blocked but outside collectives, so it counts as
+                   compute (it makes the others wait just the same).
+    Why sampling: the runtime does not own the user's DDP wrapper, so it cannot
+    time the all-reduce wait from inside (a comm hook would take the user's one
+    slot), and torch offers no completion hook for gloo work. The cost is one
+    frame walk and one clock read per sample, outside the main thread.
+    Limits: it is a sample (its error shrinks with the window's length); the
+    attribution of a stretch goes by the frame seen at its end; with NCCL the GPU
+    waits are invisible from the CPU, so scores stay near 1.
+
+Every ``WINDOW_COMMITS`` commits of a round the ranks exchange their window's wall
+and waiting seconds with one all_gather of two floats per rank, at the same commit
+on every rank (the commits of a ring are in lockstep), so it cannot deadlock; if it
+raises, the ring is broken like after any collective and the recovery path takes
+over. A window closes at an exchange once it spans ``MIN_WINDOW_S`` on every rank
+(short steps would give a few samples: a noisy figure); every rank then emits
+``step_times`` with its own figures and its ``straggler_score``
+(own compute_s / median over the ranks). A worker whose score exceeds
+``--straggler-ratio`` in ``PERSISTENT_WINDOWS`` windows in a row emits
+``straggler_detected`` (about itself, so its own agent sees it) and logs one
+line naming its host and rank; with ``--evict-stragglers`` that agent leaves
+gracefully (``agent/straggler_eviction.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .progress import WAITING, classify, main_thread_frames, stdlib_prefixes
+
+log = logging.getLogger(__name__)
+
+WINDOW_COMMITS = 10  # commits between exchanges: one all_gather of two floats per rank
+MIN_WINDOW_S = 1.0  # a window closes at an exchange once it spans this long on every rank
+PERSISTENT_WINDOWS = 3  # windows in a row above the ratio before a rank is reported
+SAMPLE_INTERVAL = 0.01  # seconds between samples of the main thread (jittered +-50%)
+# Frames in these modules, on a main thread that uses no CPU, are waits on peers.
+# Not torch.cuda (a GPU sync waits for this rank's own kernels: compute), nor
+# torch.utils.data (a slow input pipeline is this rank's own slowness).
+COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd", "elastic", "rendezvous")
+
+
+@dataclass(frozen=True)
+class StragglerOptions:
+    """``elastic-run --straggler-ratio / --evict-stragglers``."""
+
+    ratio: float = 1.5
+    evict: bool = False
+
+
+# -- the pure decision ----------------------------------------------------------------
+def scores(compute_s: Sequence[float]) -> list[float]:
+    """Each rank's compute time over the median of all ranks (1.0 when the median is 0)."""
+    median = statistics.median(compute_s) if compute_s else 0.0
+    if median <= 0:
+        return [1.0 for _ in compute_s]
+    return [c / median for c in compute_s]
+
+
+class Persistence:
+    """How many windows in a row each worker has been slower than ``ratio`` x median."""
+
+    def __init__(self, ratio: float, windows: int = PERSISTENT_WINDOWS):
+        self.ratio = ratio
+        self.windows = windows
+        self._runs: dict[str, int] = {}
+
+    def reset(self) -> None:
+        """A new ring: a new median, and ranks that mean other workers."""
+        self._runs.clear()
+
+    def update(self, workers: Sequence[str], window_scores: Sequence[float]) -> list[str]:
+        """Take one window; return the workers that are persistent stragglers now,
+        slowest first. A worker is reported once per run above the ratio: again only
+        after it dropped below and came back."""
+        runs = {w: self._runs.get(w, 0) + 1 for w, s in zip(workers, window_scores) if s > self.ratio}
+        self._runs = runs
+        persistent = [w for w in workers if runs.get(w) == self.windows]
+        by_score = dict(zip(workers, window_scores))
+        return sorted(persistent, key=lambda w: -by_score[w])
+
+    def run_of(self, worker: str) -> int:
+        return self._runs.get(worker, 0)
+
+
+def remaining_after(world_size: int, leaving: int) -> int:
+    """Workers left when ``leaving`` of ``world_size`` go."""
+    return world_size - leaving
+
+
+def eviction_allowed(world_size: int, leaving: int, min_np: int) -> bool:
+    """Evicting is allowed only while the rest keeps the job at or above --min-np:
+    below it the coordinator would stop the whole job instead."""
+    return leaving > 0 and remaining_after(world_size, leaving) >= min_np
+
+
+# -- measuring --------------------------------------------------------------------------
+class WaitClock:
+    """Daemon thread: seconds the main thread spent waiting on peers (sampled)."""
+
+    def __init__(self, interval: float = SAMPLE_INTERVAL):
+        self._interval = interval
+        self._waiting = 0.0  # written by the thread only; a float read is atomic enough
+        self._stop = threading.Event()
+        self._main = threading.main_thread().ident
+        self._cpu_clock = time.pthread_getcpuclockid(self._main)
+        try:
+            self._schedstat: Optional[int] = os.open(
+                f"/proc/self/task/{threading.main_thread().native_id}/schedstat", os.O_RDONLY)
+        except OSError:  # not Linux, or a kernel without scheduler statistics
+            self._schedstat = None
+        self._stdlib = stdlib_prefixes()
+        self._thread = threading.Thread(target=self._run, name="elastic-wait-clock", daemon=True)
+
+    def start(self) -> "WaitClock":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        if not self._thread.is_alive():
+            self._close()
+
+    @property
+    def waiting_s(self) -> float:
+        return self._waiting
+
+    def _run(self) -> None:
+        jitter = random.Random()
+        last_now, last_ran = time.monotonic(), self._ran()
+        while not self._stop.wait(self._interval * jitter.uniform(0.5, 1.5)):
+            now, ran = time.monotonic(), self._ran()
+            blocked = max(0.0, (now - last_now) - (ran - last_ran))
+            last_now, last_ran = now, ran
+            if blocked and classify(main_thread_frames(self._main), self._stdlib, COLLECTIVE_MODULES)[0] == WAITING:
+                self._waiting += blocked
+
+    def _ran(self) -> float:
+        """Seconds the main thread has been running or ready to run (waiting for a
+        CPU): the rest of its life it was blocked. From the scheduler's statistics
+        (run time + run-queue time), so that a thread starved of CPU on a loaded host
+        is not taken for one waiting on its peers; else its CPU time alone."""
+        if self._schedstat is not None:
+            try:
+                on_cpu, queued = os.pread(self._schedstat, 64, 0).split()[:2]
+                return (int(on_cpu) + int(queued)) / 1e9
+            except (OSError, ValueError):
+                os.close(self._schedstat)
+                self._schedstat = None
+        return time.clock_gettime(self._cpu_clock)
+
+    def _close(self) -> None:
+        if self._schedstat is not None:
+            os.close(self._schedstat)
+            self._schedstat = None
+
+
+class StragglerWatch:
+    """The worker's side: windows of commits, the exchange, the events."""
+
+    def __init__(self, runtime, ratio: float, clock: Optional[WaitClock] = None,
+                 every: int = WINDOW_COMMITS, windows: int = PERSISTENT_WINDOWS,
+                 min_window_s: float = MIN_WINDOW_S):
+        self._runtime = runtime
+        self._clock = clock if clock is not None else WaitClock().start()
+        self._every = every
+        self._min_window_s = min_window_s
+        self._persistence = Persistence(ratio, windows)
+        self._start: Optional[tuple[float, float]] = None  # (time, waiting_s) at the window's start
+        self._round = None
+
+    def close(self) -> None:
+        self._clock.stop()
+
+    def begin_round(self) -> None:
+        """The training function is (re-)entered: the next commit starts a window."""
+        self._start = None
+        if self._runtime.round != self._round:
+            self._round = self._runtime.round
+            self._persistence.reset()
+
+    def on_commit(self, commits: int) -> None:
+        """``commits`` counts the round's commits, equal on every rank."""
+        now, waiting = time.monotonic(), self._clock.waiting_s
+        if self._start is None:
+            self._start = (now, waiting, commits)  # the interval before the round's first commit is no step
+            return
+        if (commits - 1) % self._every:
+            return
+        began, waited, first = self._start
+        elapsed, blocked = now - began, waiting - waited
+        # One all_gather of (seconds, seconds waiting) since the window began, per rank.
+        mine = torch.tensor([elapsed, blocked], dtype=torch.float64)
+        rt = self._runtime
+        if rt.world_size > 1:
+            if rt.backend == "nccl":
+                mine = mine.cuda()
+            every = [torch.zeros_like(mine) for _ in range(rt.world_size)]
+            dist.all_gather(every, mine)  # a broken ring raises here, like any collective
+            figures = [(float(t[0]), float(t[1])) for t in every]
+        else:
+            figures = [(elapsed, blocked)]
+        # Short steps make short windows, and a few samples are a noisy estimate: the
+        # window grows (by another WINDOW_COMMITS) until it spans MIN_WINDOW_S on every
+        # rank. Decided on the gathered figures, hence alike on every rank.
+        if min(e for e, _ in figures) < self._min_window_s:
+            return
+        self._start = (now, waiting, commits)
+        self._close_window(commits - first, figures)
+
+    def _close_window(self, steps: int, figures: list[tuple[float, float]]) -> None:
+        rt = self._runtime
+        computes = [max(0.0, e - b) / steps for e, b in figures]
+        step_s, compute_s = figures[rt.rank][0] / steps, computes[rt.rank]
+        window_scores = scores(computes)
+        rank = rt.rank
+        worker = rt.config.worker_id
+        rt.events.emit(
+            "step_times", console=False, worker=worker, steps=steps,
+            step_s=round(step_s, 5), compute_s=round(compute_s, 5), straggler_score=round(window_scores[rank], 3),
+        )
+        plan = rt.plan
+        workers = list(plan.worker_ids()) if plan is not None else [worker]
+        persistent = self._persistence.update(workers, window_scores)
+        if worker not in persistent:
+            return
+        # Every rank has the same figures, hence the same list: the workers that all
+        # straggler hosts would take with them are counted alike everywhere.
+        hosts = {plan.slots[plan.rank_of(w)].member_id for w in persistent} if plan is not None else set()
+        leaving = sum(1 for s in plan.slots if s.member_id in hosts) if plan is not None else 1
+        host = plan.hosts[plan.slots[rank].member_id][0] if plan is not None else "local"
+        ratio = window_scores[rank]
+        log.warning(
+            "round %s: straggler: host %s rank %d computes %.1fx the median (%.3fs vs %.3fs per step) "
+            "for %d windows in a row", rt.round, host, rank, ratio, compute_s,
+            statistics.median(computes), self._persistence.windows,
+        )
+        # The record's own host and rank name the straggler (it reports itself); the
+        # line above is the one shown on the console.
+        rt.events.emit(
+            "straggler_detected", console=False, worker=worker, ratio=round(ratio, 3),
+            windows=self._persistence.windows, world_size=rt.world_size,
+            remaining=remaining_after(rt.world_size, leaving),
+        )

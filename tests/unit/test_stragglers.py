@@ -1,0 +1,228 @@
+"""Stragglers: the scores, persistence, when eviction is allowed, what a window measures."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from elastic.agent.straggler_eviction import on_straggler_event
+from elastic.stragglers import (
+    Persistence,
+    StragglerOptions,
+    StragglerWatch,
+    WaitClock,
+    eviction_allowed,
+    scores,
+)
+from rendezvous import RoundPlan
+from rendezvous.rounds import Slot
+
+
+def test_scores_are_compute_time_over_the_median():
+    assert scores([0.1, 0.1, 0.3]) == pytest.approx([1.0, 1.0, 3.0])
+    assert scores([0.2, 0.1, 0.4, 0.1]) == pytest.approx([4 / 3, 2 / 3, 8 / 3, 2 / 3])
+    assert scores([0.0, 0.0]) == [1.0, 1.0]  # nothing measured: nobody is slow
+    assert scores([0.5]) == [1.0]
+
+
+def test_a_straggler_is_reported_after_three_windows_in_a_row_and_once_per_run():
+    p = Persistence(ratio=1.5, windows=3)
+    workers = ["a", "b", "c"]
+    assert p.update(workers, [1.0, 1.0, 3.0]) == []
+    assert p.update(workers, [1.0, 1.0, 3.0]) == []
+    assert p.update(workers, [1.0, 1.0, 3.0]) == ["c"]
+    assert p.update(workers, [1.0, 1.0, 3.0]) == []  # still slow: not reported again
+    assert p.run_of("c") == 4
+
+
+def test_one_fast_window_breaks_the_run():
+    p = Persistence(ratio=1.5, windows=3)
+    workers = ["a", "b", "c"]
+    for window in ([1, 1, 3], [1, 1, 3], [1, 1, 1.4], [1, 1, 3], [1, 1, 3]):
+        assert p.update(workers, window) == []
+    assert p.update(workers, [1, 1, 3]) == ["c"]
+
+
+def test_exactly_the_ratio_is_not_slow_and_a_new_ring_starts_counting_again():
+    p = Persistence(ratio=1.5, windows=2)
+    assert p.update(["a", "b"], [1.5, 1.0]) == []
+    assert p.update(["a", "b"], [1.6, 1.0]) == []
+    p.reset()
+    assert p.update(["a", "b"], [1.6, 1.0]) == []
+    assert p.update(["a", "b"], [1.6, 1.0]) == ["a"]
+
+
+def test_several_stragglers_in_one_window_slowest_first():
+    p = Persistence(ratio=1.5, windows=1)
+    assert p.update(["a", "b", "c", "d", "e"], [2.0, 1.0, 3.0, 1.0, 1.0]) == ["c", "a"]
+
+
+def test_eviction_only_while_the_rest_stays_at_or_above_min_np():
+    assert eviction_allowed(world_size=3, leaving=1, min_np=2)
+    assert not eviction_allowed(world_size=3, leaving=1, min_np=3)
+    assert not eviction_allowed(world_size=4, leaving=2, min_np=3)  # a host of two workers
+    assert not eviction_allowed(world_size=3, leaving=0, min_np=1)
+
+
+# -- the agent's side -----------------------------------------------------------------
+def _plan(world_by_member: dict[str, int]) -> RoundPlan:
+    slots = tuple(Slot(m, f"{m}.w{i}") for m, n in world_by_member.items() for i in range(n))
+    return RoundPlan(round=4, slots=slots, hosts={m: (m, "127.0.0.1") for m in world_by_member},
+                     store_addr="127.0.0.1:1", created=0.0)
+
+
+def _agent(evict: bool, min_np: int, plan: RoundPlan, member: str = "slow"):
+    left = []
+    agent = SimpleNamespace(
+        config=SimpleNamespace(stragglers=StragglerOptions(evict=evict), settings=SimpleNamespace(min_np=min_np)),
+        _plan=plan, _workers={f"{member}.w0": object()}, _leaving_since=None, member_id=member,
+        events=SimpleNamespace(emit=lambda *a, **k: left.append(("event", a[0]))),
+        _on_signal=lambda signum: left.append(("signal", signum)),
+    )
+    return agent, left
+
+
+def _detected(worker="slow.w0", remaining=2):
+    return {"event": "straggler_detected", "worker": worker, "rank": 2, "ratio": 3.0, "remaining": remaining}
+
+
+def test_the_agent_leaves_gracefully_for_its_straggler():
+    import signal
+
+    agent, done = _agent(True, 2, _plan({"a": 1, "b": 1, "slow": 1}))
+    on_straggler_event(agent, _detected())
+    assert done == [("event", "straggler_evicted"), ("signal", signal.SIGTERM)]
+
+
+@pytest.mark.parametrize("evict, min_np, event", [
+    (False, 2, _detected()),  # only reported without --evict-stragglers
+    (True, 3, _detected()),  # the rest would be below --min-np
+    (True, 2, _detected(remaining=1)),  # another straggler host leaves in the same window
+    (True, 2, _detected(worker="a.w0")),  # another agent's worker (a shared log directory)
+    (True, 2, {"event": "step_times", "worker": "slow.w0"}),
+])
+def test_the_agent_stays(evict, min_np, event):
+    agent, done = _agent(evict, min_np, _plan({"a": 1, "b": 1, "slow": 1}))
+    on_straggler_event(agent, event)
+    assert done == []
+
+
+def test_a_host_with_two_workers_counts_both():
+    agent, done = _agent(True, 2, _plan({"a": 1, "slow": 2}))
+    on_straggler_event(agent, _detected(remaining=2))  # the worker counted its host, the agent knows better
+    assert done == []
+
+
+# -- measuring ------------------------------------------------------------------------
+def test_the_wait_clock_counts_idle_waits_in_collectives_not_sleeps_in_user_code():
+    import torch.distributed.distributed_c10d as c10d_module  # a module whose frames are collectives
+
+    clock = WaitClock(interval=0.005).start()
+    try:
+        time.sleep(0.3)  # idle in user code: no wait on peers
+        in_user = clock.waiting_s
+        event = threading.Event()
+        # A frame of torch.distributed, idle: what a main thread waiting for a peer looks like.
+        waiter = eval("lambda: event.wait(0.3)", {"__name__": c10d_module.__name__, "event": event})
+        waiter()
+        in_collective = clock.waiting_s - in_user
+        started, busy_before = time.monotonic(), clock.waiting_s
+        eval("lambda: sum(i * i for i in range(1_000_000))", {"__name__": c10d_module.__name__})()
+        busy = clock.waiting_s - busy_before
+        busy_took = time.monotonic() - started
+    finally:
+        clock.stop()
+    assert in_user < 0.05
+    assert 0.15 < in_collective < 0.45
+    assert busy < 0.5 * busy_took  # computing in those frames (a backward) is no wait
+
+
+class _FakeClock:
+    waiting_s = 0.0
+
+    def stop(self):
+        pass
+
+
+def test_a_window_is_every_k_commits_after_the_rounds_first(caplog):
+    emitted = []
+    runtime = SimpleNamespace(
+        round=1, rank=0, world_size=1, backend="gloo", plan=None,
+        config=SimpleNamespace(worker_id="w0"),
+        events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
+    )
+    clock = _FakeClock()
+    watch = StragglerWatch(runtime, ratio=1.5, clock=clock, every=2, windows=1, min_window_s=0.0)
+    watch.begin_round()
+    watch.on_commit(1)  # the round's first commit starts the window
+    clock.waiting_s = 0.01
+    watch.on_commit(2)
+    assert emitted == []
+    clock.waiting_s = 0.02
+    watch.on_commit(3)
+    [(name, fields)] = emitted
+    assert name == "step_times"
+    assert fields["worker"] == "w0" and fields["steps"] == 2 and fields["straggler_score"] == 1.0
+    assert fields["compute_s"] == pytest.approx(max(0.0, fields["step_s"] - 0.01), abs=1e-4)
+    assert fields["console"] is False  # periodic: kept off the console
+
+
+def test_a_short_window_grows_until_it_spans_the_minimum():
+    emitted = []
+    runtime = SimpleNamespace(
+        round=1, rank=0, world_size=1, backend="gloo", plan=None, config=SimpleNamespace(worker_id="w0"),
+        events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
+    )
+    watch = StragglerWatch(runtime, ratio=1.5, clock=_FakeClock(), every=2, windows=1, min_window_s=0.2)
+    watch.begin_round()
+    for commits in range(1, 6):
+        watch.on_commit(commits)  # exchanges at 3 and 5: both well under 0.2 s
+    assert emitted == []
+    time.sleep(0.25)
+    watch.on_commit(6)
+    assert emitted == []  # no exchange at an even commit
+    watch.on_commit(7)
+    [(name, fields)] = emitted
+    assert fields["steps"] == 6 and fields["step_s"] == pytest.approx(0.25 / 6, rel=0.5)
+
+
+# -- the options ----------------------------------------------------------------------
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    for name in ("ELASTIC_STRAGGLER_RATIO", "ELASTIC_EVICT_STRAGGLERS"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "train.py"
+    path.write_text("")
+    return str(path)
+
+
+def test_the_options_and_their_environment_forms(script, monkeypatch):
+    from elastic.cli import parse
+
+    assert parse(["--np", "2", script])[0].stragglers == StragglerOptions(ratio=1.5, evict=False)
+    config, _ = parse(["--np", "2", "--straggler-ratio", "2.5", "--evict-stragglers", script, "--evict-stragglers"])
+    assert config.stragglers == StragglerOptions(ratio=2.5, evict=True)
+    assert config.command == (script, "--evict-stragglers")  # after SCRIPT: the script's
+    monkeypatch.setenv("ELASTIC_STRAGGLER_RATIO", "3")
+    monkeypatch.setenv("ELASTIC_EVICT_STRAGGLERS", "yes")
+    assert parse(["--np", "2", script])[0].stragglers == StragglerOptions(ratio=3.0, evict=True)
+    monkeypatch.setenv("ELASTIC_EVICT_STRAGGLERS", "0")
+    assert parse(["--np", "2", script])[0].stragglers.evict is False
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--straggler-ratio", "1"], {}, "argument --straggler-ratio: invalid number above 1 value: '1'"),
+    ([], {"ELASTIC_STRAGGLER_RATIO": "fast"}, "ELASTIC_STRAGGLER_RATIO='fast': expected a number above 1"),
+    ([], {"ELASTIC_EVICT_STRAGGLERS": "maybe"},
+     "ELASTIC_EVICT_STRAGGLERS='maybe': expected 1/true/yes/on or 0/false/no/off"),
+])
+def test_bad_values_are_one_line_and_exit_2(script, monkeypatch, capsys, argv, env, message):
+    from elastic.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--np", "2", *argv, script]) == 2
+    assert capsys.readouterr().err == f"elastic-run: error: {message}\n"
