@@ -26,6 +26,7 @@ from rendezvous import (
 
 from .agent import addressing
 from .agent import Agent, AgentConfig
+from .agent.chaos import ChaosConfig
 
 USAGE_ERROR = 2
 
@@ -37,7 +38,8 @@ scripts are restarted together on any change. Every option can also be given as 
 environment variable: --min-np is ELASTIC_MIN_NP, and so on.
 
 Without --rdzv-endpoint an embedded etcd is started and all workers run on this host.
-`elastic-run checkpoints DIR` lists and verifies the checkpoints in DIR."""
+`elastic-run checkpoints DIR` lists and verifies the checkpoints in DIR.
+`elastic-run timeline LOG_DIR -o FILE.png` draws what a job did."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--checkpoint-keep", _positive_int, 3, "durable checkpoints to keep")
     opt("--final-checkpoint-timeout", _positive_float, 600.0,
         "seconds rank 0 may go on writing the final checkpoint once the job has ended")
+    opt("--chaos-kill-every", _positive_float, help="test resilience: SIGKILL one of this agent's workers every "
+        "SECONDS on average (uniform 0.5x-1.5x), print a recovery report at the end")
+    opt("--chaos-seed", int, help="seed of --chaos-kill-every's choices (default: random)")
     opt("--etcd-ca", help="CA certificate (PEM) for TLS to etcd")
     opt("--etcd-cert", help="client certificate (PEM)")
     opt("--etcd-key", help="client key (PEM)")
@@ -276,6 +281,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         etcd_options=etcd_options,
         final_checkpoint_timeout=args.final_checkpoint_timeout,
         hang_timeout=args.hang_timeout,
+        chaos=ChaosConfig(args.chaos_kill_every, args.chaos_seed) if args.chaos_kill_every else None,
     )
     return config, args
 
@@ -286,6 +292,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from checkpoint.cli import main as checkpoints_main
 
         return checkpoints_main(argv[1:])
+    if argv[:1] == ["timeline"]:
+        from .timeline.cli import main as timeline_main
+
+        return timeline_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="elastic-run: %(message)s", stream=sys.stderr)
     try:
         config, args = parse(argv)

@@ -16,6 +16,9 @@ from typing import Any, Optional
 
 log = logging.getLogger("elastic.events")
 
+# Periodic records (step_log.py): in the file for tools, not a console line a second.
+_QUIET = frozenset({"steps"})
+
 
 class EventLog:
     def __init__(self, path: Optional[str], *, host: str, rank: Optional[int] = None):
@@ -40,7 +43,7 @@ class EventLog:
         details = " ".join(
             f"{k}={_short(v)}" for k, v in record.items() if k not in ("time", "event", "host", "round", "rank")
         )
-        log.info("round %s: %s %s", record["round"], event, details)
+        log.log(logging.DEBUG if event in _QUIET else logging.INFO, "round %s: %s %s", record["round"], event, details)
         if not self._path:
             return
         line = (json.dumps(record, default=str) + "\n").encode()
