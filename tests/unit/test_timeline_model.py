@@ -124,12 +124,3 @@ def test_events_files_of_several_hosts_below_the_directory_are_merged(tmp_path):
             "".join(json.dumps(e) + "\n" for e in events if e["host"] == host) + '{"torn": ')
     tl = load(str(tmp_path))
     assert len(tl.lanes) == 4 and len(tl.reformations) == 2
-
-
-def test_the_picture_is_drawn(tmp_path):
-    pytest.importorskip("matplotlib")
-    from elastic.timeline.draw import render
-
-    path = tmp_path / "t.png"
-    render(build(kill_and_join_events()), str(path))
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
