@@ -28,11 +28,13 @@ def render(timeline: Timeline, path: str) -> None:
     zooms = _zoomed(timeline)
     lanes = timeline.lanes
     lane_height = max(2.0, 0.38 * len(lanes) + 0.8)
-    heights = [1.3, lane_height] + ([1.0 + 0.28 * _zoom_rows(zooms)] if zooms else [])
-    fig = plt.figure(figsize=(13, sum(heights) + 1.3), dpi=110)
-    grid = fig.add_gridspec(len(heights), max(1, len(zooms)), height_ratios=heights, hspace=0.7, wspace=0.3)
-    world_ax = fig.add_subplot(grid[0, :])
-    lanes_ax = fig.add_subplot(grid[1, :], sharex=world_ax)
+    zoom_height = 1.0 + 0.28 * _zoom_rows(zooms) if zooms else 0.0
+    fig = plt.figure(figsize=(13, 1.3 + lane_height + zoom_height + 1.6), dpi=110)
+    outer = fig.add_gridspec(2 if zooms else 1, 1, height_ratios=[1.3 + lane_height] + ([zoom_height] if zooms else []),
+                             hspace=0.35)
+    main = outer[0].subgridspec(2, 1, height_ratios=[1.3, lane_height], hspace=0.08)
+    world_ax = fig.add_subplot(main[0])
+    lanes_ax = fig.add_subplot(main[1], sharex=world_ax)
     span = max(timeline.end, 1.0)
 
     _draw_world(world_ax, timeline, span)
@@ -41,8 +43,10 @@ def render(timeline: Timeline, path: str) -> None:
         _draw_marks(ax, timeline, span, label=ax is world_ax)
     lanes_ax.set_xlim(-0.01 * span, span * 1.01)
     lanes_ax.set_xlabel("seconds since the job started")
-    for i, reform in enumerate(zooms):
-        _draw_zoom(fig.add_subplot(grid[2, i]), timeline, reform, i + 1)
+    if zooms:
+        row = outer[1].subgridspec(1, len(zooms), wspace=0.3)
+        for i, reform in enumerate(zooms):
+            _draw_zoom(fig.add_subplot(row[i]), timeline, reform, i + 1)
     fig.suptitle(timeline.headline(), fontsize=13, fontweight="bold")
     handles = _legend_handles(plt, bool(zooms))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
@@ -118,29 +122,30 @@ def _draw_marks(ax, timeline: Timeline, span: float, *, label: bool) -> None:
 
 
 def _draw_zoom(ax, timeline: Timeline, reform, number: int) -> None:
+    """Seconds from the band's start (absolute times would need an offset label)."""
     workers = sorted(reform.workers, key=lambda w: (w.rank if w.rank is not None else 1 << 30))
     start = reform.start
     for y, w in enumerate(workers):
-        t = w.detected
+        t = w.detected - start
         segments = [("abort", w.abort), ("rendezvous", w.rendezvous), ("pg init", w.pg_init)]
-        if start < w.detected:
-            ax.barh(y, w.detected - start, left=start, color=PHASE_COLOURS["detect"], height=0.6)
+        if t > 0:
+            ax.barh(y, t, left=0, color=PHASE_COLOURS["detect"], height=0.6)
         for name, seconds in segments:
             ax.barh(y, seconds, left=t, color=PHASE_COLOURS[name], height=0.6)
             t += seconds
-        # Restore and the wait for the sync's start are folded into the gap before sync.
-        ax.barh(y, w.sync, left=w.done - w.sync, color=PHASE_COLOURS["sync"], height=0.6)
+        # The rollback and the wait for the sync to start fall in the gap before sync.
+        ax.barh(y, w.sync, left=w.done - start - w.sync, color=PHASE_COLOURS["sync"], height=0.6)
     ax.set_yticks(range(len(workers)))
     ax.set_yticklabels([f"rank {w.rank}" for w in workers], fontsize=7)
     ax.set_ylim(len(workers) - 0.5, -0.5)
     pad = max(reform.duration * 0.08, 0.005)
-    ax.set_xlim(start - pad, reform.end + pad)
+    ax.set_xlim(-pad, reform.duration + pad)
     ax.tick_params(axis="x", labelsize=7)
     cause = f"{reform.cause.kind} {_short(reform.cause.worker)}" if reform.cause else (
         "failure" if reform.failed else "switch at a commit")
     ax.set_title(f"#{number} round {reform.round} at {start:.1f} s: {reform.duration:.2f} s\n"
                  f"{cause} -> {reform.world_size} workers", fontsize=8)
-    ax.set_xlabel("s", fontsize=7, labelpad=1)
+    ax.set_xlabel("s after the failure" if reform.failed else "s after the switch", fontsize=7, labelpad=1)
 
 
 def _legend_handles(plt, phases: bool):

@@ -70,8 +70,8 @@ def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path, etcd_server):
 def test_chaos_kills_workers_and_reports_each_recovery(tmp_path):
     job = Job(tmp_path, Job.train_args(
         tmp_path / "out", tmp_path / "logs",
-        ["--np", "3", "--min-np", "2", "--max-restarts", "3", "--chaos-kill-every", "3", "--chaos-seed", "7"],
-        ["--steps", "400", "--step-delay", "0.04"]))
+        ["--np", "3", "--min-np", "2", "--max-restarts", "3", "--chaos-kill-every", "2", "--chaos-seed", "7"],
+        ["--steps", "250", "--step-delay", "0.03"]))
     assert job.wait(240) == 0, job.text()[-3000:]
     text = job.text()
     kills = [e for e in job.events() if e["event"] == "chaos_kill"]
