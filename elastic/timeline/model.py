@@ -262,8 +262,6 @@ def build(events: Iterable[dict]) -> Timeline:
             if victim is not None and victim.exited is not None and victim.exited <= t:
                 failure = Failure(victim.exited, failure.worker, host, failure.reason, failure.kind)
             failures.append(failure)
-        elif kind == "hang_detected":
-            failures.append(Failure(t, worker, host, str(e.get("reason") or "hung"), "hung"))
         elif kind == "reform_done" and e.get("round") is not None:
             times = WorkerReform(
                 worker=str(worker or f"{host} rank {e.get('rank')}"), rank=e.get("rank"),
@@ -302,7 +300,7 @@ def _failure(t: float, host: str, e: dict) -> Failure:
         kind = "error"
     elif e.get("network"):
         kind = "network"
-    elif "hung" in reason or "hang" in reason:
+    elif "declared hung" in reason:  # the watchdog's kill (its hang_detected event comes first)
         kind = "hung"
     elif _SIGNAL_IN_REASON.search(reason):
         kind = "killed"

@@ -124,3 +124,13 @@ def test_events_files_of_several_hosts_below_the_directory_are_merged(tmp_path):
             "".join(json.dumps(e) + "\n" for e in events if e["host"] == host) + '{"torn": ')
     tl = load(str(tmp_path))
     assert len(tl.lanes) == 4 and len(tl.reformations) == 2
+
+
+def test_a_hung_worker_is_one_failure_of_its_own_kind():
+    w = f"{A}.w1"
+    events = [ev(0.1, "worker_started", worker=w, pid=1, rank=1, round=1),
+              ev(9.0, "hang_detected", worker=w, rank=1, round=1, kind="frozen", stalled_s=8.0),
+              ev(9.2, "worker_exited", worker=w, exit_code=None, signal=9),
+              ev(9.2, "failure_detected", reason=f"worker {w} died (declared hung: frozen, no progress for 8.0s, signal 9)")]
+    [failure] = build(events).failures
+    assert failure.kind == "hung" and failure.worker == w and failure.time == pytest.approx(9.1)
