@@ -101,3 +101,15 @@ def test_with_restarts_left_a_kill_may_go_below_min_np_and_the_seed_repeats_the_
     delays = [first.next_delay() for _ in range(5)]
     assert all(5.0 <= d <= 15.0 for d in delays) and len(set(delays)) == 5
     assert [second.next_delay() for _ in range(5)] == delays  # --chaos-seed repeats them
+
+
+def test_the_options_and_their_environment_form(tmp_path, monkeypatch):
+    from elastic.cli import parse
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config, _ = parse(["--np", "2", "--chaos-kill-every", "7.5", "--chaos-seed", "3", str(script)])
+    assert config.chaos == ChaosConfig(7.5, 3)
+    assert parse(["--np", "2", str(script)])[0].chaos is None
+    monkeypatch.setenv("ELASTIC_CHAOS_KILL_EVERY", "4")
+    assert parse(["--np", "2", str(script)])[0].chaos == ChaosConfig(4.0, None)
