@@ -101,7 +101,7 @@ def _draw_lanes(ax, timeline: Timeline) -> None:
                     va="center", fontsize=8, color="#555555")
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(timeline.lane_labels(), fontsize=8)
-    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_ylim(max(len(lanes), 1) - 0.5, -0.5)
     ax.grid(axis="x", alpha=0.3)
 
 
