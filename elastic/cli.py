@@ -33,6 +33,7 @@ from rendezvous import (
 from .agent import addressing
 from .agent import Agent, AgentConfig
 from .stragglers import StragglerOptions
+from .agent.chaos import ChaosConfig
 
 USAGE_ERROR = 2
 
@@ -45,7 +46,9 @@ environment variable: --min-np is ELASTIC_MIN_NP, and so on.
 
 Without --rdzv-endpoint an embedded etcd is started and all workers run on this host.
 `elastic-run checkpoints DIR` lists and verifies the checkpoints in DIR.
-`elastic-run status --rdzv-endpoint E --job-id J` shows what a job is doing (or how it ended)."""
+`elastic-run status --rdzv-endpoint E --job-id J` shows what a job is doing (or how it ended);
+
+`elastic-run timeline LOG_DIR -o FILE.png` draws what a job did."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     switch("--evict-stragglers", "a reported straggler's host leaves the job gracefully (as on SIGTERM; "
            "nothing rolled back), if the rest stays >= --min-np")
+    opt("--chaos-kill-every", _positive_float, help="test resilience: SIGKILL one of this agent's workers every "
+        "SECONDS on average (uniform 0.5x-1.5x), print a recovery report at the end")
+    opt("--chaos-seed", int, help="seed of --chaos-kill-every's choices (default: random)")
     for flag, text in ETCD_OPTIONS:
         opt(flag, help=text)
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
@@ -346,6 +352,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         final_checkpoint_timeout=args.final_checkpoint_timeout,
         hang_timeout=args.hang_timeout,
         stragglers=StragglerOptions(ratio=args.straggler_ratio, evict=bool(args.evict_stragglers)),
+        chaos=ChaosConfig(args.chaos_kill_every, args.chaos_seed) if args.chaos_kill_every else None,
     )
     return config, args
 
@@ -393,6 +400,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .status_command import main as status_main
 
         return status_main(argv[1:])
+    if argv[:1] == ["timeline"]:
+        from .timeline.cli import main as timeline_main
+
+        return timeline_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="elastic-run: %(message)s", stream=sys.stderr)
     try:
         config, args = parse(argv)

@@ -18,6 +18,9 @@ from .console import FILE_ONLY
 
 log = logging.getLogger("elastic.events")
 
+# Periodic records (step_log.py): in the events file for tools, no human line a second.
+_QUIET = frozenset({"steps"})
+
 
 class EventLog:
     def __init__(self, path: Optional[str], *, host: str, rank: Optional[int] = None):
@@ -45,7 +48,8 @@ class EventLog:
         )
         # Before the first round there is no round to name (not "round None").
         prefix = f"round {record['round']}: " if record["round"] is not None else ""
-        log.info("%s%s %s", prefix, event, details, extra=None if console else FILE_ONLY)
+        if event not in _QUIET:
+            log.info("%s%s %s", prefix, event, details, extra=None if console else FILE_ONLY)
         if not self._path:
             return
         line = (json.dumps(record, default=str) + "\n").encode()

@@ -165,6 +165,7 @@ def _resume(func, state, args, kwargs, runtime, finished_reform):
         done = time.monotonic()
         runtime.events.emit(
             "reform_done",
+            worker=runtime.config.worker_id if runtime.config else None,
             world_size=runtime.world_size,
             failed=interruption.failed,
             reason=interruption.reason,
@@ -173,6 +174,7 @@ def _resume(func, state, args, kwargs, runtime, finished_reform):
             pg_init_s=round(times.pg_init_s, 4),
             sync_s=round(done - started_sync, 4),
             total_s=round(done - interruption.detected, 4),
+            commit=getattr(state, "_commits", None),  # resumed from (the timeline counts steps re-run)
         )
     return func(state, *args, **kwargs)
 

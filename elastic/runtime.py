@@ -45,6 +45,7 @@ from .console import FILE_ONLY
 from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
 from .events import EventLog
 from .progress import Progress
+from .step_log import StepLog
 from .ring_abort import RingHandle, prepare_ring, socket_snapshot
 from .stragglers import StragglerWatch
 from .worker_config import WorkerConfig
@@ -93,6 +94,7 @@ class Runtime:
         self._backend_lock = threading.Lock()
         self._progress: Optional[Progress] = None  # marks for the agent's hang watchdog
         self._stragglers: Optional[StragglerWatch] = None  # step times, exchanged every few commits
+        self.steps = StepLog(self.events, config.worker_id if config else "local")  # for the timeline
 
     @property
     def max_resets(self) -> int:
@@ -160,6 +162,7 @@ class Runtime:
     def begin_round(self) -> None:
         """The training function is (re-)entered on the current ring."""
         self._commits = 0
+        self.steps.begin()
         if self._progress is not None:
             self._progress.mark(interval=False)  # the re-formation is no step interval
         if self._stragglers is not None:
@@ -167,13 +170,15 @@ class Runtime:
 
     def end_training(self) -> None:
         """The training function returned for good."""
+        self.steps.close()
         if self._progress is not None:
             self._progress.board.left_training()
 
-    def note_commit(self) -> Optional[str]:
-        """Count a commit; at the commit where the whole ring acts together, say
-        what it does: "stop" (the job was told to stop) or "switch" (a newer round)."""
+    def note_commit(self, number: Optional[int] = None) -> Optional[str]:
+        """Count a commit (``number``: the job's commit count); at the commit where the whole
+        ring acts together, say what it does: "stop" (the job was told to stop) or "switch"."""
         self._commits += 1
+        self.steps.commit(number, self.world_size)
         if self._progress is not None:
             # The first commit of a round follows DDP's broadcast and warm-up: not a step.
             self._progress.mark(interval=self._commits > 1, commit=True)
@@ -236,6 +241,7 @@ class Runtime:
         """Leave the current ring and join the next round's. Call outside any
         ``except`` block: a live traceback keeps the old group's sockets open."""
         t0 = time.monotonic()
+        self.steps.close()  # the old ring's last steps end here: the gap starts
         old_round = self.round
         # A planned switch leaves together: nobody is blocked, no garbage to chase.
         self.release_group(collect=failed)
@@ -471,6 +477,7 @@ class Runtime:
 
     # -- end --------------------------------------------------------------------
     def shutdown(self) -> None:
+        self.steps.close()
         self.release_group()
         if self._control is not None:
             self._control.close()

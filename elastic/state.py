@@ -105,7 +105,7 @@ class State:
             writer = self._rank0_writer()
             if writer.due(self._commits):
                 self._submit(writer, runtime)
-        action = runtime.note_commit()
+        action = runtime.note_commit(self._commits)
         if action == "stop":
             raise JobStopping(f"job stops after commit {self._commits}")
         if action == "switch":

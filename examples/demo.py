@@ -3,7 +3,8 @@
 1. `elastic-run --np 4` trains the digits MLP on an embedded etcd;
 2. one worker is killed with SIGKILL mid-run: the other three re-form in-process;
 3. a second `elastic-run` joins the same job with one more worker: the ring grows;
-4. the events (with their durations) and the final test accuracy are printed.
+4. the events (with their durations) and the final test accuracy are printed;
+5. `elastic-run timeline` draws what happened into a PNG whose path is printed last.
 
 Arguments are passed on to digits.py: `python examples/demo.py --global-batch-size 100`
 runs the same demo with a constant global batch, whose final accuracy is the one of
@@ -95,6 +96,10 @@ def main() -> int:
     accuracy = [l for l in first_lines if "test_accuracy" in l]
     print("demo: final:", accuracy[-1] if accuracy else "no accuracy printed")
     print(f"demo: exit codes {first_code} and {second_code}; logs in {logs}")
+    picture = logs / "timeline.png"
+    drawn = subprocess.run([sys.executable, "-m", "elastic.cli", "timeline", str(logs), "-o", str(picture)])
+    if drawn.returncode == 0:
+        print(f"demo: the timeline picture: {picture}")
     return 0 if first_code == 0 and second_code == 0 else 1
 
 

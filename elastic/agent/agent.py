@@ -56,6 +56,7 @@ from rendezvous import (
     new_member_id,
 )
 
+from .chaos import ChaosConfig, ChaosMonkey
 from .etcd_writes import EtcdWrites
 from ..errors import PeersUnreachable
 from ..events import EventLog
@@ -101,6 +102,7 @@ class AgentConfig:
     final_checkpoint_timeout: float = 600.0  # for a worker still writing the final checkpoint
     hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
     stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers
+    chaos: Optional[ChaosConfig] = None  # --chaos-kill-every: kill our own workers (chaos.py)
 
 
 @dataclass
@@ -143,6 +145,8 @@ class Agent:
         self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
         self._store = None
         self.participant: Optional[Participant] = None
+        self._chaos = config.chaos and ChaosMonkey(config.chaos, workers=self._workers, min_np=config.settings.min_np,
+                                                   max_restarts=config.max_restarts, events=self.events, out=print)
 
     # -- life ---------------------------------------------------------------------
     def run(self) -> int:
@@ -184,6 +188,7 @@ class Agent:
         try:
             return self._loop()
         finally:
+            self._chaos and self._chaos.finish(self._event_tail.read_new())  # the recovery report
             self._teardown()
 
     def _loop(self) -> int:
@@ -214,6 +219,7 @@ class Agent:
         """An event of this host's workers or of the agent itself (in file order)."""
         self.metrics.observe(event)
         on_straggler_event(self, event)
+        self._chaos and self._chaos.on_event(event)
 
     # -- following the plan -----------------------------------------------------------
     def _follow_control(self) -> None:
