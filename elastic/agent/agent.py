@@ -60,6 +60,7 @@ from .etcd_writes import EtcdWrites
 from ..errors import PeersUnreachable
 from ..events import EventLog
 from .event_tail import EventTail
+from .peer_probe import PeerProbe
 from .plain_store import PlainStores, prune_round_keys
 from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
@@ -166,6 +167,7 @@ class Agent:
             self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr, cfg.settings.timeout
         )
         self.participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
+        self._peer_probe = PeerProbe(self._etcd, self.participant, self.events).start()
         self.health.mark_registered()
         if self._health_server is not None:
             # The session's own verdict comes only after max(ttl, retry deadline);
@@ -196,6 +198,7 @@ class Agent:
             self._etcd_writes.flush()
             self._restart_plain_workers()
             self._watchdog.check(self._workers, self._plan)  # a hung worker is killed; its exit comes next
+            self._peer_probe.tick(self._watchdog.marks())  # a stalled ring: can we reach our peers?
             try:
                 self._follow_control()
             except RendezvousError as exc:
