@@ -8,8 +8,9 @@ from an unreachable host). The agents find out themselves:
 * **when**: the agent's loop hands over its workers' progress marks (``tick``,
   from the hang watchdog's boards: no extra I/O). A worker in the training
   function with no commit for ``max(floor, factor x its slowest commit interval)``
-  (1 s, 3x) means the ring may be stuck. Probing is cheap and harmless, so this
-  bound is far shorter than the hang watchdog's, which kills.
+  (1 s, 3x; 10 s before the worker's first interval, whose start-up and first
+  steps are slow anyway) means the ring may be stuck. Probing is cheap and
+  harmless, so this bound is far shorter than the hang watchdog's, which kills.
 * **what**: a TCP connect to each peer agent's store port (the members of the
   current plan, and whoever this host found unreachable before), all at once,
   ``timeout`` seconds each (1.5 s: a SYN lost once is sent again after 1 s).
@@ -90,14 +91,14 @@ class PeerProbe:
     """The agent's prober: ``tick(marks)`` from the agent's loop, the rest in a thread."""
 
     def __init__(self, etcd: Etcd, participant: Participant, events: EventLog,
-                 *, floor: float = 1.0, factor: float = 3.0, timeout: float = 1.5,
+                 *, floor: float = 1.0, factor: float = 3.0, first: float = 10.0, timeout: float = 1.5,
                  clock: Callable[[], float] = time.monotonic):
         self._etcd = etcd
         self._keys = participant.keys
         self._member_id = participant.member.member_id
         self._participant = participant
         self._events = events
-        self.floor, self.factor, self.timeout = floor, factor, timeout
+        self.floor, self.factor, self.first, self.timeout = floor, factor, first, timeout
         self._clock = clock
         self._stalled = threading.Event()
         self._stop = threading.Event()
@@ -117,12 +118,15 @@ class PeerProbe:
     def tick(self, marks: Iterable[Marks]) -> None:
         """Agent's loop: does any of our workers look stuck in its step?"""
         now = self._clock()
-        stuck = any(m.progress and m.beats and now - m.progress_at > max(self.floor, self.factor * m.slowest)
-                    for m in marks)
+        stuck = any(m.progress and m.beats and now - m.progress_at > self.bound(m.slowest) for m in marks)
         if stuck:
             self._stalled.set()
         else:
             self._stalled.clear()
+
+    def bound(self, slowest: float) -> float:
+        """Seconds without a commit after which a worker looks stalled."""
+        return max(self.floor, self.factor * slowest) if slowest > 0 else max(self.floor, self.first)
 
     # -- the probing thread ---------------------------------------------------------
     def _run(self) -> None:

@@ -59,6 +59,11 @@ def test_a_worker_without_a_commit_for_the_bound_marks_the_ring_stalled():
     # An honest 30 s step: the bound follows the slowest interval seen (3 x 30 s).
     probe.tick([Marks(progress=5, progress_at=40.0, slowest=30.0, beats=9, alive_at=100.0)])
     assert not probe._stalled.is_set()
+    # Before its first interval a worker gets longer (start-up, warm-up): 10 s.
+    probe.tick([Marks(progress=1, progress_at=92.0, slowest=0.0, beats=9, alive_at=100.0)])
+    assert not probe._stalled.is_set()
+    probe.tick([Marks(progress=1, progress_at=89.0, slowest=0.0, beats=9, alive_at=100.0)])
+    assert probe._stalled.is_set()
 
 
 def test_outside_the_training_function_or_before_the_heartbeat_nothing_is_a_stall():
