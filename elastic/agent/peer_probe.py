@@ -154,9 +154,12 @@ class PeerProbe:
             self._stop.wait(_PAUSE_S)
             return
         peers = [m for m in plan.member_order() if m != self._member_id]
-        if self._written is not None:
-            peers += [m for m in self._written[1] if m not in peers]
-        addresses = {m: a for m in peers if (a := self._address(m)) is not None}
+        # Those we could not reach before, while they are still registered (read afresh:
+        # one that left the job is nobody to wait for).
+        outside = [m for m in self._written[1] if m not in peers] if self._written else []
+        for member_id in outside:
+            self._addresses.pop(member_id, None)
+        addresses = {m: a for m in peers + outside if (a := self._address(m)) is not None}
         silent = unreachable(addresses, self.timeout)
         confirmed = tuple(sorted(silent & self._silent_once))  # silent twice in a row
         self._silent_once = silent
