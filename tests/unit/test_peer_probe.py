@@ -1,10 +1,12 @@
 """The agent's peer probe: what counts as an answer, and when the ring looks stalled."""
 
+import json
 import socket
 import time
 
 from elastic.agent.peer_probe import PeerProbe, unreachable
 from elastic.progress import Marks
+from rendezvous import Member
 
 
 def test_an_accept_or_a_refusal_is_an_answer_silence_is_not():
@@ -72,3 +74,70 @@ def test_outside_the_training_function_or_before_the_heartbeat_nothing_is_a_stal
     assert not probe._stalled.is_set()
     probe.tick([])
     assert not probe._stalled.is_set()
+
+
+class _Session:
+    lease_id = 7
+    alive = True
+
+    class lost:
+        @staticmethod
+        def is_set():
+            return False
+
+
+class _Etcd:
+    """The two calls the probe makes: a member record, a report on our lease."""
+
+    def __init__(self, members):
+        self.members = members
+        self.puts = []
+
+    def get(self, key):
+        from rendezvous import KeyValue
+        name = key.rsplit("/", 1)[1]
+        if name not in self.members:
+            return None
+        addr, port = self.members[name]
+        body = Member(name, name, addr, port, (), 0.0).to_json()
+        return KeyValue(key, body, 0, 0, 0, 0)
+
+    def put(self, key, value, lease=None):
+        assert lease == 7
+        self.puts.append((key.rsplit("/", 1)[1], json.loads(value)))
+
+
+def test_a_peer_is_reported_after_two_silent_passes_and_cleared_when_it_answers(monkeypatch):
+    from rendezvous import JobKeys
+    from rendezvous.rounds import RoundPlan, Slot
+
+    plan = RoundPlan(4, (Slot("me", "me.w0"), Slot("a", "a.w0"), Slot("b", "b.w0")),
+                     {m: (m, "10.0.0.1") for m in ("me", "a", "b")}, "10.0.0.1:1", 0.0)
+
+    class Participant:
+        keys = JobKeys("j")
+        session = _Session()
+        member = Member("me", "me", "10.0.0.1", 1, (), 0.0)
+
+        class control:
+            pass
+
+    Participant.control.plan = plan
+    etcd = _Etcd({"a": ("10.0.0.2", 2), "b": ("10.0.0.3", 3)})
+    emitted = []
+    events = type("Events", (), {"emit": lambda self, name, **kw: emitted.append((name, kw))})()
+    probe = PeerProbe(etcd, Participant(), events)
+    silent = {"b"}
+    monkeypatch.setattr("elastic.agent.peer_probe.unreachable", lambda addresses, timeout: set(addresses) & silent)
+
+    probe._probe_once()  # b silent once: nothing said yet, asked again at once
+    assert etcd.puts == [] and probe._unconfirmed()
+    probe._probe_once()  # silent twice: reported
+    assert etcd.puts == [("me", {"round": 4, "unreachable": ["b"]})]
+    assert emitted[-1][0] == "peers_unreachable"
+    probe._probe_once()  # nothing new: no write
+    assert len(etcd.puts) == 1
+    silent.clear()
+    probe._probe_once()  # b answers again: the report is cleared
+    assert etcd.puts[-1] == ("me", {"round": 4, "unreachable": []})
+    assert emitted[-1] == ("peers_reachable", {"round": 4, "unreachable": [], "back": ["b"]})
