@@ -13,13 +13,19 @@ we still hold the election key: two writers can never both win a round. The
 job's status is written the same way (``ControlChannel.set_status``): a Fail
 decision is fenced by the election key, and an ended job is never re-ended.
 
-After a compaction (or a watch that cannot resume) the members and requests
+Members cut off from their peers while they still reach etcd (their lease lives
+on) are planned without, from the agents' reachability reports (reachability.py):
+the leader follows the ``reach/`` prefix too and leaves the excluded members out
+of the snapshot, so ``decide`` sees their workers gone, as after a loss.
+
+After a compaction (or a watch that cannot resume) the members, requests and reach
 prefixes are loaded again and the view rebuilt, and the election key is checked
 again, so a delete can never be lost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -31,6 +37,7 @@ from .errors import RendezvousError
 from .etcd import CreateRevisionEquals, Delete, Etcd, ModRevisionEquals, Put
 from .keys import KEEP_ROUNDS, JobKeys
 from .liveness import evict_dead_members
+from .reachability import ReachReport, exclusions
 from .rounds import (
     Fail,
     FormRound,
@@ -110,6 +117,8 @@ class Coordinator:
         self._members: dict[str, Member] = {}
         self._requests: dict[str, ResetRequest] = {}
         self._request_revisions: dict[str, int] = {}  # worker id -> mod revision of its request key
+        self._reports: dict[str, ReachReport] = {}  # member id -> its reachability report
+        self._excluded: frozenset = frozenset()  # members left out for being unreachable
         self._last_change = clock()
         self._below_min_since: Optional[float] = None
         self._plan_seen: tuple[int, float] = (0, 0.0)  # (round, when we first saw its plan)
@@ -220,6 +229,7 @@ class Coordinator:
         try:
             watches.append(self._follow(self._keys.members, self._on_member_events))
             watches.append(self._follow(self._keys.requests, self._on_request_events))
+            watches.append(self._follow(self._keys.reach, self._on_reach_events))
             watches.append(
                 self._etcd.watch(
                     self._keys.coordinator,
@@ -297,11 +307,45 @@ class Coordinator:
             self._dirty = True
             self._wake.notify_all()
 
+    def _on_reach_events(self, events, initial: bool = False) -> None:
+        with self._wake:
+            known, now = self._reports, self._clock()
+            if initial:
+                self._reports = {}
+            for kind, kv in events:
+                member_id = kv.key[len(self._keys.reach):]
+                if kind == "put" and kv.value:
+                    report = ReachReport.from_json(member_id, kv.value, now)
+                    seen = known.get(member_id)
+                    if initial and seen is not None and seen.round == report.round:
+                        report = seen  # a reload keeps when we first saw it
+                    self._reports[member_id] = report
+                else:
+                    self._reports.pop(member_id, None)
+            self._dirty = True
+            self._wake.notify_all()
+
+    def _reachable_members(self, plan, now: float):
+        """The registered members minus those cut off from the ring (under ``_wake``);
+        and when to decide again if reports are still awaited."""
+        members = tuple(self._members.values())
+        exclusion = exclusions(plan, tuple(self._members), self._reports, now)
+        if exclusion.members != self._excluded:
+            if exclusion.members - self._excluded:
+                log.warning("coordinator: excluding %s (%s)", ", ".join(sorted(exclusion.members - self._excluded)),
+                            exclusion.reason or "cannot reach the ring, or the ring cannot reach them")
+            if self._excluded - exclusion.members:
+                log.warning("coordinator: %s reachable again", ", ".join(sorted(self._excluded - exclusion.members)))
+            self._excluded = exclusion.members
+        elif exclusion.reason and not exclusion.members:
+            log.debug("coordinator: %s", exclusion.reason)
+        return tuple(m for m in members if m.member_id not in exclusion.members), exclusion.recheck_at
+
     def _step(self, token: int) -> None:
         now = self._clock()
         with self._wake:
             plan = self._control.plan
-            members = tuple(self._members.values())
+            members, recheck_at = self._reachable_members(plan, now)
             present = len(candidates(plan, members)[: self._settings.max_np])
             if present < self._settings.min_np:
                 if self._below_min_since is None:
@@ -322,6 +366,11 @@ class Coordinator:
             )
             self._dirty = False
         decision = decide(snapshot, self._settings, now)
+        if isinstance(decision, FormRound) and decision.lost and self._excluded:
+            cut = [m for m in self._excluded if plan is not None and plan.local_ranks(m)]
+            if cut:
+                decision = dataclasses.replace(decision, reason=f"{decision.reason}: {', '.join(sorted(cut))} "
+                                                                 f"unreachable from the ring")
         if isinstance(decision, FormRound):
             if decision.after_failure and self._evict_dead(decision):
                 return  # their member keys go; the next decision sees them gone
@@ -345,6 +394,8 @@ class Coordinator:
             if self._dirty:
                 return
             timeout = 1.0 if decision.until is None else max(0.0, min(1.0, decision.until - now))
+            if recheck_at is not None:
+                timeout = max(0.0, min(timeout, recheck_at - now))
             self._wake.wait(timeout)
 
     def _delete_answered_requests(self, number: int) -> None:

@@ -13,6 +13,10 @@ never read or watch each other's keys.
                                          only the newest KEEP_ROUNDS are kept.
     /elastic/<job>/control/plan          JSON RoundPlan of the newest round.
     /elastic/<job>/control/status        JSON JobStatus (running / succeeded / failed).
+    /elastic/<job>/reach/<member-id>     JSON ReachReport: the members this member's agent
+                                         could not connect to while its workers were
+                                         stalled (reachability.py), on its lease.
+                                         Only the coordinator watches this prefix.
     /elastic/<job>/plainstores/<n>       "host:port" of round n's fresh TCPStore for
                                          workers that use torchrun's env:// init
                                          (deleted with the store, two rounds later).
@@ -88,6 +92,13 @@ class JobKeys:
 
     def plain_store(self, number: int) -> str:
         return f"{self.prefix}plainstores/{number:08d}"
+
+    @property
+    def reach(self) -> str:
+        return self.prefix + "reach/"
+
+    def reach_report(self, member_id: str) -> str:
+        return self.reach + member_id
 
     @property
     def control(self) -> str:

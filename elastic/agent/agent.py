@@ -62,6 +62,7 @@ from ..errors import PeersUnreachable
 from ..events import EventLog
 from ..stragglers import StragglerOptions
 from .event_tail import EventTail
+from .peer_probe import PeerProbe
 from .plain_store import PlainStores, prune_round_keys
 from .straggler_eviction import on_straggler_event
 from .watchdog import HangPolicy, Watchdog
@@ -176,6 +177,7 @@ class Agent:
             self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr, cfg.settings.timeout
         )
         self.participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
+        self._peer_probe = PeerProbe(self._etcd, self.participant, self.events).start()
         self.health.mark_registered()
         if self._health_server is not None:
             # The session's own verdict comes only after max(ttl, retry deadline);
@@ -207,6 +209,7 @@ class Agent:
             self._etcd_writes.flush()
             self._restart_plain_workers()
             self._watchdog.check(self._workers, self._plan)  # a hung worker is killed; its exit comes next
+            self._peer_probe.tick(self._watchdog.marks())  # a stalled ring: can we reach our peers?
             try:
                 self._follow_control()
             except RendezvousError as exc:

@@ -155,6 +155,10 @@ class Watchdog:
         if board is not None:
             board.close()
 
+    def marks(self) -> list[Marks]:
+        """Every live board's marks (agent's thread), for the peer probe's stall check."""
+        return [board.read() for board in self._boards.values()]
+
     def check(self, workers: dict, plan) -> list[str]:
         """Judge every live worker; kill the hung ones. Returns their ids."""
         if not self.policy.enabled:

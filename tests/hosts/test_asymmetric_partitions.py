@@ -12,9 +12,11 @@ Three hosts, one worker each (--min-np 2), as in test_partitions.py.
   and when etcd is reachable again its agent registers again and the job grows back.
 * **peers cut, etcd reachable** (``cut_peers``). Its lease stays alive, so nothing
   evicts it by TTL, and every worker blocks in a collective: a victim, not a culprit,
-  for the hang watchdog. The survivors should go on within ttl + 2 s and the host
-  rejoin when healed; not built yet, so that test is an expected failure (its reason
-  says what happens today).
+  for the hang watchdog. The agents see their workers stalled, probe each other's
+  ports and report to etcd what they cannot reach; the coordinator plans without the
+  host that the others cannot reach (rendezvous/reachability.py). The survivors go
+  on within ttl + 2 s, the cut host's worker never completes a step of the round the
+  job left, and once its probes and theirs succeed again it rejoins at a commit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from tests.fakes.jobs import read_jsonl, wait_until
 from tests.hosts.test_partitions import SLACK_S, TTL, finish, start, steps_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]  # heavy: the slow run, which CI runs too
+
+HOLD_S = 8.0  # a cut kept this long after the survivors moved on: longer than a probe cycle
 
 
 @pytest.mark.parametrize("victim", [pytest.param(0, id="rank0-store-and-coordinator"), pytest.param(2, id="plain")])
@@ -56,29 +60,40 @@ def test_a_host_cut_from_etcd_only_is_left_behind_within_ttl_and_rejoins(netns_h
     finish(tmp_path, jobs, out)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "not built yet: a host that reaches etcd but not its peers keeps its lease, so nothing evicts it. "
-    "Measured (3 hosts, ttl 6 s, --collective-timeout 60): every worker blocked in allreduce until gloo's "
-    "timeout 60 s after the cut; the reset requests then formed a round with all three hosts again, whose "
-    "set-up was still blocked 88 s later (the cut host is unreachable); no survivor step within 150 s of the cut. gloo's timeout errors name no peer "
-    "(a survivor's said 'Connection closed by peer' naming the other survivor), so they cannot name the culprit"))
-def test_a_host_cut_from_its_peers_only_is_left_behind_and_rejoins(netns_hosts, tmp_path):
+@pytest.mark.parametrize("victim", [pytest.param(0, id="rank0-store-and-coordinator"), pytest.param(2, id="plain")])
+def test_a_host_cut_from_its_peers_only_is_left_behind_and_rejoins(netns_hosts, tmp_path, victim):
     hosts = netns_hosts(3)
-    jobs = start(hosts, tmp_path, "peercut")
+    jobs = start(hosts, tmp_path, f"peercut-{victim}")
     out = tmp_path / "out"
     wait_until(lambda: len(steps_after(out, 0, 3)) >= 15, 180, "the 3-worker ring to train")
+    old_round = max(s["round"] for s in steps_after(out, 0, 3))
+    peer = hosts[1 if victim != 1 else 0]
 
     cut_at = time.time()
-    hosts[2].cut_peers()
-    assert not hosts[2].reaches(hosts[0].addr, 22) and hosts[2].reaches(hosts.bridge_addr, hosts.etcd.client_port)
+    hosts[victim].cut_peers()
+    assert not hosts[victim].reaches(peer.addr, 22)
+    assert hosts[victim].reaches(hosts.bridge_addr, hosts.etcd.client_port)
     after_cut = wait_until(lambda: steps_after(out, cut_at, 2), TTL + 2 + SLACK_S + 10, "a step of the 2 survivors")
     stall = min(s["t"] for s in after_cut) - cut_at
-    print(f"\nhost 2 cut from its peers: survivors' next step after {stall:.2f}s (ttl {TTL:g}s)")
+    print(f"\nhost {victim} cut from its peers: survivors' next step after {stall:.2f}s (ttl {TTL:g}s)")
     assert stall <= TTL + 2 + SLACK_S, f"survivors stalled {stall:.1f}s"
+    # The cut host's agent named both peers; the coordinator said why it planned without it.
+    cut_report = [e for e in jobs[victim].events() if e["event"] == "peers_unreachable"]
+    assert cut_report and len(cut_report[0]["unreachable"]) == 2, cut_report
+    assert any("unreachable from the ring" in e.get("reason", "") for job in jobs for e in job.events()
+               if e["event"] == "round_formed")
+
+    # While the cut lasts, the survivors train on without it, and it is not let back in.
+    first_new = min(s["t"] for s in after_cut)
+    wait_until(lambda: steps_after(out, first_new + HOLD_S, 2), 60, f"the survivors to train {HOLD_S:g}s more")
+    assert not steps_after(out, cut_at, 3)
+    # Fenced: no step of the round the job left completes once the survivors moved on.
+    late = [s for s in read_jsonl(out / "steps.jsonl") if s["round"] == old_round and s["t"] > first_new]
+    assert not late, late
 
     healed_at = time.time()
-    hosts[2].heal()
+    hosts[victim].heal()
     rejoined = wait_until(lambda: steps_after(out, healed_at, 3), 180, "the cut host to rejoin")
-    print(f"host 2 reaches its peers again: back to 3 workers after {min(s['t'] for s in rejoined) - healed_at:.2f}s")
+    print(f"host {victim} reaches its peers again: back to 3 workers after "
+          f"{min(s['t'] for s in rejoined) - healed_at:.2f}s")
     finish(tmp_path, jobs, out)

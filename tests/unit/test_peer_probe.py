@@ -1,0 +1,143 @@
+"""The agent's peer probe: what counts as an answer, and when the ring looks stalled."""
+
+import json
+import socket
+import time
+
+from elastic.agent.peer_probe import PeerProbe, unreachable
+from elastic.progress import Marks
+from rendezvous import Member
+
+
+def test_an_accept_or_a_refusal_is_an_answer_silence_is_not():
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        with socket.create_server(("127.0.0.1", 0)) as closed:
+            closed_port = closed.getsockname()[1]
+        # A listener whose accept queue is full drops further SYNs: no answer at all,
+        # what a peer behind a partition looks like (no RST, no ICMP).
+        full = socket.socket()
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        fillers = []
+        try:
+            for _ in range(8):  # the kernel's queue is a little longer than the backlog
+                filler = socket.socket()
+                filler.setblocking(False)
+                filler.connect_ex(full.getsockname())
+                fillers.append(filler)
+            time.sleep(0.2)
+            started = time.monotonic()
+            silent = unreachable({
+                "up": listening.getsockname(), "refusing": ("127.0.0.1", closed_port), "silent": full.getsockname(),
+            }, timeout=0.5)
+            took = time.monotonic() - started
+        finally:
+            for filler in fillers:
+                filler.close()
+            full.close()
+    assert silent == {"silent"}
+    assert took < 3.0  # all probed at once, each bounded by the timeout
+
+
+class _FakeParticipant:
+    keys = None
+    session = None
+    control = None
+
+    class member:
+        member_id = "m"
+
+
+def _probe():
+    return PeerProbe(None, _FakeParticipant(), None, floor=1.0, factor=3.0, clock=lambda: 100.0)
+
+
+def test_a_worker_without_a_commit_for_the_bound_marks_the_ring_stalled():
+    probe = _probe()
+    probe.tick([Marks(progress=5, progress_at=99.5, slowest=0.1, beats=9, alive_at=100.0)])
+    assert not probe._stalled.is_set()  # 0.5 s: within the 1 s floor
+    probe.tick([Marks(progress=5, progress_at=98.5, slowest=0.1, beats=9, alive_at=100.0)])
+    assert probe._stalled.is_set()
+    # An honest 30 s step: the bound follows the slowest interval seen (3 x 30 s).
+    probe.tick([Marks(progress=5, progress_at=40.0, slowest=30.0, beats=9, alive_at=100.0)])
+    assert not probe._stalled.is_set()
+    # Before its first interval a worker gets longer (start-up, warm-up): 10 s.
+    probe.tick([Marks(progress=1, progress_at=92.0, slowest=0.0, beats=9, alive_at=100.0)])
+    assert not probe._stalled.is_set()
+    probe.tick([Marks(progress=1, progress_at=89.0, slowest=0.0, beats=9, alive_at=100.0)])
+    assert probe._stalled.is_set()
+
+
+def test_outside_the_training_function_or_before_the_heartbeat_nothing_is_a_stall():
+    probe = _probe()
+    probe.tick([Marks(progress=0, progress_at=1.0, beats=9), Marks(progress=3, progress_at=1.0, beats=0)])
+    assert not probe._stalled.is_set()
+    probe.tick([])
+    assert not probe._stalled.is_set()
+
+
+class _Session:
+    lease_id = 7
+    alive = True
+
+    class lost:
+        @staticmethod
+        def is_set():
+            return False
+
+
+class _Etcd:
+    """The two calls the probe makes: a member record, a report on our lease."""
+
+    def __init__(self, members):
+        self.members = members
+        self.puts = []
+
+    def get(self, key):
+        from rendezvous import KeyValue
+        name = key.rsplit("/", 1)[1]
+        if name not in self.members:
+            return None
+        addr, port = self.members[name]
+        body = Member(name, name, addr, port, (), 0.0).to_json()
+        return KeyValue(key, body, 0, 0, 0, 0)
+
+    def put(self, key, value, lease=None):
+        assert lease == 7
+        self.puts.append((key.rsplit("/", 1)[1], json.loads(value)))
+
+
+def test_a_peer_is_reported_after_two_silent_passes_and_cleared_when_it_answers(monkeypatch):
+    from rendezvous import JobKeys
+    from rendezvous.rounds import RoundPlan, Slot
+
+    plan = RoundPlan(4, (Slot("me", "me.w0"), Slot("a", "a.w0"), Slot("b", "b.w0")),
+                     {m: (m, "10.0.0.1") for m in ("me", "a", "b")}, "10.0.0.1:1", 0.0)
+
+    class Participant:
+        keys = JobKeys("j")
+        session = _Session()
+        member = Member("me", "me", "10.0.0.1", 1, (), 0.0)
+
+        class control:
+            pass
+
+    Participant.control.plan = plan
+    etcd = _Etcd({"a": ("10.0.0.2", 2), "b": ("10.0.0.3", 3)})
+    emitted = []
+    events = type("Events", (), {"emit": lambda self, name, **kw: emitted.append((name, kw))})()
+    probe = PeerProbe(etcd, Participant(), events)
+    silent = {"b"}
+    monkeypatch.setattr("elastic.agent.peer_probe.unreachable", lambda addresses, timeout: set(addresses) & silent)
+
+    probe._probe_once()  # b silent once: nothing said yet, asked again at once
+    assert etcd.puts == [] and probe._unconfirmed()
+    probe._probe_once()  # silent twice: reported
+    assert etcd.puts == [("me", {"round": 4, "unreachable": ["b"]})]
+    assert emitted[-1][0] == "peers_unreachable"
+    probe._probe_once()  # nothing new: no write
+    assert len(etcd.puts) == 1
+    silent.clear()
+    probe._probe_once()  # b answers again: the report is cleared
+    assert etcd.puts[-1] == ("me", {"round": 4, "unreachable": []})
+    assert emitted[-1] == ("peers_reachable", {"round": 4, "unreachable": [], "back": ["b"]})
