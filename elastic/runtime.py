@@ -37,11 +37,11 @@ from rendezvous import (
     JobKeys,
     RendezvousError,
     RoundPlan,
-    evict_if_dead,
 )
 from rendezvous.errors import RendezvousTimeoutError
 
 from .console import FILE_ONLY
+from .reset_nudge import ResetNudge
 from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
 from .events import EventLog
 from .progress import Progress
@@ -57,10 +57,6 @@ _ARRIVAL_POLL = 0.005  # seconds between looks at the arrival counter
 # between them: if that agent is dead, a newer plan (without it) replaces the round,
 # and waiting out a long connect timeout would hide it.
 _STORE_CONNECT_ATTEMPT_S = 1.0
-# While waiting for the round after a failure: how long before we look for a dead
-# coordinator, and how often we post our reset request again if etcd refused it.
-_NUDGE_AFTER_S = 1.0
-_NUDGE_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -249,7 +245,7 @@ class Runtime:
         nudge = None
         if failed:
             self.events.emit("failure_detected", reason=reason, console=False)  # reform_done says it
-            nudge = _Nudge(self, old_round, reason)
+            nudge = ResetNudge(self._control, self._etcd, self.config, old_round, reason)
             nudge()  # ask for a round at once; the wait below repeats it if etcd refused
         # [graceful-leave] A planned switch to a round without us: our host withdrew
         # us (SIGTERM to its agent); leave with exit 0 instead of waiting for a round.
@@ -489,43 +485,3 @@ class Runtime:
         if self._stragglers is not None:
             self._stragglers.close()
             self._stragglers = None
-
-
-class _Nudge:
-    """While a failed worker waits for its next round: post the reset request (again,
-    if etcd refused it), and if no round comes, look for a dead coordinator.
-
-    A coordinator whose host died keeps its election key until its lease expires
-    (--rdzv-ttl). If its agent's port refuses connections, the agent is dead for
-    sure, and revoking its lease now lets another agent lead at once.
-    """
-
-    def __init__(self, runtime: "Runtime", old_round: int, reason: str):
-        self._runtime = runtime
-        self._old_round = old_round
-        self._reason = reason
-        self._posted = False
-        self._started = time.monotonic()
-        self._next = self._started
-
-    def next_in(self) -> float:
-        return max(0.0, self._next - time.monotonic())
-
-    def __call__(self) -> None:
-        rt = self._runtime
-        now = time.monotonic()
-        self._next = now + (_NUDGE_AFTER_S if not self._posted else _NUDGE_EVERY_S)
-        try:
-            if not self._posted:
-                newest = rt._control.plan
-                if newest is None or newest.round <= self._old_round:
-                    # No plan explains the failure (a hang, a partition): ask for one.
-                    rt._control.request_reset(rt.config.worker_id, self._old_round, self._reason)
-                self._posted = True
-            elif now - self._started >= _NUDGE_AFTER_S:
-                coordinator = rt._etcd.get(JobKeys(rt.config.job_id).coordinator)
-                if coordinator is not None:
-                    evict_if_dead(rt._etcd, JobKeys(rt.config.job_id), coordinator.value.decode())
-        except RendezvousError as exc:
-            # etcd away or partitioned: the watch delivers the plan once it is back.
-            log.info("round %d: etcd unreachable while asking for a new round (%s)", self._old_round, exc)

@@ -6,7 +6,13 @@ for hangs and turns what it sees into membership changes. The worker side (the
 runtime, state, recovery) lives beside this package in ``elastic/``.
 
     agent.py        the agent: its loop, following plans, what a worker's exit means, leaving
+    config.py       what the agent is told, and what it tells each worker
     worker_env.py   the environment a worker starts with (torchrun's variables, ours)
+    event_tail.py   the workers' events, read from the events file they append to
+    metrics.py      Prometheus metrics from those events and the progress boards
+    straggler_eviction.py  a reported straggler's host leaves (--evict-stragglers)
+    chaos.py        --chaos-kill-every: kill our own workers, report the recoveries
+    peer_probe.py   can we reach our peers' agents while the ring is stalled?
     etcd_writes.py  reports queued while etcd is away, sent in order when it is back
     workers.py      worker processes: start, output, exit, signals
     watchdog.py     hang detection from the workers' progress marks
@@ -15,6 +21,7 @@ runtime, state, recovery) lives beside this package in ``elastic/``.
     addressing.py   which address and interface peers reach this host at
 """
 
-from .agent import Agent, AgentConfig
+from .agent import Agent
+from .config import AgentConfig
 
 __all__ = ["Agent", "AgentConfig"]

@@ -36,7 +36,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
@@ -51,16 +51,15 @@ from rendezvous import (
     Member,
     Participant,
     RendezvousError,
-    RendezvousSettings,
     RoundPlan,
     new_member_id,
 )
 
-from .chaos import ChaosConfig, ChaosMonkey
+from .chaos import ChaosMonkey
+from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
 from ..errors import PeersUnreachable
 from ..events import EventLog
-from ..stragglers import StragglerOptions
 from .event_tail import EventTail
 from .peer_probe import PeerProbe
 from .plain_store import PlainStores, prune_round_keys
@@ -69,7 +68,6 @@ from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor
 from .metrics import AgentMetrics, round_change
-from ..worker_config import WorkerConfig
 from .worker_env import worker_env
 from .workers import Exited, WorkerProcess
 
@@ -78,32 +76,6 @@ log = logging.getLogger(__name__)
 # A worker that has not called elastic.init() within this long after its start is a
 # plain (torchrun-style) script; before that it may still be importing torch.
 _STARTUP_S = 60.0
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    command: tuple[str, ...]  # worker argv after the interpreter: script + args, or -m module + args
-    nproc_per_node: int
-    settings: RendezvousSettings
-    job_id: str
-    host_id: str
-    host_addr: str
-    ttl: float
-    collective_timeout: float
-    max_resets: int
-    reset_window: float
-    max_restarts: int
-    backend: str
-    grace_period: float
-    log_dir: Optional[str] = None
-    health_port: Optional[int] = None
-    checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
-    socket_ifname: Optional[str] = None  # the interface holding host_addr, for gloo/NCCL (addressing.py)
-    etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
-    final_checkpoint_timeout: float = 600.0  # for a worker still writing the final checkpoint
-    hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
-    stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers
-    chaos: Optional[ChaosConfig] = None  # --chaos-kill-every: kill our own workers (chaos.py)
 
 
 @dataclass
@@ -278,27 +250,10 @@ class Agent:
         cfg = self.config
         rank = plan.rank_of(worker_id)
         progress_file, stacks_file = self._watchdog.files_for(worker_id)
-        worker_config = WorkerConfig(
-            job_id=cfg.job_id,
-            endpoints=self._endpoints,
-            worker_id=worker_id,
-            member_id=self.member_id,
-            host_id=cfg.host_id,
-            round=plan.round,
-            backend=cfg.backend,
-            collective_timeout=cfg.collective_timeout,
-            rdzv_timeout=cfg.settings.timeout,
-            max_resets=cfg.max_resets,
-            reset_window=cfg.reset_window,
-            events_file=self.events.path,
-            error_file=os.path.join(self._scratch, f"{worker_id}.error"),
-            marker_file=os.path.join(self._scratch, f"{worker_id}.elastic"),
-            final_checkpoint_file=self._final_checkpoint_file(worker_id),
-            progress_file=progress_file,
-            stacks_file=stacks_file,
-            straggler_ratio=cfg.stragglers.ratio,
-            **cfg.etcd_options,
-            **cfg.checkpoint,
+        worker_config = config_for_worker(
+            cfg, worker_id, plan.round, endpoints=self._endpoints, member_id=self.member_id,
+            events_file=self.events.path, scratch=self._scratch, progress_file=progress_file,
+            stacks_file=stacks_file, final_checkpoint_file=self._final_checkpoint_file(worker_id),
         )
         env = worker_env(
             os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id,

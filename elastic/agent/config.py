@@ -1,0 +1,69 @@
+"""What an agent is told (``AgentConfig``, from the command line) and what it tells
+each worker it starts (``WorkerConfig``, through the environment)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rendezvous import RendezvousSettings
+
+from ..stragglers import StragglerOptions
+from ..worker_config import WorkerConfig
+from .chaos import ChaosConfig
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    command: tuple[str, ...]  # worker argv after the interpreter: script + args, or -m module + args
+    nproc_per_node: int
+    settings: RendezvousSettings
+    job_id: str
+    host_id: str
+    host_addr: str
+    ttl: float
+    collective_timeout: float
+    max_resets: int
+    reset_window: float
+    max_restarts: int
+    backend: str
+    grace_period: float
+    log_dir: Optional[str] = None
+    health_port: Optional[int] = None
+    checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
+    socket_ifname: Optional[str] = None  # the interface holding host_addr, for gloo/NCCL (addressing.py)
+    etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
+    final_checkpoint_timeout: float = 600.0  # for a worker still writing the final checkpoint
+    hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
+    stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers
+    chaos: Optional[ChaosConfig] = None  # --chaos-kill-every: kill our own workers (chaos.py)
+
+
+def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,
+                      events_file: str, scratch: str, progress_file: Optional[str], stacks_file: Optional[str],
+                      final_checkpoint_file: str) -> WorkerConfig:
+    """The runtime's settings of one worker; the files named are the agent's ways of
+    hearing from it (error report, elastic marker, progress board, stacks)."""
+    return WorkerConfig(
+        job_id=cfg.job_id,
+        endpoints=endpoints,
+        worker_id=worker_id,
+        member_id=member_id,
+        host_id=cfg.host_id,
+        round=round_number,
+        backend=cfg.backend,
+        collective_timeout=cfg.collective_timeout,
+        rdzv_timeout=cfg.settings.timeout,
+        max_resets=cfg.max_resets,
+        reset_window=cfg.reset_window,
+        events_file=events_file,
+        error_file=os.path.join(scratch, f"{worker_id}.error"),
+        marker_file=os.path.join(scratch, f"{worker_id}.elastic"),
+        final_checkpoint_file=final_checkpoint_file,
+        progress_file=progress_file,
+        stacks_file=stacks_file,
+        straggler_ratio=cfg.stragglers.ratio,
+        **cfg.etcd_options,
+        **cfg.checkpoint,
+    )
