@@ -19,7 +19,7 @@ import pytest
 from tests.fakes.jobs import Job, read_jsonl
 from tests.integration.test_global_batch_run import DATASET, check_same_as_a_plain_run
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(900)
 
 KILLS = "3:before-step,6:mid-step,9:before-commit,12:after-peer-commit,15:after-commit"
 STEPS = 20
@@ -35,7 +35,7 @@ def test_kills_at_every_point_of_a_step_leave_the_plain_trajectory(tmp_path, etc
     script = [*SCRIPT, "--kill-at", KILLS, "--kill-rank", "1", "--hold-below-world", "3"]
     job = Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, script))
     try:
-        assert job.wait(300) == 0, job.text()[-3000:]
+        assert job.wait(720) == 0, job.text()[-3000:]
     finally:
         job.kill()
     killed = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("killed-*"))
