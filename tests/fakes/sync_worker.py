@@ -1,6 +1,6 @@
 """One worker of a real gloo ring that syncs an ``elastic.State`` (tests of State.sync).
 
-    python -m tests.fakes.sync_worker RANK WORLD STORE_PORT SCENARIO
+    python -m tests.fakes.sync_worker RANK WORLD STORE_PORT SCENARIO [--backend nccl]
 
 The value v of the state is: weights all v, counts all v, step v. Each rank first
 commits what SCENARIO gives it (the round each commit is made in, and its value),
@@ -12,6 +12,9 @@ if the sync broke, after ``restore()``, as ``@elastic.run`` does next).
                  rank 3: no commit (a joiner)
     holder-dies  rank 0: commits up to 4 in round 1 (value 4); ranks 1, 2: up to 3 (value 3);
                  rank 0 exits after sending 2 of its chunks: the receivers keep commit 3
+    laggard      rank 0: commits 1, 2 (value 2); every other rank: commit 1 (value 1)
+
+With ``--backend nccl`` the state lives on GPU ``RANK`` (the staged transfer path).
 """
 
 import argparse
@@ -31,26 +34,32 @@ p = argparse.ArgumentParser()
 p.add_argument("rank", type=int)
 p.add_argument("world", type=int)
 p.add_argument("port", type=int)
-p.add_argument("scenario", choices=["mixed", "holder-dies"])
+p.add_argument("scenario", choices=["mixed", "holder-dies", "laggard"])
+p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
 args = p.parse_args()
+device = torch.device("cpu")
+if args.backend == "nccl":
+    torch.cuda.set_device(args.rank)
+    device = torch.device("cuda", args.rank)
 
 store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
+dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world,
                         timeout=datetime.timedelta(seconds=15))
 # The runtime as State sees it: rank, world, round, backend; no checkpoint policy.
-runtime = types.SimpleNamespace(rank=args.rank, world_size=args.world, backend="gloo", config=None, round=1,
+runtime = types.SimpleNamespace(rank=args.rank, world_size=args.world, backend=args.backend, config=None, round=1,
                                 fence=lambda: None, note_commit=lambda: None)
 elastic._current = runtime
 # Two dtypes: two flat buffers. Small chunks: a sync of 4 MB is many transfers.
 state_transfer.CHUNK_BYTES = state_module.CHUNK_BYTES = 256 << 10
-state = elastic.State(weights=torch.zeros(1 << 20), counts=torch.zeros(10, dtype=torch.int64), step=0)
+state = elastic.State(weights=torch.zeros(1 << 20, device=device), counts=torch.zeros(10, dtype=torch.int64, device=device),
+                      step=0)
 
 
 def commit_values(round_number: int, values) -> None:
     runtime.round = round_number
     for value in values:
-        state.weights = torch.full((1 << 20,), float(value))
-        state.counts = torch.full((10,), value, dtype=torch.int64)
+        state.weights = torch.full((1 << 20,), float(value), device=device)
+        state.counts = torch.full((10,), value, dtype=torch.int64, device=device)
         state.step = value
         state.commit()
 
@@ -67,6 +76,8 @@ if args.scenario == "mixed":
         commit_values(2, [1, 2])
     elif args.rank == 2:
         commit_values(1, [1, 2, 3])
+elif args.scenario == "laggard":
+    commit_values(1, [1, 2] if args.rank == 0 else [1])
 else:
     commit_values(1, [1, 2, 3, 4] if args.rank == 0 else [1, 2, 3])
     if args.rank == 0:

@@ -18,14 +18,14 @@ from tests.fakes.jobs import REPO
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_ring(world: int, scenario: str) -> list[dict]:
+def run_ring(world: int, scenario: str, *extra: str) -> list[dict]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen([sys.executable, "-m", "tests.fakes.sync_worker", str(rank), str(world), str(store.port),
-                          scenario], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          scenario, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in range(world)
     ]
     results = []
