@@ -44,4 +44,4 @@ def test_kills_at_every_point_of_a_step_leave_the_plain_trajectory(tmp_path, etc
                 if e["event"] == "reform_done" and e["failed"]]
     assert len({e["round"] for e in failures}) >= 5, "every kill re-formed the ring"
     last_world = max(read_jsonl(tmp_path / "out" / "pids.jsonl"), key=lambda e: e["round"])["world"]
-    check_same_as_a_plain_run(tmp_path, script, last_world)
+    check_same_as_a_plain_run(tmp_path, SCRIPT, last_world)  # the plain run: no kills, no waiting for a world of 3
