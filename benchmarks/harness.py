@@ -200,3 +200,37 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def fmt(value: float | None, unit: str = "s") -> str:
     return "-" if value is None else f"{value:.3f}{unit}"
+
+
+class PeakMemory:
+    """Samples the peak RSS (VmHWM) of a launcher's descendants while a job runs; the
+    kernel keeps each process's peak, so sampling every half second misses nothing
+    but the last half second of a process's life."""
+
+    def __init__(self, root_pid: int, interval: float = 0.5) -> None:
+        import threading
+
+        self._root, self._interval = root_pid, interval
+        self.peak_mb: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            for pid in descendants(self._root):
+                try:
+                    text = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                for line in text.splitlines():
+                    if line.startswith("VmHWM:"):
+                        mb = int(line.split()[1]) / 1024
+                        self.peak_mb[pid] = max(mb, self.peak_mb.get(pid, 0.0))
+
+    def stop(self, pids: set[int] | None = None) -> float | None:
+        """The largest peak among ``pids`` (all sampled processes if None), in MB."""
+        self._stop.set()
+        self._thread.join()
+        values = [mb for pid, mb in self.peak_mb.items() if pids is None or pid in pids]
+        return max(values, default=None)

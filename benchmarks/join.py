@@ -1,25 +1,29 @@
-"""Stall of the running workers when a host joins (target <= 0.5 s).
+"""Stall of the running workers when a host joins, per size of the state.
 
-    python -m benchmarks.join [--reps 3] [--json PATH]
+    python -m benchmarks.join [--state-mb 6,400,900] [--reps 3] [--ddp-init-sync] [--json PATH]
 
 Three workers (one agent) train the benchmark workload against an embedded etcd; a
 second agent with one worker joins the same job mid-run. The stall is the longest
 gap between two consecutive completed steps of the original workers around the
-switch, minus their median step time. For comparison, the baseline a torchrun user
-has is a restart of every worker (see benchmarks.recovery: several seconds).
+switch, minus their median step time. ``--state-mb`` grows the state with ballast
+(benchmarks/workload.py): what the joiner must receive grows, the step does not.
+``--ddp-init-sync`` constructs DDP with its initial broadcast (what scripts did before
+``state.sync()`` made it redundant). For comparison, the baseline a torchrun user has
+is a restart of every worker (see benchmarks.recovery: several seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
 
 from rendezvous import EmbeddedEtcd
 
-from .harness import WORKLOAD_MODULE, BIN, Job, benchmark_env, read_timings, wait_for
+from .harness import WORKLOAD_MODULE, BIN, Job, PeakMemory, benchmark_env, read_timings, wait_for
 
 TARGET_S = 0.5
 
@@ -30,25 +34,32 @@ def agent_command(endpoint: str, job_id: str, nproc: int, log_dir: Path, workloa
             "-m", WORKLOAD_MODULE, "--mode", "elastic", *workload]
 
 
-def one_rep(rep: int, endpoint: str, steps: int, join_after: int, commit_every: int) -> dict:
+def one_rep(rep: int, endpoint: str, args, state_mb: float) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"bench-join-{rep}-"))
     timing = work / "timing"
     timing.mkdir()
-    workload = ["--steps", str(steps), "--timing-dir", str(timing), "--commit-every", str(commit_every)]
+    workload = ["--steps", str(args.steps), "--timing-dir", str(timing), "--commit-every", str(args.commit_every),
+                "--state-mb", str(state_mb)] + (["--ddp-init-sync"] if args.ddp_init_sync else [])
     job_id = f"join-{rep}-{work.name[-6:]}"
     env = benchmark_env()
+    load_before = os.getloadavg()[0]
     with Job(agent_command(endpoint, job_id, 3, work / "logs", workload), env, work / "first.log") as first:
-        started = wait_for(lambda: any(len(w.steps) >= join_after for w in read_timings(timing)), 180)
+        memory = PeakMemory(first.proc.pid)
+        started = wait_for(lambda: any(len(w.steps) >= args.join_after for w in read_timings(timing)), 300)
         if not started:
-            return {"rep": rep, "error": "the first agent made no progress"}
+            memory.stop()
+            return {"rep": rep, "state_mb": state_mb, "error": "the first agent made no progress"}
         original = {w.pid for w in read_timings(timing)}
         with Job(agent_command(endpoint, job_id, 1, work / "logs", workload), env, work / "second.log") as second:
-            first.wait(300)
+            joiner_memory = PeakMemory(second.proc.pid)
+            first.wait(600)
             second.wait(60)
+        peak_running = memory.stop(original)
+        peak_joiner = joiner_memory.stop()
     events = [json.loads(l) for l in (work / "logs" / "events.jsonl").read_text().splitlines() if l.strip()]
     switches = [e for e in events if e["event"] == "reform_done" and not e["failed"]]
     if not switches:
-        return {"rep": rep, "error": "no switch happened (the joiner came too late?)"}
+        return {"rep": rep, "state_mb": state_mb, "error": "no switch happened (the joiner came too late?)"}
     switch_time = min(e["time"] for e in switches)
     stalls, medians = [], []
     for worker in read_timings(timing):
@@ -60,42 +71,69 @@ def one_rep(rep: int, endpoint: str, steps: int, join_after: int, commit_every: 
         around = [b - a for a, b in zip(times, times[1:]) if a - 5.0 <= switch_time <= b + 5.0]
         stalls.append(max(around, default=median) - median)
         medians.append(median)
+    running = [e for e in switches if e.get("pid") in original] or switches
     return {
         "rep": rep,
+        "state_mb": state_mb,
         "stall_s": max(stalls),
         "median_step_s": statistics.median(medians),
         "switch_total_s": max(e["total_s"] for e in switches),
+        "sync_s_running": max(e["sync_s"] for e in running),
+        "sync_s_all": max(e["sync_s"] for e in switches),
+        "peak_rss_mb_running": peak_running,
+        "peak_rss_mb_joiner": peak_joiner,
         "world_sizes": sorted({e["world_size"] for e in switches}),
+        "loadavg_1min": load_before,
     }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--state-mb", default="6", help="comma-separated sizes of the state in MB")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--join-after", type=int, default=40, help="steps before the second agent starts")
     parser.add_argument("--commit-every", type=int, default=1)
+    parser.add_argument("--ddp-init-sync", action="store_true", help="DDP broadcasts at construction (old way)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    sizes = [float(s) for s in args.state_mb.split(",") if s]
     results = []
     with EmbeddedEtcd() as etcd:  # started on entry
-        for rep in range(1, args.reps + 1):
-            result = one_rep(rep, etcd.endpoint, args.steps, args.join_after, args.commit_every)
-            results.append(result)
-            print(f"rep {rep}/{args.reps}: " + (result.get("error") or
-                  f"stall {result['stall_s']:.3f}s (median step {result['median_step_s'] * 1000:.1f} ms, "
-                  f"switch {result['switch_total_s']:.3f}s)"), flush=True)
-    good = [r["stall_s"] for r in results if "stall_s" in r]
-    median = statistics.median(good) if good else None
+        for state_mb in sizes:
+            for rep in range(1, args.reps + 1):
+                result = one_rep(rep, etcd.endpoint, args, state_mb)
+                results.append(result)
+                print(f"{state_mb:g} MB rep {rep}/{args.reps}: " + (result.get("error") or
+                      f"stall {result['stall_s']:.3f}s (median step {result['median_step_s'] * 1000:.1f} ms, "
+                      f"switch {result['switch_total_s']:.3f}s, sync running {result['sync_s_running']:.3f}s, "
+                      f"peak RSS running {result['peak_rss_mb_running']:.0f} MB, joiner "
+                      f"{result['peak_rss_mb_joiner'] or 0:.0f} MB, load {result['loadavg_1min']:.1f})"), flush=True)
+    summaries = []
     print()
-    print(f"{'reps':>5} {'ok':>3} {'median stall':>13} {'max stall':>10} {'target':>7}")
-    if median is None:
-        print(f"{len(results):>5} {0:>3} {'-':>13} {'-':>10} {'<=0.5s':>7}  no rep succeeded")
-    else:
-        print(f"{len(results):>5} {len(good):>3} {median:>12.3f}s {max(good):>9.3f}s {'<=0.5s':>7}  "
-              f"{'ok' if median <= TARGET_S else 'MISSED'}")
+    print(f"{'state MB':>9} {'ok':>4} {'median stall':>13} {'max stall':>10} {'sync (running)':>15} "
+          f"{'peak RSS running/joiner':>24}")
+    for state_mb in sizes:
+        good = [r for r in results if r["state_mb"] == state_mb and "stall_s" in r]
+        if not good:
+            print(f"{state_mb:>9g} {0:>4}  no rep succeeded")
+            continue
+        summary = {
+            "state_mb": state_mb,
+            "reps": len(good),
+            "median_stall_s": statistics.median(r["stall_s"] for r in good),
+            "max_stall_s": max(r["stall_s"] for r in good),
+            "median_sync_running_s": statistics.median(r["sync_s_running"] for r in good),
+            "peak_rss_mb_running": max(r["peak_rss_mb_running"] or 0 for r in good),
+            "peak_rss_mb_joiner": max(r["peak_rss_mb_joiner"] or 0 for r in good),
+        }
+        summaries.append(summary)
+        print(f"{state_mb:>9g} {len(good):>4} {summary['median_stall_s']:>12.3f}s {summary['max_stall_s']:>9.3f}s "
+              f"{summary['median_sync_running_s']:>14.3f}s "
+              f"{summary['peak_rss_mb_running']:>11.0f}/{summary['peak_rss_mb_joiner']:.0f} MB")
     if args.json:
-        Path(args.json).write_text(json.dumps({"reps": results, "median_stall_s": median, "target_s": TARGET_S}, indent=2))
+        Path(args.json).write_text(json.dumps({"summaries": summaries, "reps": results, "target_s": TARGET_S,
+                                               "ddp_init_sync": args.ddp_init_sync}, indent=2))
         print(f"wrote {args.json}")
     return 0
 

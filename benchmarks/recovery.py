@@ -1,6 +1,7 @@
 """Recovery benchmark: SIGKILL of 1 of 4 local workers -> next completed step.
 
     python -m benchmarks.recovery [--reps 3] [--plain-reps 2] [--json PATH] [--only torchrun|elastic]
+                                  [--state-mb 6,400,900] [--ddp-init-sync]
 
 Variants (same script core, benchmarks/workload.py):
   torchrun          torchrun --standalone --nproc-per-node 4 --max-restarts 3 (may never
@@ -13,6 +14,10 @@ random non-zero rank, then measure from the timing files the time to the next st
 completed on any survivor and to the first step completed by every worker of the new
 world. A variant that shows no step within --recover-timeout is "did not recover".
 For elastic-run the phases of the re-formation come from events.jsonl (reform_done).
+With --state-mb the state (parameters + momentum) is grown with ballast to each size in
+turn (benchmarks/workload.py: the step time stays the same); torchrun then checkpoints
+and reloads a file of that size. --ddp-init-sync makes the elastic workers construct DDP
+with its initial broadcast, as scripts did before ``state.sync()`` made it redundant.
 """
 
 from __future__ import annotations
@@ -44,27 +49,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=180.0)
     parser.add_argument("--checkpoint-every", type=int, default=20, help="torchrun: checkpoint file every N steps")
     parser.add_argument("--seed", type=int, default=None, help="seed of the random kill points")
+    parser.add_argument("--state-mb", default="6", help="comma-separated sizes of the state in MB, one run each")
+    parser.add_argument("--ddp-init-sync", action="store_true", help="elastic: DDP broadcasts at construction")
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)
 
 
-def variant_commands(name: str, workdir: Path, args) -> tuple[list[str], dict[str, str]]:
-    timing = ["--steps", "1000000", "--timing-dir", str(workdir / "timing")]
+def variant_commands(name: str, workdir: Path, args, state_mb: float) -> tuple[list[str], dict[str, str]]:
+    timing = ["--steps", "1000000", "--timing-dir", str(workdir / "timing"), "--state-mb", str(state_mb)]
     if name.startswith("torchrun"):
         workload = [*timing, "--checkpoint", str(workdir / "ckpt.pt"), "--checkpoint-every", str(args.checkpoint_every)]
         extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if name == "torchrun-noshare" else {}
         return harness.torchrun_command(NPROC, workload, max_restarts=3), harness.benchmark_env(**extra)
-    command = harness.elastic_command(NPROC, 2, NPROC, workdir / "logs", [*timing, "--commit-every", "1"])
+    sync = ["--ddp-init-sync"] if args.ddp_init_sync else []
+    command = harness.elastic_command(NPROC, 2, NPROC, workdir / "logs", [*timing, "--commit-every", "1", *sync])
     return command, harness.benchmark_env()
 
 
-def one_rep(name: str, args, rng: random.Random) -> dict:
+def one_rep(name: str, args, rng: random.Random, state_mb: float) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         workdir = Path(tmp)
         (workdir / "timing").mkdir()
-        command, env = variant_commands(name, workdir, args)
+        command, env = variant_commands(name, workdir, args, state_mb)
+        load = os.getloadavg()[0]
         with harness.Job(command, env, workdir / "launcher.log") as job:
+            memory = harness.PeakMemory(job.proc.pid)
             result = kill_and_measure(job, workdir, args, rng, name)
+            result["peak_rss_mb"] = memory.stop({w.pid for w in harness.read_timings(workdir / "timing")})
+            result["state_mb"], result["loadavg_1min"] = state_mb, load
             result["launcher_exit_code"] = job.proc.poll()
             if result.get("error") or not result.get("recovered"):
                 result["launcher_log_tail"] = (workdir / "launcher.log").read_text(errors="replace")[-2000:]
@@ -137,12 +149,15 @@ def reform_phases(events_path: Path, kill_time: float) -> dict | None:
     return {phase: max(e.get(phase) or 0.0 for e in same_round) for phase in PHASES}
 
 
-def summarize(name: str, reps: list[dict]) -> dict:
+def summarize(name: str, reps: list[dict], state_mb: float) -> dict:
     times = [r["kill_to_next_step_s"] for r in reps if r.get("recovered")]
     everyone = [r["kill_to_all_survivors_s"] for r in reps if r.get("kill_to_all_survivors_s") is not None]
     summary = {
         "variant": name,
+        "state_mb": state_mb,
         "reps": len(reps),
+        "peak_rss_mb": max((r.get("peak_rss_mb") or 0 for r in reps), default=None),
+        "loadavg_1min": statistics.median(r["loadavg_1min"] for r in reps) if reps else None,
         "recovered": len(times),
         "median_s": statistics.median(times) if times else None,
         "p90_s": harness.percentile(times, 0.9),
@@ -155,15 +170,16 @@ def summarize(name: str, reps: list[dict]) -> dict:
 
 
 def print_table(summaries: list[dict]) -> None:
-    print(f"\n{'variant':18} {'recovered':>10} {'median':>9} {'p90':>9} {'all survivors':>14}  phases (median)")
+    print(f"\n{'MB':>5} {'variant':18} {'recovered':>10} {'median':>9} {'p90':>9} {'all survivors':>14} {'RSS MB':>7}"
+          f"  phases (median)")
     for s in summaries:
         recovered = f"{s['recovered']}/{s['reps']}"
         phases = s.get("phases_median_s")
         phase_text = " ".join(f"{k[:-2]}={v:.3f}" for k, v in phases.items()) if phases else ""
         if not s["recovered"]:
             phase_text = "did not recover"
-        print(f"{s['variant']:18} {recovered:>10} {harness.fmt(s['median_s']):>9} {harness.fmt(s['p90_s']):>9} "
-              f"{harness.fmt(s['median_all_survivors_s']):>14}  {phase_text}")
+        print(f"{s['state_mb']:>5g} {s['variant']:18} {recovered:>10} {harness.fmt(s['median_s']):>9} {harness.fmt(s['p90_s']):>9} "
+              f"{harness.fmt(s['median_all_survivors_s']):>14} {s['peak_rss_mb'] or 0:>7.0f}  {phase_text}")
 
 
 def main(argv=None) -> None:
@@ -173,21 +189,24 @@ def main(argv=None) -> None:
     if args.only:
         variants = {k: v for k, v in variants.items() if k.startswith(args.only)}
     results, summaries = {}, []
-    for name, reps in variants.items():
-        if reps < 1:
-            continue
-        results[name] = []
-        for rep in range(reps):
-            started = time.monotonic()
-            result = one_rep(name, args, rng)
-            results[name].append(result)
-            print(f"{name} rep {rep + 1}/{reps}: "
-                  f"{'did not recover' if not result.get('recovered') else harness.fmt(result['kill_to_next_step_s'])}"
-                  f"{' ' + result['error'] if result.get('error') else ''} "
-                  f"(killed rank {result.get('victim_rank')} after step {result.get('killed_after_step')}, "
-                  f"resumed at step {result.get('first_step_after_kill')}; rep took {time.monotonic() - started:.0f}s)",
-                  flush=True)
-        summaries.append(summarize(name, results[name]))
+    for state_mb in [float(s) for s in args.state_mb.split(",") if s]:
+        for name, reps in variants.items():
+            if reps < 1:
+                continue
+            key = f"{name}@{state_mb:g}MB"
+            results[key] = []
+            for rep in range(reps):
+                started = time.monotonic()
+                result = one_rep(name, args, rng, state_mb)
+                results[key].append(result)
+                print(f"{key} rep {rep + 1}/{reps}: "
+                      f"{'did not recover' if not result.get('recovered') else harness.fmt(result['kill_to_next_step_s'])}"
+                      f"{' ' + result['error'] if result.get('error') else ''} "
+                      f"(killed rank {result.get('victim_rank')} after step {result.get('killed_after_step')}, "
+                      f"resumed at step {result.get('first_step_after_kill')}; peak RSS {result.get('peak_rss_mb') or 0:.0f} MB, "
+                      f"load {result['loadavg_1min']:.1f}; rep took {time.monotonic() - started:.0f}s)",
+                      flush=True)
+            summaries.append(summarize(name, results[key], state_mb))
     print_table(summaries)
     if args.json:
         Path(args.json).write_text(json.dumps({"summaries": summaries, "reps": results}, indent=2))

@@ -45,6 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", help="torchrun mode: checkpoint file (loaded at start if present)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="torchrun mode: steps; 0 = never")
     parser.add_argument("--commit-every", type=int, default=1, help="elastic mode: steps; 0 = never")
+    parser.add_argument("--state-mb", type=float, default=0.0,
+                        help="grow the state (parameters + momentum, fp32) to about this many MB with ballast")
+    parser.add_argument("--ddp-init-sync", action="store_true",
+                        help="elastic mode: let DDP broadcast the parameters at construction (the old way)")
     return parser.parse_args(argv)
 
 
@@ -55,6 +59,23 @@ def make_model(seed: int) -> nn.Module:
         nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
         nn.Linear(HIDDEN, CLASSES),
     )
+
+
+def add_ballast(model: nn.Module, optimizer: torch.optim.Optimizer, state_mb: float, seed: int) -> None:
+    """Grow the state to ``state_mb`` MB without making a step slower: a frozen parameter
+    (in the state dict, in DDP's initial broadcast, not in its gradient all-reduce) and a
+    momentum buffer of the same size in the optimizer's state (SGD leaves both alone,
+    since the parameter gets no gradient). What a recovery or a join moves grows as with
+    a bigger model; the step time stays the base model's."""
+    base_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # params + momentum
+    floats = int((state_mb * 1e6 - base_bytes) / 8)
+    if floats <= 0:
+        return
+    generator = torch.Generator().manual_seed(seed + 2)
+    ballast = nn.Parameter(torch.rand(floats, generator=generator), requires_grad=False)
+    model.register_parameter("ballast", ballast)
+    optimizer.add_param_group({"params": [ballast]})
+    optimizer.state[ballast]["momentum_buffer"] = torch.rand(floats, generator=generator)
 
 
 def make_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +120,7 @@ def run_torchrun(args) -> None:
     dist.init_process_group("gloo")
     model, data = make_model(args.seed), make_data(args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    add_ballast(model, optimizer, args.state_mb, args.seed)
     step = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
         ckpt = torch.load(args.checkpoint, weights_only=True)
@@ -132,12 +154,18 @@ def run_elastic(args) -> None:
     elastic.init()
     model, data = make_model(args.seed), make_data(args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    add_ballast(model, optimizer, args.state_mb, args.seed)
     state = elastic.TorchState(model=model, optimizer=optimizer, step=0)
     log = StepLog(args.timing_dir, elastic.rank())
 
     @elastic.run
     def train(state):
-        ddp = DDP(state.model) if dist.is_initialized() else state.model
+        if not dist.is_initialized():
+            ddp = state.model
+        elif args.ddp_init_sync:
+            ddp = DDP(state.model)
+        else:
+            ddp = DDP(state.model, init_sync=False)  # state.sync() made every copy equal
         rank, world = elastic.rank(), elastic.size()
         while state.step < args.steps:
             train_step(ddp, state.optimizer, data, state.step, rank, world, args.batch_size)

@@ -215,6 +215,9 @@ class Snapshot:
     # -- allocation ---------------------------------------------------------------------
 
     def _allocate(self, treedef: tuple, specs: tuple[TensorSpec, ...], descs: tuple) -> None:
+        # Let go of the old buffers first: a layout change (an optimizer's first step
+        # creates its state) must not hold two snapshots at once, hundreds of MB each.
+        self._buffers, self._views, self._groups, self._by_path = [], [], [], {}
         pin = torch.cuda.is_available()
         self._buffers = [
             # zeros, not empty: alignment padding ends up in durable files; keep it deterministic.

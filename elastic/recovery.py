@@ -9,7 +9,8 @@
               a failure while doing so (a peer dies during init, etcd is away, the
               round is superseded) is one more failure of the ring, never a user
               error: it is counted against the budget and the next round is tried
-    sync      broadcast rank 0's committed state to the new ring
+    sync      agree on the ring's newest commit; the workers that hold it move
+              nothing, the others receive it striped across all of them
     resume    call the training function again
 
 The order of "leave the except block, then destroy" matters: the exception's
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
@@ -154,10 +156,10 @@ def _is_infrastructure_error(exc: BaseException) -> bool:
 
 
 def _resume(func, state, args, kwargs, runtime, finished_reform):
-    """Sync the new ring from rank 0, then (re-)enter the training function."""
+    """Bring the new ring to its newest commit, then (re-)enter the training function."""
     runtime.ensure_joined()  # a joiner arrives only now, ready to receive the state
     started_sync = time.monotonic()
-    state.sync()
+    plan = state.sync()
     runtime.begin_round()
     state.on_reset()
     if finished_reform is not None:
@@ -175,6 +177,10 @@ def _resume(func, state, args, kwargs, runtime, finished_reform):
             sync_s=round(done - started_sync, 4),
             total_s=round(done - interruption.detected, 4),
             commit=getattr(state, "_commits", None),  # resumed from (the timeline counts steps re-run)
+            sync_holders=len(plan.holders),
+            sync_receivers=len(plan.receivers),
+            received=runtime.rank in plan.receivers,
+            pid=os.getpid(),
         )
     return func(state, *args, **kwargs)
 

@@ -2,24 +2,30 @@
 
 ``commit()`` copies the state into buffers allocated once (``checkpoint.Snapshot``),
 never a fresh deep copy, then asks the runtime whether the ring changes at this
-commit. ``sync()`` broadcasts rank 0's committed state to every worker of a new
-ring: the layout (small, pickled) first, then one flat buffer per dtype.
+commit. Each commit has an identity, (the round it was made in, the commit count):
+see ``elastic/sync_plan.py`` for why the count alone is not enough.
 
-A receiver keeps its last commit until a sync has fully arrived: it receives into
-a second snapshot and swaps the two only when every buffer is in, so a rank 0 lost
-half-way leaves ``restore()`` the previous commit. The second snapshot is kept and
-reused by the next sync. That costs a receiver one more host copy of the state for
-as long as it lives, but a sync needs both copies at its peak anyway, and reusing
-the buffers keeps allocation and page faults (seconds for a state of many GB) out
-of the recovery path. Rank 0 does not keep one.
+``sync()`` makes every worker of a new ring hold the ring's newest commit:
+
+1. The ring agrees on the newest commit and who holds it, with one all_gather of
+   three integers per worker (never a hash over the tensors).
+2. Holders move nothing and load nothing: at a sync the live state of a worker is
+   its last commit (``restore()`` ran after a failure; a switch happens at a commit).
+   After a failure the survivors are usually all holders, and the sync ends here.
+3. Workers behind (rolled back one commit further) and joiners receive the commit
+   striped across all holders, in chunks, straight into their snapshot buffers.
+
+A receiver overwrites its own last commit rather than keeping a second copy of the
+state, so its peak is the snapshot and the live state. A sync that breaks half-way
+leaves a torn snapshot, marked so, and ``restore()`` then takes the commit again
+from the live state, which a sync only changes once every byte has arrived.
 
 Durable checkpoints (``elastic-run --checkpoint-dir``) are written by rank 0 in the
-background from its last commit. Disk is only read by a *fresh* rank 0 (one that has
-never committed or synced in this process), at its first sync: that is a full
-restart. A running job never rolls back to disk, because its rank 0 always holds
-the newest committed state in memory. The commit count travels with the state
-(``"commits"`` in the tree), so a new rank 0 numbers its checkpoints on from where
-the job is, not from where its own process started.
+background from its last commit. Disk is only read when no worker of the ring holds
+a commit (a full restart), by the one worker the others then receive from. A running
+job never rolls back to disk. The commit's identity travels with the state
+(``"commits"`` and ``"commit_round"`` in the tree), so a new rank 0 numbers its
+checkpoints on from where the job is, not from where its own process started.
 """
 
 from __future__ import annotations
@@ -31,16 +37,18 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
 from checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_tree, load_latest
 
 from .errors import HostsUpdatedInterrupt, JobStopping
+from .state_transfer import CHUNK_BYTES, gather_holdings, run_transfers, share_layout
+from .sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
 
 log = logging.getLogger(__name__)
 
 _RESERVED = ("model", "optimizer", "sampler")
 _COMMITS = "commits"  # key of the commit count in committed and durable trees
+_COMMIT_ROUND = "commit_round"  # key of the round the commit was made in
 
 
 def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
@@ -61,15 +69,17 @@ class State:
     def __init__(self, **values: Any):
         object.__setattr__(self, "_value_names", tuple(values))
         object.__setattr__(self, "_snapshot", Snapshot())
-        object.__setattr__(self, "_spare", None)  # a receiver's buffers for the next sync
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_commits", 0)
+        object.__setattr__(self, "_commit_round", 0)  # the round the last commit was made in
+        object.__setattr__(self, "_holds_commit", False)  # the snapshot is a whole commit
+        object.__setattr__(self, "_torn", False)  # a sync broke while overwriting the snapshot
+        object.__setattr__(self, "_synced", False)  # a sync has completed in this process
         object.__setattr__(self, "_rng", None)
         object.__setattr__(self, "_policy", None)  # durable checkpoints, if any
         object.__setattr__(self, "_policy_resolved", False)  # runtime's config looked at
         object.__setattr__(self, "_writer", None)  # created when this worker is rank 0
         object.__setattr__(self, "_durable_step", None)  # newest step on disk or being written
-        object.__setattr__(self, "_fresh", True)  # never committed or synced in this process
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -87,10 +97,17 @@ class State:
     def save(self) -> None:
         tree = self.state_tree()
         tree[_COMMITS] = self._commits
+        tree[_COMMIT_ROUND] = self._commit_round
         self._snapshot.capture(tree)
         # RNG state is per worker: restored on this worker, never broadcast.
         object.__setattr__(self, "_rng", torch.get_rng_state())
-        object.__setattr__(self, "_fresh", False)
+        object.__setattr__(self, "_holds_commit", True)
+        object.__setattr__(self, "_torn", False)
+
+    @property
+    def commit_id(self) -> Optional[CommitId]:
+        """The identity of the commit this worker holds, or None."""
+        return CommitId(self._commit_round, self._commits) if self._holds_commit and not self._torn else None
 
     def commit(self) -> None:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
@@ -100,6 +117,7 @@ class State:
         runtime.fence()
         self._resolve_policy(runtime)
         object.__setattr__(self, "_commits", self._commits + 1)
+        object.__setattr__(self, "_commit_round", runtime.round)
         self.save()
         if self._policy is not None and runtime.rank == 0:
             writer = self._rank0_writer()
@@ -113,47 +131,68 @@ class State:
 
     def restore(self) -> None:
         """Roll the live state back to the last commit."""
+        if self._torn:
+            # A sync broke while receiving into the snapshot. It had not touched the
+            # live state, which still is the commit held before (if any): take it again.
+            object.__setattr__(self, "_torn", False)
+            if self._holds_commit:
+                self.save()
+            else:
+                object.__setattr__(self, "_snapshot", Snapshot())
+            return
         if self._snapshot.empty:
             return
         self._load(self._snapshot.tree())
         if self._rng is not None:
             torch.set_rng_state(self._rng)
 
-    def sync(self) -> None:
-        """Make every worker's state rank 0's committed state."""
+    def sync(self) -> SyncPlan:
+        """Make every worker hold the ring's newest commit; returns the plan it followed."""
         from . import _runtime
 
         runtime = _runtime()
         self._resolve_policy(runtime)
-        if runtime.rank == 0:
-            if self._fresh:
-                self._load_durable()
-            self.save()
+        if not self._synced and self._holds_commit:
+            # A commit made before the first sync (outside the training function): the
+            # live state may have moved since. A holder must send what it will train on.
+            self.restore()
         if runtime.world_size == 1:
-            return
+            if not self._holds_commit:
+                self._take_durable_or_initial_state()
+            object.__setattr__(self, "_synced", True)
+            return SyncPlan(self.commit_id, (0,), (), ())
         started = time.monotonic()
-        layout = [self._snapshot.layout() if runtime.rank == 0 else None]
-        dist.broadcast_object_list(layout, src=0)
-        if runtime.rank == 0:
-            object.__setattr__(self, "_spare", None)  # only receivers need one
-            for buffer in self._snapshot.buffers():
-                _broadcast_from_rank0(buffer, runtime.backend)
+        holdings = gather_holdings(runtime.rank, runtime.world_size, self.commit_id, runtime.backend)
+        newest, holders, receivers = choose_holders(holdings)
+        if not receivers:  # every worker holds the newest commit: nothing to move
+            object.__setattr__(self, "_synced", True)
+            return SyncPlan(newest, holders, (), ())
+        if newest is None and runtime.rank == holders[0]:
+            self._take_durable_or_initial_state()  # nobody holds a commit: a full restart
+        layout = share_layout(self._snapshot.layout() if runtime.rank == holders[0] else None, src=holders[0])
+        plan = plan_sync(holdings, [(n, dtype.itemsize) for dtype, _, n in layout.buffers], CHUNK_BYTES)
+        if runtime.rank in holders:
+            moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)
         else:
-            # Receive beside the last commit, never into it: if rank 0 is lost half-way,
-            # restore() must still find the commit, not zeros or half of the new state.
-            receiving = self._spare if self._spare is not None else Snapshot()
-            receiving.adopt_layout(layout[0])
-            for buffer in receiving.buffers():
-                _broadcast_from_rank0(buffer, runtime.backend)
-            # Every buffer arrived: the received state is the commit now. The previous
-            # commit's buffers receive the next sync (same layout: no allocation).
-            previous = self._snapshot
-            object.__setattr__(self, "_snapshot", receiving)
-            object.__setattr__(self, "_spare", None if previous.empty else previous)
-            self._load(self._snapshot.tree())
-            object.__setattr__(self, "_rng", torch.get_rng_state())
-            object.__setattr__(self, "_fresh", False)
-        log.debug("sync of %d bytes took %.3fs", self._snapshot.nbytes, time.monotonic() - started)
+            moved = self._receive(plan, layout, runtime)
+        object.__setattr__(self, "_synced", True)
+        log.info("round %d: sync of commit %s: %s %.3f MB (%d holders, %d receivers) in %.3fs",
+                 runtime.round, (plan.newest.round, plan.newest.count) if plan.newest else "initial",
+                 "sent" if runtime.rank in holders else "received", moved / 1e6, len(holders), len(receivers),
+                 time.monotonic() - started)
+        return plan
+
+    def _receive(self, plan: SyncPlan, layout, runtime) -> int:
+        """Receive the newest commit into the snapshot's buffers, then load it."""
+        # From here the snapshot is no whole commit until every transfer has arrived.
+        object.__setattr__(self, "_torn", True)
+        self._snapshot.adopt_layout(layout)
+        moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)
+        object.__setattr__(self, "_torn", False)
+        self._load(self._snapshot.tree())
+        object.__setattr__(self, "_holds_commit", True)
+        object.__setattr__(self, "_rng", torch.get_rng_state())
+        return moved
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         self._reset_callbacks.extend(callbacks)
@@ -226,9 +265,14 @@ class State:
     def _load(self, tree: dict) -> None:
         """Make the live state ``tree``'s, commit count included."""
         self.load_tree(tree)
-        commits = tree.get(_COMMITS)
-        if isinstance(commits, int):
-            object.__setattr__(self, "_commits", commits)
+        for key, attribute in ((_COMMITS, "_commits"), (_COMMIT_ROUND, "_commit_round")):
+            if isinstance(tree.get(key), int):
+                object.__setattr__(self, attribute, tree[key])
+
+    def _take_durable_or_initial_state(self) -> None:
+        """The newest durable checkpoint, if any, else the live (initial) state, as the commit."""
+        self._load_durable()
+        self.save()
 
     def _load_durable(self) -> None:
         if self._policy is None:
@@ -248,6 +292,7 @@ class State:
         self._load(tree)
         step = int(manifest.get("step") or 0)
         object.__setattr__(self, "_commits", step)  # the manifest names the step
+        object.__setattr__(self, "_commit_round", int(manifest.get("round") or 0))
         object.__setattr__(self, "_durable_step", step)
         log.info("resumed from durable checkpoint step %s (epoch %s) in %s", step, manifest.get("epoch"), directory)
 
@@ -274,14 +319,24 @@ def _remove(path: str) -> None:
         pass
 
 
-def _broadcast_from_rank0(buffer: torch.Tensor, backend: str) -> None:
-    """Snapshot buffers live in (pinned) host memory; NCCL only moves device memory."""
-    if backend != "nccl":
-        dist.broadcast(buffer, src=0)
-        return
-    on_device = buffer.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
-    dist.broadcast(on_device, src=0)
-    buffer.copy_(on_device)
+def _copy_into(saved: Any, live: Any) -> Any:
+    """``saved`` as a tree whose tensors are ``live``'s own, overwritten in place, where
+    ``live`` has a tensor of the same shape and dtype at the same place, and fresh
+    copies elsewhere. A rollback then allocates nothing: for a state of many GB, fresh
+    tensors cost seconds of page faults on the recovery path."""
+    if isinstance(saved, torch.Tensor):
+        if isinstance(live, torch.Tensor) and live.shape == saved.shape and live.dtype == saved.dtype:
+            with torch.no_grad():
+                return live.copy_(saved)
+        return clone_tree(saved)
+    if isinstance(saved, dict) and isinstance(live, dict):
+        copied = type(saved)((key, _copy_into(value, live.get(key))) for key, value in saved.items())
+        if hasattr(saved, "_metadata"):
+            copied._metadata = copy.deepcopy(saved._metadata)
+        return copied
+    if type(saved) in (list, tuple) and type(live) is type(saved) and len(live) == len(saved):
+        return type(saved)(_copy_into(s, l) for s, l in zip(saved, live))
+    return clone_tree(saved)
 
 
 class TorchState(State):
@@ -311,8 +366,8 @@ class TorchState(State):
         if self.model is not None:
             self.model.load_state_dict(tree["model"])  # copies into the live parameters
         if self.optimizer is not None:
-            # A fresh copy: the optimizer must never alias the snapshot's buffers.
-            self.optimizer.load_state_dict(clone_tree(tree["optimizer"]))
+            # Copies, never the snapshot's buffers (the optimizer writes into its state).
+            self.optimizer.load_state_dict(_copy_into(tree["optimizer"], self.optimizer.state_dict()))
         if self.sampler is not None:
             self.sampler.load_state_dict(copy.deepcopy(tree["sampler"]))
 

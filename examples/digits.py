@@ -104,7 +104,9 @@ def main(argv=None) -> None:
     @elastic.run
     def train(state):
         # DDP is bound to the current ring: re-created every time train is re-entered.
-        ddp = DDP(state.model) if dist.is_initialized() else state.model
+        # init_sync=False: state.sync() already made every worker's parameters equal,
+        # so DDP's own initial broadcast would move the whole model once more.
+        ddp = DDP(state.model, init_sync=False) if dist.is_initialized() else state.model
         for state.epoch in range(state.epoch, args.epochs):
             state.sampler.set_epoch(state.epoch)  # same epoch again after a re-form: keeps progress
             for batch_idx, batch in enumerate(epoch_batches(args, state.sampler, train_data)):

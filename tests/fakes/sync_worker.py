@@ -1,12 +1,20 @@
 """One worker of a real gloo ring that syncs an ``elastic.State`` (tests of State.sync).
 
-    python -m tests.fakes.sync_worker RANK WORLD STORE_PORT [--die-after-buffers N]
+    python -m tests.fakes.sync_worker RANK WORLD STORE_PORT SCENARIO [--backend nccl]
 
-Every rank commits (``save``) the value 1 and then the value 3 through two syncs
-from rank 0; then rank 0 changes its state to 4 and starts a third sync. With
-``--die-after-buffers N`` rank 0 exits after sending the layout and N buffers of
-that third sync. Each surviving rank prints one JSON line: what ``restore()`` gives
-after the sync failed (or what the sync delivered when it did not fail).
+The value v of the state is: weights all v, counts all v, step v. Each rank first
+commits what SCENARIO gives it (the round each commit is made in, and its value),
+then all sync; each rank prints one JSON line: what it holds after the sync (and,
+if the sync broke, after ``restore()``, as ``@elastic.run`` does next).
+
+    mixed        ranks 0, 1: commits 1, 2 in round 2 (value 2, the newest)
+                 rank 2: commits 1, 2, 3 in round 1 (value 3: a higher count, an older history)
+                 rank 3: no commit (a joiner)
+    holder-dies  rank 0: commits up to 4 in round 1 (value 4); ranks 1, 2: up to 3 (value 3);
+                 rank 0 exits after sending 2 of its chunks: the receivers keep commit 3
+    laggard      rank 0: commits 1, 2 (value 2); every other rank: commit 1 (value 1)
+
+With ``--backend nccl`` the state lives on GPU ``RANK`` (the staged transfer path).
 """
 
 import argparse
@@ -20,60 +28,74 @@ import torch.distributed as dist
 
 import elastic
 from elastic import state as state_module
+from elastic import state_transfer
 
 p = argparse.ArgumentParser()
 p.add_argument("rank", type=int)
 p.add_argument("world", type=int)
 p.add_argument("port", type=int)
-p.add_argument("--die-after-buffers", type=int, default=None)
+p.add_argument("scenario", choices=["mixed", "holder-dies", "laggard"])
+p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
 args = p.parse_args()
+device = torch.device("cpu")
+if args.backend == "nccl":
+    torch.cuda.set_device(args.rank)
+    device = torch.device("cuda", args.rank)
 
 store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
+dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world,
                         timeout=datetime.timedelta(seconds=15))
-# The runtime as State sees it: rank, world, backend; no checkpoint policy.
-elastic._current = types.SimpleNamespace(rank=args.rank, world_size=args.world, backend="gloo",
-                                         config=None, round=1)
-# Two dtypes: two flat buffers, so a sync can stop between them.
-state = elastic.State(weights=torch.zeros(1000), counts=torch.zeros(10, dtype=torch.int64), step=0)
+# The runtime as State sees it: rank, world, round, backend; no checkpoint policy.
+runtime = types.SimpleNamespace(rank=args.rank, world_size=args.world, backend=args.backend, config=None, round=1,
+                                fence=lambda: None, note_commit=lambda: None)
+elastic._current = runtime
+# Two dtypes: two flat buffers. Small chunks: a sync of 4 MB is many transfers.
+state_transfer.CHUNK_BYTES = state_module.CHUNK_BYTES = 256 << 10
+state = elastic.State(weights=torch.zeros(1 << 20, device=device), counts=torch.zeros(10, dtype=torch.int64, device=device),
+                      step=0)
 
 
-def set_everything(value: int) -> None:
-    state.weights = torch.full((1000,), float(value))
-    state.counts = torch.full((10,), value, dtype=torch.int64)
-    state.step = value
+def commit_values(round_number: int, values) -> None:
+    runtime.round = round_number
+    for value in values:
+        state.weights = torch.full((1 << 20,), float(value), device=device)
+        state.counts = torch.full((10,), value, dtype=torch.int64, device=device)
+        state.step = value
+        state.commit()
 
 
 def describe() -> dict:
+    commit = state.commit_id
     return {"rank": args.rank, "weights": sorted(set(state.weights.tolist())),
-            "counts": sorted(set(state.counts.tolist())), "step": state.step}
+            "counts": sorted(set(state.counts.tolist())), "step": state.step,
+            "commit": None if commit is None else [commit.round, commit.count]}
 
 
-for value in (1, 3):  # two complete syncs: the second reuses what the first received
+if args.scenario == "mixed":
+    if args.rank in (0, 1):
+        commit_values(2, [1, 2])
+    elif args.rank == 2:
+        commit_values(1, [1, 2, 3])
+elif args.scenario == "laggard":
+    commit_values(1, [1, 2] if args.rank == 0 else [1])
+else:
+    commit_values(1, [1, 2, 3, 4] if args.rank == 0 else [1, 2, 3])
     if args.rank == 0:
-        set_everything(value)
-    state.sync()
-    assert describe()["weights"] == [float(value)] and state.step == value, describe()
+        def send_some_then_die(plan, rank, buffers, backend):
+            for tag, transfer in list(state_transfer._tagged(plan.sends(rank), True))[:2]:
+                view = buffers[transfer.buffer].narrow(0, transfer.start, transfer.length)
+                dist.send(view, dst=transfer.receiver, tag=tag)
+            os._exit(0)  # the only holder is lost in the middle of the sync
 
-if args.rank == 0 and args.die_after_buffers is not None:
-    sent = []
-    real_broadcast = state_module._broadcast_from_rank0
+        state_module.run_transfers = send_some_then_die
+    runtime.round = 2
 
-    def broadcast_then_die(buffer, backend):
-        if len(sent) == args.die_after_buffers:
-            os._exit(0)  # rank 0 is lost in the middle of the sync
-        real_broadcast(buffer, backend)
-        sent.append(buffer.numel())
-
-    state_module._broadcast_from_rank0 = broadcast_then_die
-
-if args.rank == 0:
-    set_everything(4)
 outcome = "synced"
 try:
-    state.sync()
+    plan = state.sync()
+    outcome = f"synced: holders {list(plan.holders)} receivers {list(plan.receivers)}"
 except Exception as exc:  # noqa: BLE001 - a broken ring: what @elastic.run does next is restore()
     outcome = f"failed: {type(exc).__name__}"
     state.restore()
 print(json.dumps({"outcome": outcome, **describe()}), flush=True)
-os._exit(0)  # no teardown of a ring that lost its rank 0
+os._exit(0)  # no teardown of a ring that may have lost a rank

@@ -13,11 +13,14 @@ Files written to --out (one line per event, flushed at once, so tests can watch)
                   rank's indices, so the step is accounted for even if only one rank logs it)
   final-<pid>.pt  the final parameters (float64 when --float64)
   hung.jsonl      {"pid", "rank", "step", "time"} when --hang-rank's main thread starts sleeping forever
+  killed-<step>   written by --kill-rank right before it SIGKILLs itself (--kill-at: once per job and step)
+  committed-<step> written by rank 0 after its commit of a step that --kill-at names
 """
 
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -53,6 +56,10 @@ p.add_argument("--hang-rank", type=int, default=None, help="this rank's main thr
 p.add_argument("--hang-step", type=int, default=None, help="... after finishing this step, outside any collective")
 p.add_argument("--hold-below-world", type=int, default=None,
                help="sampler mode: while the ring is smaller than this, commit in lockstep without training")
+p.add_argument("--kill-at", default="", help="sampler mode: STEP:POINT,... --kill-rank SIGKILLs itself at POINT "
+               "of step STEP: before-step, mid-step (after the forward, before the all-reduce), "
+               "before-commit, after-peer-commit (once rank 0 has committed the step), after-commit")
+p.add_argument("--kill-rank", type=int, default=1)
 p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -92,6 +99,7 @@ def global_batch_step(ddp, rows):
     for micro in elastic.accumulate(ddp, micro_batches):
         micro = torch.tensor(micro, dtype=torch.long)  # may be empty: a short last batch
         loss = F.cross_entropy(ddp(X[micro]), Y[micro], reduction="sum") * state.sampler.loss_scale
+        maybe_die("mid-step", state.step + 1)  # after the forward, before the gradients' all-reduce
         loss.backward()
     state.optimizer.step()
     return [i for micro in micro_batches for i in micro]
@@ -114,6 +122,31 @@ def record_step(indices, batch=None):
 
 
 stalled: list = []
+kill_points = dict(reversed(item.split(":")) for item in args.kill_at.split(",") if item)  # point -> step
+
+
+def maybe_die(point: str, step: int) -> None:
+    """--kill-at: SIGKILL this worker at ``point`` of ``step`` (once per job: a marker file)."""
+    if kill_points.get(point) != str(step) or elastic.rank() != args.kill_rank:
+        return
+    marker = os.path.join(args.out, f"killed-{step}")
+    if os.path.exists(marker):
+        return
+    if point == "after-peer-commit":  # wait (bounded) until rank 0 has made the commit we have not
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(args.out, f"committed-{step}")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def commit_marked(step: int) -> None:
+    """state.commit(); rank 0 then leaves a marker when --kill-at waits for its commit of ``step``."""
+    try:
+        state.commit()
+    finally:
+        if elastic.rank() == 0 and str(step) in kill_points.values():
+            open(os.path.join(args.out, f"committed-{step}"), "w").close()
 
 
 def sleep_forever():
@@ -146,7 +179,9 @@ def hold_until_the_ring_grows():
 def train(state):
     rank, world = elastic.rank(), elastic.size()
     append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world})
-    ddp = DDP(state.model)
+    # No initial broadcast: state.sync() made every copy equal, and a worker that went
+    # on from another commit must show up as a difference, not be papered over.
+    ddp = DDP(state.model, init_sync=False)
     if args.epochs:
         for state.epoch in range(state.epoch, args.epochs):
             if state.sampler.processed_count == 0:
@@ -161,6 +196,8 @@ def train(state):
                 if told_to_stop() or (args.max_steps is not None and state.step >= args.max_steps):
                     return
                 hold_until_the_ring_grows()
+                running = state.step + 1
+                maybe_die("before-step", running)
                 if args.global_batch_size:
                     rows = global_batch_step(ddp, rows)
                     state.sampler.record_batch(batch_idx)
@@ -177,8 +214,11 @@ def train(state):
                 state.step += 1
                 record_step(rows, batch)
                 time.sleep(args.step_delay)
+                maybe_die("before-commit", running)
+                maybe_die("after-peer-commit", running)
                 if state.step % args.commit_every == 0:
-                    state.commit()
+                    commit_marked(running)
+                maybe_die("after-commit", running)
             state.sampler.set_epoch(state.epoch + 1)
         return
     while state.step < args.steps and not told_to_stop():

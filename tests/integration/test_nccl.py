@@ -45,3 +45,13 @@ def test_two_gpu_workers_train_with_nccl(tmp_path):
     # Both ranks finished, and they hold the same parameters.
     assert sorted(rank for rank, _ in finals) == ["0", "1"], finals
     assert len({value for _, value in finals}) == 1, finals
+
+
+def test_a_laggard_receives_the_newest_commit_through_device_staging():
+    """The NCCL path of State.sync: chunks staged through the GPU, state on the GPU."""
+    from tests.integration.test_state_sync import run_ring
+
+    results = run_ring(2, "laggard", "--backend", "nccl")
+    assert [r["outcome"] for r in results] == ["synced: holders [0] receivers [1]"] * 2, results
+    for r in results:
+        assert (r["weights"], r["counts"], r["step"], r["commit"]) == ([2.0], [2], 2, [1, 2]), r

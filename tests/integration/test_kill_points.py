@@ -1,0 +1,47 @@
+"""A worker killed at any point of a step: the ring goes on from its newest commit.
+
+Real etcd, a real elastic-run agent with three workers, real gloo, DDP without its
+initial broadcast (so a worker that went on from another commit than its peers
+would train on different parameters, and nothing would hide it). Rank 1 SIGKILLs
+itself at a different point of five steps, including between rank 0's commit of a
+step and its own; the agent replaces it each time, and the replacement receives the
+state striped from the survivors. The job's final parameters, on every worker, must
+equal a plain run's (a world of one) for the same number of steps: any worker that
+had gone on from an older commit, or a torn one, would leave a difference.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.fakes.jobs import Job, read_jsonl
+from tests.integration.test_global_batch_run import DATASET, check_same_as_a_plain_run
+
+pytestmark = pytest.mark.timeout(900)
+
+KILLS = "3:before-step,6:mid-step,9:before-commit,12:after-peer-commit,15:after-commit"
+STEPS = 20
+SCRIPT = ["--epochs", "1000", "--dataset-size", str(DATASET), "--global-batch-size", "100", "--float64",
+          "--max-steps", str(STEPS)]
+
+
+@pytest.mark.slow  # five failures, five replacements and a plain run: ~1-2 minutes on a loaded machine
+def test_kills_at_every_point_of_a_step_leave_the_plain_trajectory(tmp_path, etcd_server):
+    launcher = ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", f"kills-{uuid.uuid4().hex[:8]}",
+                "--nproc-per-node", "3", "--min-np", "1", "--max-np", "3", "--max-restarts", "10"]
+    # --hold-below-world: each replacement joins before training goes on (the last world is 3).
+    script = [*SCRIPT, "--kill-at", KILLS, "--kill-rank", "1", "--hold-below-world", "3"]
+    job = Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, script))
+    try:
+        assert job.wait(720) == 0, job.text()[-3000:]
+    finally:
+        job.kill()
+    killed = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("killed-*"))
+    assert killed == [3, 6, 9, 12, 15], killed
+    failures = [e for e in read_jsonl(tmp_path / "logs" / "events.jsonl")
+                if e["event"] == "reform_done" and e["failed"]]
+    assert len({e["round"] for e in failures}) >= 5, "every kill re-formed the ring"
+    last_world = max(read_jsonl(tmp_path / "out" / "pids.jsonl"), key=lambda e: e["round"])["world"]
+    check_same_as_a_plain_run(tmp_path, SCRIPT, last_world)  # the plain run: no kills, no waiting for a world of 3
