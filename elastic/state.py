@@ -246,8 +246,11 @@ class State:
         if self._writer is None:
             from . import _runtime
 
-            # Each write's outcome becomes an event: the agent's metrics read it (agent/metrics.py).
-            object.__setattr__(self, "_writer", DurableWriter(self._policy, report=_runtime().events.emit))
+            # Each write's outcome becomes an event for the agent's metrics (agent/metrics.py)
+            # and the events file; the writer logs the outcome itself, so no second console line.
+            events = _runtime().events
+            report = lambda name, **fields: events.emit(name, console=False, **fields)  # noqa: E731
+            object.__setattr__(self, "_writer", DurableWriter(self._policy, report=report))
         return self._writer
 
     def _submit(self, writer: DurableWriter, runtime) -> None:

@@ -20,7 +20,7 @@ def test_a_failure_beyond_max_resets_fails_the_job_with_one_line(tmp_path):
     os.kill(job.worker_pid(2), signal.SIGKILL)
     assert job.wait(120) == 1, job.text()[-3000:]
     text = job.text()
-    failed = [line for line in text.splitlines() if line.startswith("elastic-run: job") and "failed" in line]
+    failed = [line for line in text.splitlines() if line.startswith("elastic-run: job ") and "failed" in line]
     assert len(failed) == 1, text[-3000:]
     assert "--max-resets 0" in failed[0] and "ResetLimitExceeded" in failed[0], failed[0]
     assert not [e for e in job.events() if e["event"] == "reform_done"]

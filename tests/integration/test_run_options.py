@@ -96,7 +96,7 @@ def test_below_min_np_with_no_restarts_left_the_job_fails_with_one_line(tmp_path
     job.wait_for_step(5)
     os.kill(job.worker_pid(1), signal.SIGKILL)
     assert job.wait(120) == 1, job.text()[-3000:]
-    failed = [line for line in agent_lines(job.text()) if " failed: " in line and line.startswith("elastic-run: job")]
+    failed = [line for line in agent_lines(job.text()) if " failed: " in line and line.startswith("elastic-run: job ")]
     assert len(failed) == 1, job.text()[-3000:]
     assert "only 1 of min_np=2 workers present after waiting 5s" in failed[0], failed
     assert "Traceback" not in "\n".join(agent_lines(job.text()))
@@ -115,7 +115,7 @@ def test_rdzv_timeout_fails_a_job_short_of_min_np_with_one_line_naming_the_count
     assert job.wait(120) == 1, job.text()[-3000:]
     elapsed = time.monotonic() - started
     assert elapsed >= 6, elapsed  # it waited the timeout out, from the agent's registration
-    failed = [line for line in agent_lines(job.text()) if line.startswith("elastic-run: job")]
+    failed = [line for line in agent_lines(job.text()) if line.startswith(f"elastic-run: job {job_id} ")]
     assert failed == [f"elastic-run: job {job_id} failed: only 2 of min_np=3 workers present after waiting 6s"], \
         job.text()[-3000:]
     assert not events_named(job, "worker_started")  # no round, so no worker ever ran
