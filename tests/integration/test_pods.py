@@ -74,6 +74,7 @@ def pods():
         pod.kill()
 
 
+@pytest.mark.slow  # 35 s; the default run starts the pod's command line in the health test below
 def test_cpu_pods_scale_3_to_5_to_3_without_losing_a_step(tmp_path, etcd_server, pods):
     docs = render_kustomization(DEPLOY_DIR / "cpu")
     progress, result = tmp_path / "progress.jsonl", tmp_path / "result.json"
