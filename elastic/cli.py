@@ -56,8 +56,13 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def _env_name(name: str) -> str:
+    """The environment form of option ``name`` ("min-np" -> ELASTIC_MIN_NP)."""
+    return "ELASTIC_" + name.lstrip("-").upper().replace("-", "_")
+
+
 def _env(name: str, default=None):
-    return os.environ.get("ELASTIC_" + name.upper().replace("-", "_"), default)
+    return os.environ.get(_env_name(name), default)
 
 
 def _positive_int(text: str) -> int:
@@ -117,7 +122,7 @@ _positive_float.__name__ = "positive number"
 def add_option(p: argparse.ArgumentParser, flag: str, kind=str, default=None, help: str = "") -> None:
     """An option with its environment form (``--min-np`` <- ``ELASTIC_MIN_NP``)."""
     name = flag.lstrip("-")
-    env = "ELASTIC_" + name.upper().replace("-", "_")
+    env = _env_name(name)
     from_env = _env(name)
     # Wrapped, so argparse leaves it alone and the check below names the variable.
     value = _EnvValue(env, from_env) if from_env is not None else default
@@ -188,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the median of the ranks, in 3 windows of 10 commits in a row")
 
     def switch(flag, help):
-        env = "ELASTIC_" + flag.lstrip("-").upper().replace("-", "_")
-        from_env = _env(flag.lstrip("-"))
+        env = _env_name(flag)
+        from_env = _env(flag)
         p.add_argument(flag, action="store_const", const=True, default=_EnvValue(env, from_env)
                        if from_env is not None else False, help=f"{help} [env {env}=1]")
 
