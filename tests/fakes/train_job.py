@@ -55,7 +55,7 @@ p.add_argument("--slow-round", type=int, default=None, help="... only in this ro
 p.add_argument("--hang-rank", type=int, default=None, help="this rank's main thread sleeps forever ...")
 p.add_argument("--hang-step", type=int, default=None, help="... after finishing this step, outside any collective")
 p.add_argument("--hold-below-world", type=int, default=None,
-               help="sampler mode: while the ring is smaller than this, commit in lockstep without training")
+               help="while the ring is smaller than this, commit in lockstep without training")
 p.add_argument("--kill-at", default="", help="sampler mode: STEP:POINT,... --kill-rank SIGKILLs itself at POINT "
                "of step STEP: before-step, mid-step (after the forward, before the all-reduce), "
                "before-commit, after-peer-commit (once rank 0 has committed the step), after-commit")
@@ -222,6 +222,7 @@ def train(state):
             state.sampler.set_epoch(state.epoch + 1)
         return
     while state.step < args.steps and not told_to_stop():
+        hold_until_the_ring_grows()
         start = state.step * args.global_batch
         rows = torch.arange(start, start + args.global_batch)[rank::world]
         if args.fail_step is not None and state.step == args.fail_step and rank == args.fail_rank:

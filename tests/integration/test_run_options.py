@@ -64,9 +64,12 @@ def agent_lines(text: str) -> list[str]:
 @heavy
 @pytest.mark.parametrize("max_restarts", [0, 1])
 def test_a_sigkilled_worker_is_replaced_only_within_max_restarts(tmp_path, max_restarts):
+    # With a replacement, training holds at commits until it has joined: it starts only
+    # once a round includes it and imports torch for seconds, which a short job may outlast.
+    hold = ["--hold-below-world", "3"] if max_restarts else []
     job = train(tmp_path, ["--np", "3", "--min-np", "2", "--max-restarts", str(max_restarts),
                            "--collective-timeout", "20"],
-                ["--steps", "150", "--step-delay", "0.03"])
+                ["--steps", "150", "--step-delay", "0.03", *hold])
     job.wait_for_step(10)
     victim = job.worker_pid(1)
     os.kill(victim, signal.SIGKILL)
