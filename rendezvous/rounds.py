@@ -282,10 +282,16 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
     survivors = tuple(s for s in admitted if s.worker_id in previous)
     recovering = survivors if len(survivors) >= settings.min_np else admitted
     if gone:
-        # Never worth waiting for: the survivors are stalled until the next round.
         draining = {m.member_id for m in snapshot.members if m.draining}
         lost = tuple(s.worker_id for s in plan.slots if s.worker_id in gone and s.member_id not in draining)
         left = len(gone) - len(lost)
+        settle_at = snapshot.last_change + settings.settle
+        if not lost and now < settle_at:
+            # Only graceful leaves: the ring keeps training meanwhile, so settle to batch
+            # hosts told to leave together (a scale-down signals several pods at once)
+            # into one round, and one min_np decision above, instead of one per host.
+            return Wait(settle_at, "settling leaves")
+        # A loss is never worth waiting for: the survivors are stalled until the next round.
         reason = ", ".join(
             part for part in (f"{len(lost)} worker(s) lost" if lost else "", f"{left} left" if left else "") if part
         )

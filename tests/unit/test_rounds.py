@@ -171,6 +171,21 @@ def test_one_leave_that_keeps_min_np_switches_without_the_leaver():
     assert workers(decision) == ["a0", "b0"] and decision.lost == ()
 
 
+def test_leaves_seen_apart_are_settled_into_one_decision():
+    # Two hosts signalled together whose drain marks reach the coordinator a moment
+    # apart: the first is held for the settle window, so both are decided at once.
+    p = plan(2, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+    one = (member("a", ["a0"], 1), member("b", ["b0"], 2), draining("c", 3))
+    assert decide(Snapshot(p, one, last_change=1.0), S, now=1.001) == Wait(1.5, "settling leaves")
+    both = (member("a", ["a0"], 1), draining("b", 2), draining("c", 3))
+    assert isinstance(decide(Snapshot(p, both, last_change=1.002), S, now=1.5), StopJob)
+    # A crash beside a leave is not held: the survivors are stalled.
+    p4 = plan(2, ("a", "a0"), ("a", "a1"), ("b", "b0"), ("c", "c0"))
+    crashed = (member("a", ["a0", "a1"], 1), member("b", [], 2), draining("c", 3))
+    decision = decide(Snapshot(p4, crashed, last_change=1.0), S, now=1.001)
+    assert workers(decision) == ["a0", "a1"] and decision.lost == ("b0",)
+
+
 def test_a_crash_with_a_leave_below_min_np_waits_instead_of_stopping():
     # The ring is broken by the crash: no commit to stop at; wait for workers as before.
     p = plan(2, ("a", "a0"), ("b", "b0"), ("c", "c0"))
