@@ -11,7 +11,8 @@ Variants (same script core, benchmarks/workload.py):
 
 Each rep: start the job, wait for a warm-up, run on to a random step, SIGKILL one
 random non-zero rank, then measure from the timing files the time to the next step
-completed on any survivor and to the first step completed by every worker of the new
+completed on any survivor (and that time less one median step before the kill: the stall
+beyond re-running the interrupted step) and to the first step completed by every worker of the new
 world. A variant that shows no step within --recover-timeout is "did not recover".
 For elastic-run the phases of the re-formation come from events.jsonl (reform_done).
 With --state-mb the state (parameters + momentum) is grown with ballast to each size in
@@ -110,8 +111,17 @@ def kill_and_measure(job: harness.Job, workdir: Path, args, rng: random.Random, 
         return recovery if recovery.kill_to_all_survivors_s is not None else None
 
     harness.wait_for(lambda: recovered() or not job.running(), args.recover_timeout, interval=0.1)
-    recovery = harness.measure_recovery(harness.read_timings(timing_dir), victim.pid, kill_time, expected_workers(name))
+    timings = harness.read_timings(timing_dir)
+    recovery = harness.measure_recovery(timings, victim.pid, kill_time, expected_workers(name))
+    # The figure is the stall beyond re-running the interrupted step: one step of
+    # this size (the median before the kill) is part of any kill -> next step time.
+    step_times = [m for w in timings
+                  if (m := harness.median_step_time(tuple(s for s in w.steps if s[1] <= kill_time), warmup=5)) is not None]
+    step_s = statistics.median(step_times) if step_times else None
     result = {
+        "step_s": step_s,
+        "beyond_step_s": (recovery.kill_to_next_step_s - step_s
+                          if recovery.kill_to_next_step_s is not None and step_s is not None else None),
         "victim_rank": victim.rank,
         "killed_after_step": recovery.last_step_before_kill,
         "recovered": recovery.kill_to_next_step_s is not None,
@@ -162,6 +172,8 @@ def summarize(name: str, reps: list[dict], state_mb: float) -> dict:
         "median_s": statistics.median(times) if times else None,
         "p90_s": harness.percentile(times, 0.9),
         "median_all_survivors_s": statistics.median(everyone) if everyone else None,
+        "median_step_s": _median([r.get("step_s") for r in reps]),
+        "median_beyond_step_s": _median([r.get("beyond_step_s") for r in reps if r.get("recovered")]),
     }
     phases = [r["phases"] for r in reps if r.get("phases")]
     if phases:
@@ -169,9 +181,14 @@ def summarize(name: str, reps: list[dict], state_mb: float) -> dict:
     return summary
 
 
+def _median(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def print_table(summaries: list[dict]) -> None:
-    print(f"\n{'MB':>5} {'variant':18} {'recovered':>10} {'median':>9} {'p90':>9} {'all survivors':>14} {'RSS MB':>7}"
-          f"  phases (median)")
+    print(f"\n{'MB':>5} {'variant':18} {'recovered':>10} {'median':>9} {'p90':>9} {'all survivors':>14} "
+          f"{'step':>7} {'beyond step':>12} {'RSS MB':>7}  phases (median)")
     for s in summaries:
         recovered = f"{s['recovered']}/{s['reps']}"
         phases = s.get("phases_median_s")
@@ -179,7 +196,8 @@ def print_table(summaries: list[dict]) -> None:
         if not s["recovered"]:
             phase_text = "did not recover"
         print(f"{s['state_mb']:>5g} {s['variant']:18} {recovered:>10} {harness.fmt(s['median_s']):>9} {harness.fmt(s['p90_s']):>9} "
-              f"{harness.fmt(s['median_all_survivors_s']):>14} {s['peak_rss_mb'] or 0:>7.0f}  {phase_text}")
+              f"{harness.fmt(s['median_all_survivors_s']):>14} {harness.fmt(s['median_step_s']):>7} "
+              f"{harness.fmt(s['median_beyond_step_s']):>12} {s['peak_rss_mb'] or 0:>7.0f}  {phase_text}")
 
 
 def main(argv=None) -> None:
@@ -201,6 +219,7 @@ def main(argv=None) -> None:
                 results[key].append(result)
                 print(f"{key} rep {rep + 1}/{reps}: "
                       f"{'did not recover' if not result.get('recovered') else harness.fmt(result['kill_to_next_step_s'])}"
+                      f" (step {harness.fmt(result.get('step_s'))})"
                       f"{' ' + result['error'] if result.get('error') else ''} "
                       f"(killed rank {result.get('victim_rank')} after step {result.get('killed_after_step')}, "
                       f"resumed at step {result.get('first_step_after_kill')}; peak RSS {result.get('peak_rss_mb') or 0:.0f} MB, "
