@@ -28,16 +28,9 @@ from rendezvous import (
 from rendezvous.control import STOPPING
 from rendezvous.etcd import CreateRevisionEquals, Put
 from tests.fakes.waiting import poll
-from tests.integration.test_rendezvous import LocalMembers, has_workers, job_id, worker  # noqa: F401 - fixture
+from tests.fakes.local_members import has_workers, worker
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def local(etcd_server, job_id):  # noqa: F811 - the fixture imported above
-    members = LocalMembers(etcd_server.config(), job_id)
-    yield members
-    members.close()
 
 
 def compact(etcd: Etcd) -> int:

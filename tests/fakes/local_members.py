@@ -1,0 +1,63 @@
+"""Rendezvous members in the test process, each with its own etcd client (as separate
+hosts would have): cheaper than member processes where a test inspects a member's
+internals (its watches, its coordinator, its request counter)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from rendezvous import Etcd, JobKeys, Member, Participant, RendezvousSettings, RoundPlan
+
+
+def worker(member_id: str, index: int = 0) -> str:
+    return f"{member_id}/w{index}"
+
+
+def rounds_in_etcd(etcd: Etcd, keys: JobKeys) -> dict[int, RoundPlan]:
+    kvs, _ = etcd.get_prefix(keys.prefix + "rounds/")
+    return {int(kv.key.rsplit("/", 1)[1]): RoundPlan.from_json(kv.value) for kv in kvs}
+
+
+class LocalMembers:
+    """Participants in this process, each with its own etcd client (as separate hosts would have)."""
+
+    def __init__(self, config, job_id: str):
+        self._config = config
+        self.keys = JobKeys(job_id)
+        self.by_id: dict[str, Participant] = {}
+        self._left: set[str] = set()
+
+    def add(self, member_id: str, settings: RendezvousSettings, *, workers: int = 1, ttl: float = 5.0,
+            etcd: Etcd | None = None) -> Participant:
+        etcd = etcd or Etcd(self._config)
+        member = Member(member_id, "localhost", "127.0.0.1", 29500,
+                        tuple(worker(member_id, i) for i in range(workers)), joined=time.time())
+        participant = Participant(etcd, self.keys, settings, member, ttl=ttl)
+        self.by_id[member_id] = participant
+        participant.start()
+        return participant
+
+    def leave(self, member_id: str) -> None:
+        self._left.add(member_id)
+        participant = self.by_id[member_id]
+        participant.leave()
+        participant.etcd.close()
+
+    def leader(self) -> Participant | None:
+        leading = [p for m, p in self.by_id.items()
+                   if m not in self._left and p.coordinator is not None and p.coordinator.leading.is_set()]
+        return leading[0] if len(leading) == 1 else None
+
+    def wait_for_plan(self, member_id: str, accept, timeout: float = 10.0) -> RoundPlan:
+        return self.by_id[member_id].wait_for_plan(accept, timeout)
+
+    def close(self) -> None:
+        # In parallel: a coordinator may take up to half a second to notice its stop.
+        remaining = [m for m in self.by_id if m not in self._left]
+        with ThreadPoolExecutor(max_workers=max(1, len(remaining))) as pool:
+            list(pool.map(self.leave, remaining))
+
+
+def has_workers(*workers: str):
+    return lambda plan: plan.worker_ids() == tuple(workers)
