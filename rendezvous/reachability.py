@@ -14,8 +14,11 @@ or busy host is still reachable, so a long step never gets anybody excluded.
 * **Inside the ring** (members of the current plan, reports made in its round):
   a pair of members is *broken* when either reports the other unreachable (gloo
   needs a connection between every pair). While a pair is broken, the member
-  with the most broken pairs goes; among equals, the one whose first rank is
-  highest, so rank 0's host (the newest state, the round's store) stays. What is
+  with the most broken pairs goes; among equals, one that has not reported (a
+  reporter evidently reaches etcd and is alive; a silent member may be cut off
+  from everything, and a ring that kept it could not form until its lease ran
+  out), then the one whose first rank is highest, so rank 0's host (the round's
+  store) stays when nothing else tells them apart. What is
   left reaches itself entirely. If that is fewer than half of the ring, nobody
   is excluded: a network this broken is no single host's fault, and gloo's
   collective timeout and the reset path deal with it. Until every member of the
@@ -94,7 +97,7 @@ def exclusions(
         if len(recent) < len(ring) and now < first + grace:
             recheck = first + grace
         else:
-            cut = _cut(ring, broken)
+            cut = _cut(ring, broken, reported=set(recent))
             if len(ring) - len(cut) >= len(ring) / 2:
                 out |= cut
                 reason = f"{', '.join(sorted(cut))} unreachable from the rest of round {plan.round}"
@@ -122,9 +125,9 @@ def _broken_pairs(ring: Sequence[str], fresh: Mapping[str, ReachReport]) -> set:
     return pairs
 
 
-def _cut(ring: Sequence[str], broken: set) -> set:
-    """Greedy: drop the member in most broken pairs (the later rank among equals)
-    until no broken pair is left."""
+def _cut(ring: Sequence[str], broken: set, reported: set) -> set:
+    """Greedy: drop the member in most broken pairs (among equals one that has not
+    reported, then the later rank) until no broken pair is left."""
     order = {m: i for i, m in enumerate(ring)}
     pairs = set(broken)
     cut = set()
@@ -133,7 +136,7 @@ def _cut(ring: Sequence[str], broken: set) -> set:
         for pair in pairs:
             for member in pair:
                 count[member] = count.get(member, 0) + 1
-        worst = max(count, key=lambda m: (count[m], order[m]))
+        worst = max(count, key=lambda m: (count[m], m not in reported, order[m]))
         cut.add(worst)
         pairs = {p for p in pairs if worst not in p}
     return cut

@@ -58,8 +58,9 @@ def test_one_early_report_waits_for_the_others_up_to_the_grace():
     # Only b has reported (a-b broken); c and a have not yet: wait, do not guess.
     early = reports(rep("b", 5, "a", at=10.0))
     assert exclusions(ABC, ("a", "b", "c"), early, now=10.5, grace=1.0) == Exclusion(recheck_at=11.0)
-    # Grace over: decide with what there is (the later rank of the pair goes).
-    assert exclusions(ABC, ("a", "b", "c"), early, now=11.0, grace=1.0).members == {"b"}
+    # Grace over: decide with what there is. b reaches etcd and probes; a, silent, may
+    # be cut off from everything: a goes, although it holds rank 0.
+    assert exclusions(ABC, ("a", "b", "c"), early, now=11.0, grace=1.0).members == {"a"}
     # Every member of the ring reported: no need to wait.
     full = reports(rep("a", 5, "b", at=10.0), rep("b", 5, "a", at=10.0), rep("c", 5, at=10.0))
     assert exclusions(ABC, ("a", "b", "c"), full, now=10.0, grace=1.0).members == {"b"}
@@ -82,6 +83,20 @@ AB = ring(6, "a", "b")  # the round after c was excluded
 ])
 def test_outside_the_ring_stays_out_until_every_report_between_them_is_clean(given, excluded):
     assert exclusions(AB, ("a", "b", "c"), given, now=0.0).members == excluded
+
+
+def test_a_silent_member_goes_before_the_one_that_reported_it():
+    """Seen in the chaos soak: d, the newest member (highest rank), was first to stall
+    and reported c, whose link was cut (c can report nothing). Others silent, grace
+    over: c must go. Dropping d, the later rank, would leave a ring with c in it that
+    cannot form until c's lease runs out, and a healthy host out for a round."""
+    abcd = ring(5, "a", "b", "c", "d")
+    early = reports(rep("d", 5, "c", at=10.0))
+    assert exclusions(abcd, tuple("abcd"), early, now=10.5, grace=1.0) == Exclusion(recheck_at=11.0)
+    assert exclusions(abcd, tuple("abcd"), early, now=11.0, grace=1.0).members == {"c"}
+    # When both sides reported, nothing tells them apart but the rank: the later goes.
+    both = reports(rep("d", 5, "c", at=10.0), rep("c", 5, "d", at=10.2))
+    assert exclusions(abcd, tuple("abcd"), both, now=11.2, grace=1.0).members == {"d"}
 
 
 def test_no_plan_yet_excludes_nobody():
