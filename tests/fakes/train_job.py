@@ -52,6 +52,9 @@ p.add_argument("--slow-rank", type=int, default=None, help="this rank stalls onc
 p.add_argument("--slow-step", type=int, default=None, help="... in the first step >= this it runs, between finishing and committing it")
 p.add_argument("--slow-delay", type=float, default=0.0)
 p.add_argument("--slow-round", type=int, default=None, help="... only in this round (a new rank 0 does not stall)")
+p.add_argument("--wait-file", default=None, help="every rank waits (bounded) after logging --wait-step until "
+               "this file exists: a test acts at a known step without racing the job")
+p.add_argument("--wait-step", type=int, default=None)
 p.add_argument("--hang-rank", type=int, default=None, help="this rank's main thread sleeps forever ...")
 p.add_argument("--hang-step", type=int, default=None, help="... after finishing this step, outside any collective")
 p.add_argument("--hold-below-world", type=int, default=None,
@@ -115,6 +118,10 @@ def record_step(indices, batch=None):
     if state.step == args.hang_step and elastic.rank() == args.hang_rank \
             and not os.path.exists(os.path.join(args.out, "hung.jsonl")):  # once per job
         sleep_forever()
+    if state.step == args.wait_step and args.wait_file is not None:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(args.wait_file) and time.monotonic() < deadline:
+            time.sleep(0.01)
     if args.slow_step is not None and state.step >= args.slow_step and elastic.rank() == args.slow_rank \
             and args.slow_round in (None, elastic.round()) and not stalled:
         stalled.append(state.step)  # once per process

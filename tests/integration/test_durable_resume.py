@@ -208,13 +208,18 @@ def test_a_checkpoint_directory_that_fails_mid_run_does_not_stop_training(tmp_pa
     directory, cleanup = _tmpfs(tmp_path)
     errno_text = "Read-only file system"
     try:
-        job = start(tmp_path / "job", ["--np", "4", "--checkpoint-dir", str(directory), "--checkpoint-every", "10"],
-                    ["--steps", "42", "--step-delay", "0.05"])
+        go = tmp_path / "remounted"
+        # The ranks wait after step 2 until the disk is read-only, so the first write (step
+        # 10) always meets it; a generous hang timeout, since they wait in user code.
+        job = start(tmp_path / "job", ["--np", "4", "--checkpoint-dir", str(directory), "--checkpoint-every", "10",
+                                       "--hang-timeout", "120"],
+                    ["--steps", "42", "--step-delay", "0.05", "--wait-step", "2", "--wait-file", str(go)])
         job.wait_for_step(2, timeout=120)
         remount = subprocess.run(["mount", "-o", "remount,ro", str(directory)], capture_output=True, text=True,
                                  timeout=30)
         assert remount.returncode == 0, remount.stderr
-        assert max(s["step"] for s in job.steps()) < 10, "the first checkpoint was written before the remount"
+        assert max(s["step"] for s in job.steps()) == 2, "the ranks went on before the remount"
+        go.touch()
         assert job.wait() == 0, job.text()[-3000:]
     finally:
         cleanup()
