@@ -137,3 +137,38 @@ def test_a_deposed_coordinator_cannot_fail_the_job(etcd, job_id):
     finally:
         control.close()
         new.close()
+
+
+def test_a_leader_whose_election_delete_was_compacted_away_steps_down(local, etcd):
+    settings = RendezvousSettings(1, 8, settle=0.2, timeout=60)
+    for name in ("a", "b"):
+        local.add(name, settings)
+    local.wait_for_plan("a", has_workers(worker("a"), worker("b")))
+    leader = poll(local.leader, timeout=10)
+    assert leader is not None and leader is local.by_id["a"]
+    key = local.keys.coordinator
+    watch = next(w for w in list(leader.etcd._watches) if w.key == key and w.active)
+
+    # Cut the leader's election watch and keep it from reconnecting (fault injection).
+    gate = threading.Event()
+    real_channel = leader.etcd._channel
+
+    def channel():
+        if threading.current_thread().name == f"etcd-watch:{key}":
+            assert gate.wait(30)
+        return real_channel()
+
+    leader.etcd._channel = channel
+    with watch._lock:
+        watch._call.cancel()
+    assert poll(lambda: watch._call is None, timeout=10)
+
+    # The election key goes (as when a's lease is lost) and b takes it, while a cannot
+    # see it; then the history holding that delete is compacted away.
+    etcd.delete(key)
+    assert poll(lambda: local.by_id["b"].coordinator.leading.is_set(), timeout=20), "b never took the election"
+    compact(etcd)
+    gate.set()
+    # a must learn from a fresh read that the key is no longer its own: one leader again.
+    assert poll(lambda: not leader.coordinator.leading.is_set(), timeout=20), "a still leads beside b"
+    assert local.leader() is local.by_id["b"]

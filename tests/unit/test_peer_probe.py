@@ -1,6 +1,7 @@
 """The agent's peer probe: what counts as an answer, and when the ring looks stalled."""
 
 import json
+import select
 import socket
 import time
 
@@ -25,7 +26,9 @@ def test_an_accept_or_a_refusal_is_an_answer_silence_is_not():
                 filler.setblocking(False)
                 filler.connect_ex(full.getsockname())
                 fillers.append(filler)
-            time.sleep(0.2)
+            # Wait for the handshakes the queue takes (their sockets turn writable); the
+            # ones beyond it stay pending, and so will the probe's.
+            assert select.select([], fillers, [], 5.0)[1], "no connection reached the listener"
             started = time.monotonic()
             silent = unreachable({
                 "up": listening.getsockname(), "refusing": ("127.0.0.1", closed_port), "silent": full.getsockname(),
