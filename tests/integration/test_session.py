@@ -40,7 +40,9 @@ def test_orphaned_key_vanishes_within_ttl_plus_one_second(etcd, job_prefix, no_l
     orphaned = time.monotonic()
     assert not session.alive
     assert wait_until(lambda: etcd.get(job_prefix + "member") is None, timeout=5.0)
-    assert time.monotonic() - orphaned <= 2.0 + 0.3  # TTL + 1 s, plus polling slack
+    # TTL + 1 s (etcd checks expiry every 0.5 s), plus slack for a loaded machine: still well
+    # short of what a key kept alive by a forgotten keep-alive would show (never gone).
+    assert time.monotonic() - orphaned <= 2.0 + 1.0
 
 
 def test_lease_revoked_behind_our_back_is_replaced_and_owner_re_registers(etcd, job_prefix, no_leaked_threads):

@@ -186,7 +186,9 @@ def test_a_short_window_grows_until_it_spans_the_minimum():
     assert emitted == []  # no exchange at an even commit
     watch.on_commit(7)
     [(name, fields)] = emitted
-    assert fields["steps"] == 6 and fields["step_s"] == pytest.approx(0.25 / 6, rel=0.5)
+    # The window spans the real sleep: at least 0.25 s over its 6 steps (a loaded machine
+    # only makes it longer, so no upper bound beyond "not absurd").
+    assert fields["steps"] == 6 and 0.25 / 6 <= fields["step_s"] < 5.0
 
 
 # -- the options ----------------------------------------------------------------------
