@@ -12,8 +12,9 @@ see ``elastic/sync_plan.py`` for why the count alone is not enough.
 2. Holders move nothing and load nothing: at a sync the live state of a worker is
    its last commit (``restore()`` ran after a failure; a switch happens at a commit).
    After a failure the survivors are usually all holders, and the sync ends here.
-3. Workers behind (rolled back one commit further) and joiners receive the commit
-   striped across all holders, in chunks, straight into their snapshot buffers.
+3. Workers behind (rolled back one commit further) and joiners receive the commit's
+   layout from the first holder, then the commit striped across all holders, in
+   chunks, straight into their snapshot buffers. Holders receive nothing.
 
 A receiver overwrites its own last commit rather than keeping a second copy of the
 state, so its peak is the snapshot and the live state. A sync that breaks half-way
@@ -41,7 +42,7 @@ import torch
 from checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_tree, load_latest
 
 from .errors import HostsUpdatedInterrupt, JobStopping
-from .state_transfer import CHUNK_BYTES, gather_holdings, run_transfers, share_layout
+from .state_transfer import CHUNK_BYTES, gather_holdings, receive_layout, run_transfers, send_layout
 from .sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,14 @@ class State:
             return SyncPlan(newest, holders, (), ())
         if newest is None and runtime.rank == holders[0]:
             self._take_durable_or_initial_state()  # nobody holds a commit: a full restart
-        layout = share_layout(self._snapshot.layout() if runtime.rank == holders[0] else None, src=holders[0])
+        if runtime.rank in holders:
+            # Every holder holds the same commit, hence the same layout: only the receivers
+            # need the first holder's, and only they get it (a holder receives nothing).
+            layout = self._snapshot.layout()
+            if runtime.rank == holders[0]:
+                send_layout(layout, receivers, runtime.backend)
+        else:
+            layout = receive_layout(holders[0], runtime.backend)
         plan = plan_sync(holdings, [(n, dtype.itemsize) for dtype, _, n in layout.buffers], CHUNK_BYTES)
         if runtime.rank in holders:
             moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)

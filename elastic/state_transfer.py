@@ -1,8 +1,13 @@
 """The collectives of a state sync (``State.sync``): who holds what, and moving it.
 
     holdings = gather_holdings(rank, commit, backend)   # all_gather of 3 integers per rank
-    layout = share_layout(layout_or_none, src)          # pickled structure, from one holder
+    send_layout(layout, receivers, backend)             # holders[0]: the pickled structure ...
+    layout = receive_layout(src, backend)               # ... to the receivers, point to point
     moved = run_transfers(plan, rank, buffers, backend) # the plan's slices, point to point
+
+Holders receive nothing but the holdings: the layout goes from the first holder to
+the receivers alone (a broadcast would make every other holder receive it too), and
+the other holders take it from their own snapshot, which holds the same commit.
 
 On gloo every transfer is posted at once (``isend``/``irecv``) straight from a holder's
 snapshot buffer into a view of the receiver's: gloo sends from and receives into host
@@ -16,7 +21,8 @@ chunks.
 
 from __future__ import annotations
 
-from typing import Optional
+import pickle
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +32,9 @@ from .sync_plan import CommitId, Holding, SyncPlan, Transfer
 # The plan cuts stripes into chunks of at most this size: NCCL's staging buffer per
 # peer, and on gloo the size of one message.
 CHUNK_BYTES = 32 << 20
+# The layout's messages (its size, then its bytes) are tagged apart from the transfers,
+# whose tags count from 0 per (holder, receiver) pair: a receiver takes them first.
+_LAYOUT_TAG = 1 << 30
 
 
 def _device(backend: str) -> torch.device:
@@ -46,11 +55,26 @@ def gather_holdings(rank: int, world_size: int, commit: Optional[CommitId], back
     return holdings
 
 
-def share_layout(layout, src: int):
-    """The newest commit's layout (structure, sizes, plain values), from rank ``src``."""
-    box = [layout]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+def send_layout(layout, receivers: Sequence[int], backend: str) -> None:
+    """Send the newest commit's layout (structure, sizes, plain values) to ``receivers``."""
+    device = _device(backend)
+    body = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8).to(device)
+    size = torch.tensor([body.numel()], dtype=torch.int64, device=device)
+    # Blocking sends in the receivers' order: each receiver already waits for exactly
+    # these two messages from us, so none of them waits on another (NCCL included).
+    for receiver in receivers:
+        dist.send(size, dst=receiver, tag=_LAYOUT_TAG)
+        dist.send(body, dst=receiver, tag=_LAYOUT_TAG + 1)
+
+
+def receive_layout(src: int, backend: str):
+    """The layout that ``send_layout`` sends, from rank ``src``."""
+    device = _device(backend)
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=src, tag=_LAYOUT_TAG)
+    body = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(body, src=src, tag=_LAYOUT_TAG + 1)
+    return pickle.loads(body.cpu().numpy().tobytes())
 
 
 def run_transfers(plan: SyncPlan, rank: int, buffers: list[torch.Tensor], backend: str) -> int:

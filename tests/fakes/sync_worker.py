@@ -5,7 +5,9 @@
 The value v of the state is: weights all v, counts all v, step v. Each rank first
 commits what SCENARIO gives it (the round each commit is made in, and its value),
 then all sync; each rank prints one JSON line: what it holds after the sync (and,
-if the sync broke, after ``restore()``, as ``@elastic.run`` does next).
+if the sync broke, after ``restore()``, as ``@elastic.run`` does next), and what
+reached it through ``torch.distributed`` during the sync ("received": bytes per
+call name), so that a test sees a holder that receives anything.
 
     mixed        ranks 0, 1: commits 1, 2 in round 2 (value 2, the newest)
                  rank 2: commits 1, 2, 3 in round 1 (value 3: a higher count, an older history)
@@ -90,6 +92,37 @@ else:
         state_module.run_transfers = send_some_then_die
     runtime.round = 2
 
+received: dict = {}
+
+
+def _nbytes(tensors) -> int:
+    tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def count_received(name: str, original):
+    """Wrap ``dist.<name>`` to add what it brings to this rank to ``received[name]``
+    (the sync calls ``dist.<name>`` through the module, so the wrapper sees every call)."""
+    def wrapper(*a, **kw):
+        src = kw.get("src", a[1] if len(a) > 1 and name in ("broadcast", "broadcast_object_list") else None)
+        if name in ("broadcast", "broadcast_object_list") and src == args.rank:
+            got = 0  # the source of a broadcast receives nothing
+        elif name == "broadcast_object_list":
+            got = 1  # an object's size is unknown before the call: count the call
+        elif name in ("all_gather", "all_gather_object"):
+            got = _nbytes(kw.get("tensor_list", a[0] if a else [])) if name == "all_gather" else 1
+        else:
+            got = _nbytes(kw.get("tensor", a[0] if a else None))
+        received[name] = received.get(name, 0) + got
+        return original(*a, **kw)
+    return wrapper
+
+
+for _name in ("broadcast", "broadcast_object_list", "recv", "irecv", "all_gather", "all_gather_object",
+              "all_reduce", "scatter", "scatter_object_list", "reduce", "barrier", "all_to_all",
+              "all_to_all_single", "reduce_scatter", "batch_isend_irecv"):
+    setattr(dist, _name, count_received(_name, getattr(dist, _name)))
+
 outcome = "synced"
 try:
     plan = state.sync()
@@ -97,5 +130,5 @@ try:
 except Exception as exc:  # noqa: BLE001 - a broken ring: what @elastic.run does next is restore()
     outcome = f"failed: {type(exc).__name__}"
     state.restore()
-print(json.dumps({"outcome": outcome, **describe()}), flush=True)
+print(json.dumps({"outcome": outcome, **describe(), "received": received}), flush=True)
 os._exit(0)  # no teardown of a ring that may have lost a rank

@@ -49,6 +49,13 @@ def test_the_ring_goes_on_from_its_newest_commit_and_only_the_others_receive():
     for r in results:
         assert r["outcome"] == "synced: holders [0, 1] receivers [2, 3]", r
         assert (r["weights"], r["counts"], r["step"], r["commit"]) == ([2.0], [2], 2, [2, 2]), r
+    # Holders receive nothing but the holdings (3 int64 per rank): not the layout, not a
+    # byte of the state. The receivers get the state (4 MB of weights) and the layout.
+    for r in results[:2]:
+        assert r["received"] == {"all_gather": 4 * 3 * 8}, r
+    for r in results[2:]:
+        assert r["received"]["all_gather"] == 4 * 3 * 8, r
+        assert r["received"]["irecv"] >= (1 << 20) * 4 + 10 * 8, r
 
 
 def test_a_holder_dying_mid_sync_leaves_the_receivers_previous_commit():
