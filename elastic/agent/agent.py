@@ -60,6 +60,7 @@ from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
 from ..errors import PeersUnreachable
 from ..events import EventLog
+from ..reset_budget import ResetBudget, RoundFailures
 from .event_tail import EventTail
 from .peer_probe import PeerProbe
 from .plain_store import PlainStores, prune_round_keys
@@ -96,7 +97,7 @@ class Agent:
         self._plan: Optional[RoundPlan] = None
         self._plan_started: Optional[RoundPlan] = None  # the plan before the one being acted on
         self._plain_failure_rounds: set[int] = set()
-        self._network_failure_rounds: set[int] = set()  # rounds whose workers could not connect
+        self._network_failures = RoundFailures(ResetBudget(config.max_resets, config.reset_window))  # could not connect
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
         self._session_lost = False
@@ -339,17 +340,18 @@ class Agent:
     def _on_network_failure(self, worker_id: str, reason: str) -> None:
         """The round's workers could not connect to each other. Not a crash: the worker
         stays wanted (it is started again in the next round), and nobody is dropped, so
-        the job does not bleed workers. One line per failed round; after --max-resets
-        such rounds the job fails with that line instead of retrying for ever."""
+        the job does not bleed workers. One line per failed round; beyond --max-resets such
+        rounds within --reset-window (reset_budget.py) the job fails with that line."""
         failed_round = self._plan.round if self._plan is not None else 0
-        if failed_round in self._network_failure_rounds:
+        within_budget = self._network_failures.spend(failed_round)
+        if within_budget is None:
             return  # the round's other workers say the same
-        self._network_failure_rounds.add(failed_round)
         log.warning("%s", reason)
         self.events.emit("failure_detected", reason=reason, network=True, worker=worker_id)
-        if len(self._network_failure_rounds) > self.config.max_resets:
-            failed = JobStatus(
-                FAILED, f"{reason} ({len(self._network_failure_rounds)} rounds, --max-resets {self.config.max_resets})")
+        if not within_budget:
+            cfg = self.config
+            failed = JobStatus(FAILED, f"{reason} ({self._network_failures.recent} rounds within {cfg.reset_window:g}s,"
+                                       f" --max-resets {cfg.max_resets} per --reset-window)")
             self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
             return
         self._etcd_writes.write(f"ask for a round after {failed_round}",
