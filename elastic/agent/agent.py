@@ -257,9 +257,9 @@ class Agent:
             stacks_file=stacks_file, final_checkpoint_file=self._final_checkpoint_file(worker_id),
         )
         env = worker_env(
-            os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id,
-            master=self._plain_stores.address(plan), worker_config=worker_config,
-            nproc_per_node=cfg.nproc_per_node, socket_ifname=cfg.socket_ifname, restart_count=self._restarts,
+            os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id, nproc_per_node=cfg.nproc_per_node,
+            master=self._plain_stores.address(plan), worker_config=worker_config, socket_ifname=cfg.socket_ifname,
+            restart_count=self._restarts, max_restarts=cfg.max_restarts,
         )
         log_path = os.path.join(cfg.log_dir, f"worker-{worker_id}.log") if cfg.log_dir else None
         proc = WorkerProcess(

@@ -28,16 +28,28 @@ def worker_env(
     nproc_per_node: int,
     socket_ifname,
     restart_count: int,
+    max_restarts: int,
 ) -> dict[str, str]:
     rank = plan.rank_of(worker_id)
     local = plan.local_ranks(member_id)
+    members = plan.member_order()
     env = dict(base)
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(local.index(worker_id)),
         WORLD_SIZE=str(plan.world_size),
+        # This host's workers in the round (torchrun: --nproc-per-node; here fewer once
+        # crashed workers are not replaced).
         LOCAL_WORLD_SIZE=str(len(local)),
-        GROUP_RANK=str(plan.member_order().index(member_id)),
+        # torchrun's "group" is one agent's workers: its rank among the round's agents,
+        # and how many agents the round has.
+        GROUP_RANK=str(members.index(member_id)),
+        GROUP_WORLD_SIZE=str(len(members)),
+        # torchrun's roles (--role, "default") split the workers into kinds; we have one
+        # kind, so a worker's role rank and role world are its global ones.
+        ROLE_NAME="default",
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(plan.world_size),
         # MASTER_ADDR:PORT is for torchrun scripts only (the elastic runtime uses the
         # plan's store): a fresh store per round, so no stale peer addresses.
         MASTER_ADDR=master[0],
@@ -46,9 +58,17 @@ def worker_env(
         # As under torchrun: env:// connects to the agent's store as a client (rank 0
         # must not start a second server on that port); every round has a fresh store.
         TORCHELASTIC_USE_AGENT_STORE="True",
-        # torchrun's meaning: worker-group restarts after failures so far (0 at the
-        # first start; membership changes do not count), not the round number.
+        # torchrun sets RESTART_COUNT to max_restarts - remaining_restarts: the part of
+        # its agent's restart budget spent on failures so far, so 0 <= RESTART_COUNT <=
+        # MAX_RESTARTS. Ours means the same for this host's agent: the part of
+        # --max-restarts it has spent, on crashed workers it replaced and on rounds in
+        # which its torchrun-style workers failed (each round once). Workers restarted
+        # only because the membership changed (a host joined or left, or a peer was lost
+        # elsewhere before ours failed) add nothing, as torchrun's agents re-rendezvous
+        # for a new node without spending a restart. Per host like torchrun's, so hosts
+        # may differ; not the round number.
         TORCHELASTIC_RESTART_COUNT=str(restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
     )
     # Peers reach gloo/NCCL at the interface holding --host-addr, not at whatever
     # the host name resolves to; the user's own *_SOCKET_IFNAME win.

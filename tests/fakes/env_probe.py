@@ -1,30 +1,49 @@
 """A plain torchrun-style script (no elastic API) that reports how it was started.
 
-    python tests/fakes/env_probe.py --out FILE [ARGS...]   (or: -m tests.fakes.env_probe)
+    python tests/fakes/env_probe.py --out FILE [--die-once MARKER] [ARGS...]
+    (or: -m tests.fakes.env_probe ...)
 
 It joins the job's process group the torchrun way (env://: MASTER_ADDR, MASTER_PORT,
 RANK, WORLD_SIZE), appends one JSON line to FILE with the torchrun variables it was
 given, its arguments, its agent's pid and whether it ran as __main__, then waits at a
 barrier so that every rank has written before any exits.
+
+With ``--die-once MARKER``, the first rank-1 worker of the job (MARKER does not exist
+yet) creates MARKER, appends its line (with ``"died": true``) and SIGKILLs itself before
+joining the process group: a crash its agent must answer with a restart.
 """
 
 import json
 import os
+import signal
 import sys
 
+# Every variable torch's LocalElasticAgent sets for its workers (torch 2.13,
+# local_elastic_agent.py _start_workers), LOCAL_RANK included.
 TORCHRUN_VARIABLES = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
 )
+
+
+def option(name: str):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
 def main() -> None:
     import torch.distributed as dist
 
-    out = sys.argv[sys.argv.index("--out") + 1]
-    dist.init_process_group("gloo")
+    out = option("--out")
     record = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
     record.update(agent_pid=os.getppid(), argv=sys.argv[1:], main=__name__ == "__main__")
+    marker = option("--die-once")
+    if marker is not None and os.environ["RANK"] == "1" and not os.path.exists(marker):
+        open(marker, "w").close()
+        with open(out, "a") as f:
+            f.write(json.dumps({**record, "died": True}) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.init_process_group("gloo")
     with open(out, "a") as f:  # one short append per line: ranks do not interleave
         f.write(json.dumps(record) + "\n")
     dist.barrier()

@@ -189,10 +189,32 @@ def test_a_torchrun_script_sees_torchruns_variables(tmp_path, etcd_server):
     assert max(int(r["RANK"]) for r in by_agent[first]) < min(int(r["RANK"]) for r in by_agent[second])
     for r in records:
         assert r["WORLD_SIZE"] == "3"
+        assert r["GROUP_WORLD_SIZE"] == "2"  # two agents (nodes) in the round
+        # One role, as torchrun's default --role: role ranks are the global ranks.
+        assert r["ROLE_NAME"] == "default"
+        assert r["ROLE_RANK"] == r["RANK"] and r["ROLE_WORLD_SIZE"] == "3"
         assert r["TORCHELASTIC_RUN_ID"] == job_id
         assert r["TORCHELASTIC_RESTART_COUNT"] == "0"  # torchrun: no restart yet
+        assert r["TORCHELASTIC_MAX_RESTARTS"] == "0"  # elastic-run's default --max-restarts
         assert r["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in records}) == 1
+
+
+def test_a_torchrun_worker_started_again_after_a_crash_sees_restart_count_1(tmp_path):
+    out = tmp_path / "env.jsonl"
+    job = Job(tmp_path, ["--np", "2", "--max-restarts", "2", "--log-dir", str(tmp_path / "logs"), str(ENV_PROBE),
+                         "--out", str(out), "--die-once", str(tmp_path / "died")])
+    assert job.wait(180) == 0, job.text()[-3000:]
+    records = read_jsonl(out)
+    died = [r for r in records if r.get("died")]
+    assert [(r["RANK"], r["TORCHELASTIC_RESTART_COUNT"]) for r in died] == [("1", "0")], records
+    # The crashed worker's replacement and its peer, restarted with it for the new round,
+    # both count the one restart the agent made (of --max-restarts 2).
+    ran = [r for r in records if not r.get("died")]
+    assert sorted(r["RANK"] for r in ran) == ["0", "1"], records
+    assert {(r["TORCHELASTIC_RESTART_COUNT"], r["TORCHELASTIC_MAX_RESTARTS"]) for r in ran} == {("1", "2")}, records
+    killed = [e for e in events_named(job, "worker_exited") if e["signal"] == signal.SIGKILL]
+    assert len(killed) == 1, killed
 
 
 def test_dash_m_runs_a_module_as_main_with_its_arguments(tmp_path):
