@@ -1,6 +1,7 @@
 """Hung workers under real elastic-run agents, real etcd and real gloo rings.
 
-A frozen worker (SIGSTOP) and a main thread sleeping forever outside any
+A frozen worker (SIGSTOP; on two namespaced hosts with their own addresses,
+tests/fakes/netns.py) and a main thread sleeping forever outside any
 collective are detected by their own agent, which asks for their stacks, kills
 them, and reports them lost; the survivors re-form and finish. An honest slow
 step is never taken for a hang.
@@ -28,9 +29,11 @@ TARGET_S = 10.0
 MARGIN_S = 15.0
 
 
-def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name, extra=()):
+def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name, extra=(), host=None):
+    """One elastic-run, inside ``host`` (a namespaced host) if given; default options else."""
     launcher = ["--rdzv-endpoint", endpoint, "--job-id", job_id, "--nproc-per-node", str(nproc), *extra]
-    return Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, script_args), name=name)
+    args = Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, script_args)
+    return host.job(tmp_path, args, name=name) if host is not None else Job(tmp_path, args, name=name)
 
 
 def events(job, kind):
@@ -49,12 +52,13 @@ def assert_identical(params):
             assert torch.equal(params[0][key], other[key]), key
 
 
-def test_a_frozen_worker_is_killed_and_the_survivors_go_on(tmp_path, etcd_server):
+def test_a_frozen_worker_is_killed_and_the_survivors_go_on(tmp_path, netns_hosts):
+    hosts = netns_hosts(2)
     job_id = f"frozen-{uuid.uuid4().hex[:8]}"
     limits = ["--min-np", "2", "--max-np", "4"]
     args = ["--steps", "400", "--step-delay", "0.05", "--float64"]
-    first = agent(tmp_path, etcd_server.endpoint, job_id, 2, args, name="first", extra=limits)
-    second = agent(tmp_path, etcd_server.endpoint, job_id, 2, args, name="second", extra=limits)
+    first = agent(tmp_path, hosts.etcd_endpoint, job_id, 2, args, name="first", extra=limits, host=hosts[0])
+    second = agent(tmp_path, hosts.etcd_endpoint, job_id, 2, args, name="second", extra=limits, host=hosts[1])
     try:
         # Past a few commits, so the watchdog has seen the step intervals.
         wait_until(lambda: any(s["step"] >= 20 and s["world"] == 4 for s in first.steps()), 120, "step 20 of 4")

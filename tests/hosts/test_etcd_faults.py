@@ -1,5 +1,8 @@
 """etcd faults under a running job: etcd is never on the per-step path.
 
+Two namespaced hosts (tests/fakes/netns.py), one agent and worker each, etcd on
+the bridge, so the agents reach it over a real link with their own addresses.
+
 * The leader of a three-member etcd cluster is SIGKILLed mid-run: the agents'
   clients fail over to the other members, the lease keep-alives and watches go on,
   and the job neither loses a step nor re-forms its ring.
@@ -17,7 +20,7 @@ import uuid
 
 import pytest
 
-from tests.fakes.etcd_cluster import etcd_cluster  # noqa: F401 - fixture
+from rendezvous.embedded import EmbeddedEtcdCluster
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(420)
@@ -26,17 +29,17 @@ OUTAGE_S = 30.0
 MAX_GAP_S = 5.0  # generous for a loaded 2-core machine; the figure is printed
 
 
-def start_agents(tmp_path, endpoint, hosts=("a", "b"), *, extra=()):
-    """One agent per host, one worker each, a commit every step; stops at the stop file."""
+def start_agents(tmp_path, endpoint, hosts):
+    """One agent per namespaced host (its address: the default, the route to etcd), one
+    worker each, a commit every step; stops at the stop file."""
     job_id = f"etcdf-{uuid.uuid4().hex[:10]}"
     out, logs = tmp_path / "out", tmp_path / "logs"
     jobs = []
     for host in hosts:
-        args = ["--rdzv-endpoint", endpoint, "--job-id", job_id, "--host-id", f"host-{host}",
-                "--host-addr", "127.0.0.1", "--nproc-per-node", "1", "--min-np", str(len(hosts)),
-                "--max-np", str(len(hosts)), *extra]
-        jobs.append(Job(tmp_path, Job.train_args(out, logs, args, [
-            "--steps", "100000", "--step-delay", "0.05", "--stop-file", str(tmp_path / "stop")]), name=host))
+        args = ["--rdzv-endpoint", endpoint, "--job-id", job_id, "--host-id", host.name,
+                "--nproc-per-node", "1", "--min-np", str(len(hosts)), "--max-np", str(len(hosts))]
+        jobs.append(host.job(tmp_path, Job.train_args(out, logs, args, [
+            "--steps", "100000", "--step-delay", "0.05", "--stop-file", str(tmp_path / "stop")]), name=host.name))
         if len(jobs) == 1:
             first = jobs[0]
             wait_until(lambda: any(e["event"] == "member_joined" for e in first.events()), 60, "first agent")
@@ -70,9 +73,20 @@ def finish_and_check(tmp_path, jobs, fault_at):
     assert [e["status"] for e in events if e["event"] == "job_finished"] == ["succeeded"] * len(jobs)
 
 
+@pytest.fixture
+def hosts_and_cluster(netns_hosts, tmp_path):
+    """Two namespaced hosts and a three-member etcd cluster on their bridge."""
+    hosts = netns_hosts(2, etcd=False)
+    (tmp_path / "etcd-cluster").mkdir()
+    cluster = EmbeddedEtcdCluster(3, host=hosts.bridge_addr, log_dir=str(tmp_path / "etcd-cluster")).start()
+    yield hosts, cluster
+    cluster.stop()
+
+
 @pytest.mark.slow  # three etcd members and a job: the slow run (CI runs it); the soak kills leaders too
-def test_killing_the_etcd_leader_loses_no_step_and_forms_no_round(tmp_path, etcd_cluster):
-    jobs = start_agents(tmp_path, etcd_cluster.endpoints)
+def test_killing_the_etcd_leader_loses_no_step_and_forms_no_round(tmp_path, hosts_and_cluster):
+    hosts, etcd_cluster = hosts_and_cluster
+    jobs = start_agents(tmp_path, etcd_cluster.endpoints, hosts)
     a = jobs[0]
     wait_until(lambda: len(steps_of_rank0(a)) >= 20, 120, "20 steps of the 2-worker ring")
     leader = etcd_cluster.leader()
@@ -93,8 +107,10 @@ def test_killing_the_etcd_leader_loses_no_step_and_forms_no_round(tmp_path, etcd
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
-def test_etcd_down_or_frozen_for_30s_does_not_stop_or_reform_the_job(tmp_path, fresh_etcd, fault):
-    jobs = start_agents(tmp_path, fresh_etcd.endpoint)
+def test_etcd_down_or_frozen_for_30s_does_not_stop_or_reform_the_job(tmp_path, netns_hosts, fault):
+    hosts = netns_hosts(2)
+    fresh_etcd = hosts.etcd
+    jobs = start_agents(tmp_path, fresh_etcd.endpoint, hosts)
     a = jobs[0]
     wait_until(lambda: len(steps_of_rank0(a)) >= 20, 120, "20 steps of the 2-worker ring")
     fault_at = time.time()
