@@ -15,6 +15,7 @@ Files written to --out (one line per event, flushed at once, so tests can watch)
   hung.jsonl      {"pid", "rank", "step", "time"} when --hang-rank's main thread starts sleeping forever
   killed-<step>   written by --kill-rank right before it SIGKILLs itself (--kill-at: once per job and step)
   committed-<step> written by rank 0 after its commit of a step that --kill-at names
+  lagged-<step>   written by --lag-rank (its pid) when it leaves the step uncommitted
 """
 
 import argparse
@@ -63,6 +64,10 @@ p.add_argument("--kill-at", default="", help="sampler mode: STEP:POINT,... --kil
                "of step STEP: before-step, mid-step (after the forward, before the all-reduce), "
                "before-commit, after-peer-commit (once rank 0 has committed the step), after-commit")
 p.add_argument("--kill-rank", type=int, default=1)
+p.add_argument("--lag-rank", type=int, default=None,
+               help="at the step of the after-peer-commit kill, this rank does not commit before the kill: it "
+                    "waits (bounded) until --kill-rank is gone, then goes on to the next step's collectives, "
+                    "which fail; so at the kill rank 0 holds the step's commit and this rank one commit less")
 p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -147,8 +152,25 @@ def maybe_die(point: str, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def lags(step: int) -> bool:
+    """--lag-rank: True (once per job) when this rank leaves ``step`` uncommitted, after the kill."""
+    if elastic.rank() != args.lag_rank or kill_points.get("after-peer-commit") != str(step):
+        return False
+    marker = os.path.join(args.out, f"lagged-{step}")
+    if os.path.exists(marker):
+        return False
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(args.out, f"killed-{step}")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(marker, "w") as f:  # the test finds this worker's reform_done by its pid
+        f.write(str(os.getpid()))
+    return True
+
+
 def commit_marked(step: int) -> None:
     """state.commit(); rank 0 then leaves a marker when --kill-at waits for its commit of ``step``."""
+    if lags(step):
+        return
     try:
         state.commit()
     finally:
