@@ -42,8 +42,22 @@ class PlainStores:
         self._served[plan.round] = store
         self._etcd.put(self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode())
         for old in sorted(self._served)[:-_KEEP_ROUNDS]:
-            del self._served[old]
-            self._etcd.delete(self._keys.plain_store(old))
+            del self._served[old]  # the last reference: the store's server closes
+        self._prune_addresses(plan.round)
+
+    def _prune_addresses(self, current: int) -> None:
+        """Delete the addresses of rounds older than the kept ones, whoever served them.
+
+        Rank 0 moves between hosts (its host lost, a joiner ahead in the order): a host
+        that deleted only its own old addresses would leave its last ones behind each
+        time it stopped being rank 0, or left the job, for ever. Nobody reads them: an
+        agent starts workers only for the newest plan.
+        """
+        kvs, _ = self._etcd.get_prefix(self._keys.prefix + "plainstores/")
+        for kv in kvs:
+            number = kv.key.rsplit("/", 1)[1]
+            if number.isdigit() and int(number) <= current - _KEEP_ROUNDS:
+                self._etcd.delete(kv.key)
 
     def address(self, plan: RoundPlan, timeout: float = 30.0) -> tuple[str, int]:
         """The round's store address (waits, bounded, for rank 0's agent to publish it)."""
