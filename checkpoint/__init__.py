@@ -6,7 +6,7 @@
     if writer.due(commits): writer.submit(tree, step=step)   # background, atomic
     loaded = load_latest("/ckpt")                      # (tree, manifest) or None
 """
-from .durable import CheckpointPolicy, DurableWriter
+from .durable import CheckpointPolicy, DurableWriter, FenceRefusal
 from .restore import CheckpointInfo, list_checkpoints, load_latest
 from .snapshot import Layout, Snapshot, clone_tree
 
@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointPolicy",
     "DurableWriter",
+    "FenceRefusal",
     "Layout",
     "Snapshot",
     "clone_tree",

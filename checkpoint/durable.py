@@ -23,7 +23,9 @@ one starts), so nothing a writer does may destroy the other's work:
 * a prune deletes only checkpoints older than the one its writer just published.
 
 A write may carry a fence (``still_current``), asked right before publishing: a
-rank 0 whose round is over must not publish what it wrote for that round.
+rank 0 whose round is over must not publish what it wrote for that round. The fence
+returns True to publish; False or any exception refuses, and a ``FenceRefusal`` says
+why in the writer's one line about it.
 
 Each write's outcome can be reported (``report``, called on the writer's thread as
 ``report(name, **fields)``): ``checkpoint_written`` (step, bytes, seconds, path) or
@@ -50,7 +52,7 @@ import torch
 from . import manifest as mf
 from .snapshot import Snapshot
 
-__all__ = ["CheckpointPolicy", "DurableWriter", "check_local_directory"]
+__all__ = ["CheckpointPolicy", "DurableWriter", "FenceRefusal", "check_local_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,10 @@ class CheckpointPolicy:
             raise ValueError(f"every_seconds must be a positive number or None, got {self.every_seconds!r}")
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
             raise ValueError(f"keep must be an integer >= 1, got {self.keep!r}")
+
+
+class FenceRefusal(Exception):
+    """Raised by a write's fence to refuse it; str() is the reason, logged as is."""
 
 
 class _HashingWriter:
@@ -378,6 +384,8 @@ def _fence_refusal(job: _Job) -> str | None:
         if job.still_current():
             return None
         return f"its round {job.round} is over"
+    except FenceRefusal as exc:
+        return str(exc)
     except Exception as exc:  # noqa: BLE001 - a fence that cannot be checked refuses
         return f"cannot tell whether its round {job.round} is current ({_describe(exc)})"
 

@@ -28,19 +28,17 @@ import torch
 import torch.distributed as dist
 
 from rendezvous import (
-    FAILED,
     STOPPING,
-    JobStatus,
     ControlChannel,
     Etcd,
     EtcdConfig,
     JobKeys,
-    RendezvousError,
     RoundPlan,
 )
 from rendezvous.errors import RendezvousTimeoutError
 
 from .console import FILE_ONLY
+from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
 from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
 from .events import EventLog
@@ -449,27 +447,14 @@ class Runtime:
 
     # -- fencing durable writes ---------------------------------------------------
     def durable_fence(self):
-        """A check for the checkpoint writer, asked right before it publishes: is the
-        job still one that includes this worker? A host cut off from the others (and
-        from etcd) must never publish a checkpoint once the job has moved on without
-        it. Read afresh from etcd; when etcd cannot be reached, nothing proves that
-        we are current, so the write is refused (the next one will be made)."""
+        """A check for the checkpoint writer, asked right before it publishes a write
+        of the current round: has this worker been in every round since (read afresh
+        from etcd)? A host cut off and healed must never publish what it wrote before
+        the job moved on without it (elastic/durable_fence.py says why being in the
+        newest plan is not enough)."""
         if self.config is None:
             return None
-        keys, worker, round_number = JobKeys(self.config.job_id), self.config.worker_id, self.round
-
-        def still_current() -> bool:
-            try:
-                plan_kv, status_kv = self._etcd.get(keys.plan), self._etcd.get(keys.status)
-            except RendezvousError as exc:
-                log.warning("round %d: checkpoint not published: etcd unreachable (%s)", round_number, exc)
-                return False
-            if status_kv is not None and JobStatus.from_json(status_kv.value).state == FAILED:
-                return False
-            plan = RoundPlan.from_json(plan_kv.value) if plan_kv is not None else None
-            return plan is None or plan.round <= round_number or plan.rank_of(worker) is not None
-
-        return still_current
+        return checkpoint_fence(self._etcd, JobKeys(self.config.job_id), self.config.worker_id, self.round)
 
     # -- end --------------------------------------------------------------------
     def shutdown(self) -> None:
