@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from tests.fakes.jobs import read_jsonl, wait_until
-from tests.hosts.test_partitions import SLACK_S, TTL, finish, start, steps_after
+from tests.fakes.jobs import wait_until
+from tests.hosts.test_partitions import SLACK_S, TTL, Cut, assert_fenced, finish, start, steps_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]  # heavy: the slow run, which CI runs too
 
@@ -50,14 +50,13 @@ def test_a_host_cut_from_etcd_only_is_left_behind_within_ttl_and_rejoins(netns_h
     assert stall <= TTL + 2 + SLACK_S, f"survivors stalled {stall:.1f}s"
     # Fenced: no step of the round the job left completes once the survivors moved on.
     first_new = min(s["t"] for s in after_cut)
-    late = [s for s in read_jsonl(out / "steps.jsonl") if s["round"] == old_round and s["t"] > first_new]
-    assert not late, late
+    assert_fenced(out, old_round, first_new)
 
     healed_at = time.time()
     hosts[victim].heal()
     rejoined = wait_until(lambda: steps_after(out, healed_at, 3), 180, "the cut host to rejoin")
     print(f"host {victim} reaches etcd again: back to 3 workers after {min(s['t'] for s in rejoined) - healed_at:.2f}s")
-    finish(tmp_path, jobs, out)
+    finish(tmp_path, jobs, out, fenced=Cut(cut_at, old_round, first_new))  # and after the heal
 
 
 @pytest.mark.parametrize("victim", [pytest.param(0, id="rank0-store-and-coordinator"), pytest.param(2, id="plain")])
@@ -88,12 +87,11 @@ def test_a_host_cut_from_its_peers_only_is_left_behind_and_rejoins(netns_hosts, 
     wait_until(lambda: steps_after(out, first_new + HOLD_S, 2), 60, f"the survivors to train {HOLD_S:g}s more")
     assert not steps_after(out, cut_at, 3)
     # Fenced: no step of the round the job left completes once the survivors moved on.
-    late = [s for s in read_jsonl(out / "steps.jsonl") if s["round"] == old_round and s["t"] > first_new]
-    assert not late, late
+    assert_fenced(out, old_round, first_new)
 
     healed_at = time.time()
     hosts[victim].heal()
     rejoined = wait_until(lambda: steps_after(out, healed_at, 3), 180, "the cut host to rejoin")
     print(f"host {victim} reaches its peers again: back to 3 workers after "
           f"{min(s['t'] for s in rejoined) - healed_at:.2f}s")
-    finish(tmp_path, jobs, out)
+    finish(tmp_path, jobs, out, fenced=Cut(cut_at, old_round, first_new))  # and after the heal
