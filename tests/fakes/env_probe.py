@@ -18,8 +18,9 @@ import os
 import signal
 import sys
 
-# Every variable torch's LocalElasticAgent sets for its workers (torch 2.13,
-# local_elastic_agent.py _start_workers), LOCAL_RANK included.
+# The variables torch's LocalElasticAgent sets for its workers (torch 2.13,
+# local_elastic_agent.py _start_workers; LOCAL_RANK included), but for
+# TORCH_NCCL_ASYNC_ERROR_HANDLING, which elastic-run sets for NCCL only.
 TORCHRUN_VARIABLES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
