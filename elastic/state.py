@@ -41,6 +41,7 @@ import torch
 
 from checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_tree, load_latest
 
+from .console import FILE_ONLY
 from .errors import HostsUpdatedInterrupt, JobStopping
 from .state_transfer import CHUNK_BYTES, gather_holdings, receive_layout, run_transfers, send_layout
 from .sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
@@ -183,11 +184,15 @@ class State:
             moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)
         else:
             moved = self._receive(plan, layout, runtime)
+        # After a re-formation the worker's reform_done line says how the sync went: on the
+        # console a failure is that one line per worker, so this one is for the log file.
+        # A worker's first sync (the job's start, a joiner's arrival) has no such line.
+        extra = FILE_ONLY if self._synced else None
         object.__setattr__(self, "_synced", True)
         log.info("round %d: sync of commit %s: %s %.3f MB (%d holders, %d receivers) in %.3fs",
                  runtime.round, (plan.newest.round, plan.newest.count) if plan.newest else "initial",
                  "sent" if runtime.rank in holders else "received", moved / 1e6, len(holders), len(receivers),
-                 time.monotonic() - started)
+                 time.monotonic() - started, extra=extra)
         return plan
 
     def _receive(self, plan: SyncPlan, layout, runtime) -> int:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from ..console import route
+from ..console import OutputRouter
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,9 @@ class WorkerProcess:
         return self.proc.poll() is None
 
     def _forward_output(self) -> None:
+        router = OutputRouter()  # details of a failure stay in the log file
         for raw in iter(self.proc.stdout.readline, b""):
-            raw, to_console = route(raw)  # details of a failure stay in the log file
+            raw, to_console = router.route(raw)
             if self._log is not None:
                 self._log.write(raw)
             if not to_console:

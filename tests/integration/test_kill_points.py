@@ -57,5 +57,17 @@ def test_kills_at_every_point_of_a_step_leave_the_plain_trajectory(tmp_path, etc
     holders = [e for e in failures if e["round"] == lagged["round"] and e["pid"] != laggard]
     assert holders and not any(e["received"] for e in holders), holders
     assert {e["commit"] for e in holders} == {lagged["commit"]}, (lagged, holders)
+    # On the console a failure is one line per surviving worker, its reform_done, even
+    # when the sync moved a commit (the sync's own line is for the log file then); a
+    # replacement that joined the round says what it received, in one line.
+    console = [line.split("]: ", 1)[1] for line in job.text().splitlines() if line.startswith("[")]
+    for round_number in sorted({e["round"] for e in failures}):
+        survivors = [e for e in failures if e["round"] == round_number]
+        lines = [line for line in console if f": round {round_number}: " in line]
+        reforms = [line for line in lines if " reform_done " in line]
+        others = [line for line in lines if " reform_done " not in line]
+        assert len(reforms) == len(survivors), (round_number, lines)
+        assert len(others) == survivors[0]["world_size"] - len(survivors), (round_number, lines)
+        assert all("sync of commit" in line and ": received " in line for line in others), (round_number, lines)
     last_world = max(read_jsonl(tmp_path / "out" / "pids.jsonl"), key=lambda e: e["round"])["world"]
     check_same_as_a_plain_run(tmp_path, SCRIPT, last_world)  # the plain run: no kills, no waiting for a world of 3

@@ -1,5 +1,11 @@
 """Seeing the job, end to end: the timeline of a real run with a kill and a join, and
-a real run under --chaos-kill-every with its recovery report."""
+a real run under --chaos-kill-every with its recovery report.
+
+The kill-and-join run is ``make demo``'s: the first agent serves the embedded etcd and
+a second agent joins it. Its consoles are what people read, so they are checked too:
+the kill is one line per surviving worker (its reform_done), gloo's text goes to the
+workers' log files only, and the successful job prints no warning on either console.
+"""
 
 from __future__ import annotations
 
@@ -19,9 +25,28 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name):
-    launcher = ["--rdzv-endpoint", endpoint, "--job-id", job_id, "--nproc-per-node", str(nproc),
-                "--min-np", "2", "--max-np", "3"]
+    """An agent of the job at ``endpoint``; without one, it serves the embedded etcd."""
+    rendezvous = ["--rdzv-endpoint", endpoint, "--job-id", job_id] if endpoint else []
+    launcher = [*rendezvous, "--nproc-per-node", str(nproc), "--min-np", "2", "--max-np", "3"]
     return Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, script_args), name=name)
+
+
+# A console line from a worker: the agent's "[label]: " and one line of a runtime logger.
+# A multi-line message (a traceback, gloo's text) would bring lines without the logger.
+WORKER_LINE = re.compile(r"^\[rank\d+\]: (elastic|checkpoint|rendezvous): \S")
+AGENT_LINE = re.compile(r"^elastic-run: \S")
+# A warning reaches the console labelled (elastic/console.py), a Python warning as "...Warning:".
+WARNING = re.compile(r"\bWARNING\b|\w+Warning: ")
+
+
+def check_console(text: str) -> list[str]:
+    """The console's worker lines, after checking that every line is one readable line."""
+    lines = text.splitlines()
+    assert all(WORKER_LINE.match(line) or AGENT_LINE.match(line) for line in lines), \
+        [line for line in lines if not (WORKER_LINE.match(line) or AGENT_LINE.match(line))][:5]
+    assert not [line for line in lines if WARNING.search(line)], [line for line in lines if WARNING.search(line)]
+    assert "gloo" not in text and "Traceback" not in text
+    return [line for line in lines if line.startswith("[")]
 
 
 def png_size(path) -> tuple[int, int]:
@@ -30,18 +55,35 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path, etcd_server):
-    job_id = f"timeline-{uuid.uuid4().hex[:8]}"
+def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path):
     # Once shrunk, the ring commits in lockstep without training until it has 3 workers
     # again, so the job cannot end before the joiner (slow to start under load) arrives.
     args = ["--epochs", "1", "--dataset-size", "360", "--step-delay", "0.05", "--hold-below-world", "3"]
-    first = agent(tmp_path, etcd_server.endpoint, job_id, 3, args, name="first")
+    first = agent(tmp_path, None, None, 3, args, name="first")
+    found = wait_until(lambda: re.search(r"embedded etcd at (\S+); join with: .* --job-id (\S+) ", first.text()),
+                       60, "the embedded etcd")
+    endpoint, job_id = found.groups()
     first.wait_for_step(8)
     os.kill(first.worker_pid(2), signal.SIGKILL)
     wait_until(lambda: any(e["event"] == "reform_done" for e in first.events()), 60, "the shrink")
-    second = agent(tmp_path, etcd_server.endpoint, job_id, 1, args, name="second")
+    second = agent(tmp_path, endpoint, job_id, 1, args, name="second")
     assert first.wait(240) == 0, first.text()[-3000:]
     assert second.wait(60) == 0, second.text()[-3000:]
+
+    # The kill on the console: one line per surviving worker, its reform_done; what gloo
+    # said is in its log file. And no warning anywhere, on either agent's console.
+    worker_lines = check_console(first.text())
+    check_console(second.text())
+    broke = [e for e in first.events() if e["event"] == "reform_done" and e["failed"]]
+    broke_in = {e["round"] for e in broke}
+    assert len(broke_in) == 1, broke_in
+    in_that_round = [line for line in worker_lines if f": round {min(broke_in)}: " in line]
+    assert len(in_that_round) == 2, in_that_round
+    assert all("reform_done" in line and "failed=True" in line for line in in_that_round), in_that_round
+    assert {line.split("]")[0] for line in in_that_round} == {"[rank0", "[rank1"}, in_that_round
+    for survivor in {e["worker"] for e in broke}:
+        log = first.log_dir / f"worker-{survivor}.log"
+        assert "elastic: WARNING: ring broken: " in log.read_text(errors="replace"), log
 
     png = tmp_path / "timeline.png"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")} | {"PYTHONPATH": str(REPO)}
