@@ -48,6 +48,25 @@ def status_in(etcd: Etcd, keys: JobKeys) -> dict | None:
     return None if kv is None else {k: v for k, v in json.loads(kv.value).items() if k != "since"}
 
 
+def cut_watch(participant, key: str) -> threading.Event:
+    """Cut ``participant``'s watch on ``key`` and keep it from reconnecting until the
+    returned event is set (fault injection at the exact point)."""
+    watch = next(w for w in list(participant.etcd._watches) if w.key == key and w.active)
+    gate = threading.Event()
+    real_channel = participant.etcd._channel
+
+    def channel():
+        if threading.current_thread().name == f"etcd-watch:{key}":
+            assert gate.wait(30)
+        return real_channel()
+
+    participant.etcd._channel = channel
+    with watch._lock:
+        watch._call.cancel()
+    assert poll(lambda: watch._call is None, timeout=10)
+    return gate
+
+
 def test_a_member_deleted_while_the_members_watch_was_compacted_away_is_still_seen(local, etcd):
     settings = RendezvousSettings(1, 8, settle=0.2, timeout=60)
     for name in ("a", "b", "c"):
@@ -55,21 +74,7 @@ def test_a_member_deleted_while_the_members_watch_was_compacted_away_is_still_se
     first = local.wait_for_plan("a", has_workers(*(worker(m) for m in ("a", "b", "c"))))
     leader = poll(local.leader, timeout=10)
     assert leader is not None and leader is local.by_id["a"]  # the first to start leads
-    watch = next(w for w in list(leader.etcd._watches) if w.key == local.keys.members and w.active)
-
-    # Cut the leader's members watch and keep it from reconnecting (fault injection).
-    gate = threading.Event()
-    real_channel = leader.etcd._channel
-
-    def channel():
-        if threading.current_thread().name == f"etcd-watch:{local.keys.members}":
-            assert gate.wait(30)
-        return real_channel()
-
-    leader.etcd._channel = channel
-    with watch._lock:
-        watch._call.cancel()
-    assert poll(lambda: watch._call is None, timeout=10)
+    gate = cut_watch(leader, local.keys.members)
 
     local.leave("c")  # c's member key is deleted while nobody watches...
     compact(etcd)  # ...and the history holding that delete is gone
@@ -147,21 +152,7 @@ def test_a_leader_whose_election_delete_was_compacted_away_steps_down(local, etc
     leader = poll(local.leader, timeout=10)
     assert leader is not None and leader is local.by_id["a"]
     key = local.keys.coordinator
-    watch = next(w for w in list(leader.etcd._watches) if w.key == key and w.active)
-
-    # Cut the leader's election watch and keep it from reconnecting (fault injection).
-    gate = threading.Event()
-    real_channel = leader.etcd._channel
-
-    def channel():
-        if threading.current_thread().name == f"etcd-watch:{key}":
-            assert gate.wait(30)
-        return real_channel()
-
-    leader.etcd._channel = channel
-    with watch._lock:
-        watch._call.cancel()
-    assert poll(lambda: watch._call is None, timeout=10)
+    gate = cut_watch(leader, key)  # the election watch
 
     # The election key goes (as when a's lease is lost) and b takes it, while a cannot
     # see it; then the history holding that delete is compacted away.
