@@ -39,6 +39,10 @@ p.add_argument("--step-delay", type=float, default=0.0)
 p.add_argument("--extra-step-delay", type=float, default=float(os.environ.get("TRAIN_JOB_EXTRA_STEP_DELAY", 0)),
                help="sleep this much more per step (a straggler); from the environment, it slows one host's "
                     "workers whatever their ranks")
+p.add_argument("--slow-factor", type=float, default=float(os.environ.get("TRAIN_JOB_SLOW_FACTOR", 1)),
+               help="a straggler whose steps take this many times as long (from the environment too): after "
+                    "each step it sleeps (F - 1) times what the step took, so a loaded machine, which lengthens "
+                    "every worker's steps, leaves the ratio F where a fixed sleep would shrink it")
 p.add_argument("--global-batch", type=int, default=32)
 p.add_argument("--float64", action="store_true")
 p.add_argument("--fail-rank", type=int, default=None)
@@ -252,6 +256,7 @@ def train(state):
         return
     while state.step < args.steps and not told_to_stop():
         hold_until_the_ring_grows()
+        step_started = time.monotonic()
         start = state.step * args.global_batch
         rows = torch.arange(start, start + args.global_batch)[rank::world]
         if args.fail_step is not None and state.step == args.fail_step and rank == args.fail_rank:
@@ -260,6 +265,8 @@ def train(state):
         state.step += 1
         record_step(None)
         time.sleep(args.step_delay + args.extra_step_delay)
+        if args.slow_factor > 1:
+            time.sleep((args.slow_factor - 1) * (time.monotonic() - step_started))
         if state.step % args.commit_every == 0:
             state.commit()
 
