@@ -130,6 +130,7 @@ class AgentMetrics:
         self._recovered_rounds: set[Any] = set()
         self._seen: dict[str, Marks] = {}  # per worker: the marks of the previous turn
         self._ranks: dict[str, str] = {}  # per worker: the rank label its series carry
+        self._last: dict[tuple[Gauge, str], float] = {}  # (gauge, worker): its value, to move it to a new rank
 
     # -- feeding ----------------------------------------------------------------------
     def observe(self, event: Mapping[str, Any]) -> None:
@@ -154,7 +155,7 @@ class AgentMetrics:
                 steps = now.steps - before.steps
                 if steps > 0:
                     rank = plan.rank_of(worker) if plan is not None else None
-                    self._labelled(self.step_seconds, worker, rank).set((now.step_total - before.step_total) / steps)
+                    self._set(self.step_seconds, worker, rank, (now.step_total - before.step_total) / steps)
             # Every worker of the ring makes the same commits: count them once.
             if ring_commits:
                 self.commits.inc(ring_commits)
@@ -179,6 +180,8 @@ class AgentMetrics:
         worker = event.get("worker")
         self._seen.pop(worker, None)
         rank = self._ranks.pop(worker, None)
+        for gauge in (self.step_seconds, self.straggler_score):
+            self._last.pop((gauge, worker), None)
         if rank is not None:
             for gauge in (self.step_seconds, self.straggler_score):
                 try:
@@ -224,7 +227,7 @@ class AgentMetrics:
     def _on_step_times(self, event: Mapping[str, Any]) -> None:
         score = event.get("straggler_score")
         if isinstance(score, (int, float)) and event.get("worker"):
-            self._labelled(self.straggler_score, event["worker"], event.get("rank")).set(score)
+            self._set(self.straggler_score, event["worker"], event.get("rank"), score)
 
     _HANDLERS = {
         "agent_started": _on_agent_started,
@@ -253,15 +256,22 @@ class AgentMetrics:
         if isinstance(world_size, int):
             self.world_size.set(world_size)
 
-    def _labelled(self, gauge: Gauge, worker: str, rank) -> Gauge:
-        """The worker's series of ``gauge``; a worker whose rank changed drops its old one."""
+    def _set(self, gauge: Gauge, worker: str, rank, value: float) -> None:
+        """Set the worker's series of ``gauge``; a worker whose rank changed moves its
+        series to the new rank: a re-formation renumbers the ranks, and the score of the
+        last window (a step time, until the next look) stays the worker's last known one.
+        Dropping them instead left a renumbered survivor without a score until its next
+        window, beside a survivor whose rank stayed and kept its own."""
         label = "" if rank is None else str(rank)
         old = self._ranks.get(worker)
+        self._ranks[worker] = label
         if old is not None and old != label:
             for g in (self.step_seconds, self.straggler_score):
                 try:
                     g.remove(worker, old)
                 except KeyError:
                     pass
-        self._ranks[worker] = label
-        return gauge.labels(worker, label)
+                if g is not gauge and (g, worker) in self._last:
+                    g.labels(worker, label).set(self._last[(g, worker)])
+        self._last[(gauge, worker)] = value
+        gauge.labels(worker, label).set(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -38,6 +39,7 @@ def by_name(sampled: dict, name: str) -> dict:
 
 def test_metrics_follow_a_worker_kill(tmp_path):
     port = free_port()
+    started = time.time()
     job = Job(tmp_path, Job.train_args(
         tmp_path / "out", tmp_path / "logs",
         ["--np", "3", "--min-np", "2", "--collective-timeout", "10", "--health-port", str(port),
@@ -47,14 +49,25 @@ def test_metrics_follow_a_worker_kill(tmp_path):
         job.wait_for_step(10)
         before = wait_until(
             lambda: (s := scrape(port)) and get(s, "elastic_world_size") == 3 and get(s, "elastic_commits_total") >= 10
-            and len(by_name(s, "elastic_step_seconds")) == 3 and get(s, "elastic_checkpoint_last_step") > 0 and s,
-            60, "/metrics to show the running ring of three")
+            and len(by_name(s, "elastic_step_seconds")) == 3 and get(s, "elastic_checkpoint_last_step") > 0
+            and len(by_name(s, "elastic_straggler_score")) == 3 and s,
+            90, "/metrics to show the running ring of three")
         assert get(before, "elastic_round") >= 1
         assert get(before, "elastic_reformations_total", kind="failure") == 0
         assert get(before, "elastic_recovery_seconds_count", phase="total", kind="failure") == 0
         assert get(before, "elastic_checkpoint_last_bytes") > 0
         assert get(before, "elastic_checkpoint_failures_total") == 0
         assert all(0 < v < 5 for v in by_name(before, "elastic_step_seconds").values())
+        # Each worker's score is its compute time over the median of the ring's: with three
+        # workers the median's own is 1 (the others' vary with the machine's load).
+        scores = by_name(before, "elastic_straggler_score")
+        assert {dict(labels)["rank"] for labels in scores} == {"0", "1", "2"}, scores
+        assert min(scores.values()) <= 1.0 <= max(scores.values()) and all(0 < v < 5 for v in scores.values()), \
+            scores
+        # The last durable checkpoint: when (published during this run), which commit, how long it took.
+        assert started <= get(before, "elastic_checkpoint_last_timestamp_seconds") <= time.time()
+        assert get(before, "elastic_checkpoint_last_write_seconds") > 0
+        killed = next(e["worker"] for e in job.events() if e["event"] == "worker_started" and e["rank"] == 1)
 
         os.kill(job.worker_pid(1), signal.SIGKILL)
         after = wait_until(
@@ -73,8 +86,17 @@ def test_metrics_follow_a_worker_kill(tmp_path):
         assert 0 < total < 60
         # The dead worker's series are gone; the ring goes on committing.
         assert len(by_name(after, "elastic_step_seconds")) == 2
-        wait_until(lambda: get(scrape(port), "elastic_commits_total") > get(after, "elastic_commits_total"),
-                   60, "commits after the re-formation")
+        assert len(by_name(after, "elastic_straggler_score")) == 2
+        assert killed not in {dict(labels)["worker"] for labels in by_name(after, "elastic_straggler_score")}
+        # ... and rank 0 goes on writing durable checkpoints: the gauges move on.
+        later = wait_until(
+            lambda: (s := scrape(port)) and get(s, "elastic_commits_total") > get(after, "elastic_commits_total")
+            and get(s, "elastic_checkpoint_last_step") > get(after, "elastic_checkpoint_last_step") and s,
+            60, "commits and a durable checkpoint after the re-formation")
+        assert get(later, "elastic_checkpoint_last_timestamp_seconds") > get(
+            before, "elastic_checkpoint_last_timestamp_seconds")
+        assert get(later, "elastic_checkpoint_last_bytes") > 0
+        assert get(later, "elastic_checkpoint_failures_total") == 0
         assert job.proc.poll() is None, job.text()[-3000:]  # the agent lives on (no exception in its loop)
     finally:
         job.kill()  # the job's end is other tests' business: not waited for here

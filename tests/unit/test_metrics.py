@@ -147,6 +147,27 @@ def test_straggler_scores_per_worker_go_when_the_worker_exits():
     assert ("elastic_straggler_score", (("rank", "1"), ("worker", "m.w1"))) not in samples(metrics)
 
 
+def test_a_survivor_renumbered_by_a_reformation_keeps_its_straggler_score_under_its_new_rank():
+    """A real kill (tests/integration/test_metrics.py): the survivor of rank 2 becomes
+    rank 1, its step time moves to the new label at the agent's next look at the marks,
+    and its score went with the old label until its next window: a survivor whose rank
+    stayed kept its score, so the ring showed one score of two."""
+    metrics = AgentMetrics(host=HOST)
+    for rank, worker in enumerate(["m.w0", "m.w1", "m.w2"]):
+        metrics.observe(ev("step_times", rank=rank, worker=worker, steps=10, step_s=0.1, compute_s=0.1,
+                           straggler_score=1.0 + rank / 10))
+    metrics.observe_marks({w: Marks(commits=10, steps=9, step_total=0.9) for w in ["m.w0", "m.w1", "m.w2"]},
+                          plan(1, ["m.w0", "m.w1", "m.w2"]))
+    metrics.observe(ev("worker_exited", worker="m.w1", exit_code=None, rank=1))
+    metrics.observe_marks({w: Marks(commits=12, steps=11, step_total=1.1) for w in ["m.w0", "m.w2"]},
+                          plan(2, ["m.w0", "m.w2"]))
+    scores = {labels: v for (name, labels), v in samples(metrics).items() if name == "elastic_straggler_score"}
+    assert scores == {(("rank", "0"), ("worker", "m.w0")): pytest.approx(1.0),
+                      (("rank", "1"), ("worker", "m.w2")): pytest.approx(1.2)}, scores
+    metrics.observe(ev("step_times", rank=1, worker="m.w2", steps=10, step_s=0.1, compute_s=0.1, straggler_score=0.9))
+    assert value(metrics, "elastic_straggler_score", worker="m.w2", rank=1) == pytest.approx(0.9)
+
+
 # --- progress marks -> commits and step time --------------------------------------------
 
 
