@@ -150,7 +150,13 @@ def etcd_config(args: argparse.Namespace) -> EtcdConfig:
         args.rdzv_endpoint,
         ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
         user=args.etcd_user, password=args.etcd_password,
+        # Only the launcher has this option (`elastic-run status` keeps the default).
+        **_retry_deadline(getattr(args, "etcd_retry_deadline", None)),
     )
+
+
+def _retry_deadline(seconds: Optional[float]) -> dict:
+    return {} if seconds is None else {"retry_deadline": seconds}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--chaos-seed", int, help="seed of --chaos-kill-every's choices (default: random)")
     for flag, text in ETCD_OPTIONS:
         opt(flag, help=text)
+    opt("--etcd-retry-deadline", _positive_float, help="seconds an etcd request is retried while etcd is "
+        "unavailable before it counts as failed (default 30); agent and workers ride out longer outages anyway")
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script (all of them: "
@@ -332,7 +340,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
             checkpoint["checkpoint_every"] = 100
     etcd_options = {
         k: getattr(args, k)
-        for k in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password")
+        for k in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password", "etcd_retry_deadline")
         if getattr(args, k)
     }
     config = AgentConfig(
@@ -423,7 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             embedded = EmbeddedEtcd().start()
             endpoints = embedded.endpoint
-            config_of_etcd = EtcdConfig.from_string(endpoints)
+            config_of_etcd = EtcdConfig.from_string(endpoints, **_retry_deadline(args.etcd_retry_deadline))
             logging.getLogger(__name__).info(
                 "embedded etcd at %s; join with: elastic-run --rdzv-endpoint %s --job-id %s ...",
                 endpoints, endpoints, config.job_id,

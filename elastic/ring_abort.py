@@ -35,7 +35,7 @@ import socket
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -118,13 +118,33 @@ def _connections_since(before: SocketSnapshot) -> FrozenSet[Tuple[int, int]]:
     )
 
 
+def _peer_port(fd: int) -> Optional[int]:
+    dup = socket.socket(fileno=os.dup(fd))
+    try:
+        return dup.getpeername()[1]
+    except OSError:  # not connected (any more)
+        return None
+    finally:
+        dup.close()
+
+
+def shutdown_connections_to(before: SocketSnapshot, port: int) -> int:
+    """Shut down the connected TCP sockets opened since ``before`` whose peer port is
+    ``port``; how many (round_store.py: a store client stuck in its handshake)."""
+    return sum(_shutdown_if_same(fd, inode) for fd, inode in _connections_since(before) if _peer_port(fd) == port)
+
+
 class RingHandle:
     """Aborts one process group's ring from any thread; see the module docstring."""
 
-    def __init__(self, connections: FrozenSet[Tuple[int, int]], other_backend=None):
+    def __init__(self, connections: Optional[FrozenSet[Tuple[int, int]]], other_backend=None,
+                 before: Optional[SocketSnapshot] = None):
         # No reference to a gloo group: holding one would keep its sockets open after
         # destroy_process_group(). ``other_backend`` is a non-gloo backend to abort().
+        # ``connections`` None: a ring still forming, whose sockets are those new since
+        # ``before`` at the time of the abort (see forming_ring).
         self._connections = connections
+        self._before = before
         self._other_backend = other_backend
         self._lock = threading.Lock()
         self._aborted = False
@@ -133,7 +153,7 @@ class RingHandle:
     @property
     def connections(self) -> int:
         """How many gloo TCP connections abort() would shut down."""
-        return len(self._connections)
+        return len(self._connections if self._connections is not None else _connections_since(self._before))
 
     @property
     def aborted(self) -> bool:
@@ -153,15 +173,26 @@ class RingHandle:
         if backend is not None:
             backend.abort()
             return
-        closed = sum(_shutdown_if_same(fd, inode) for fd, inode in self._connections)
-        log.info("ring aborted: shut down %d of %d gloo connections", closed, len(self._connections),
-                 extra=FILE_ONLY)
+        connections = self._connections if self._connections is not None else _connections_since(self._before)
+        closed = sum(_shutdown_if_same(fd, inode) for fd, inode in connections)
+        log.info("ring aborted: shut down %d of %d gloo connections", closed, len(connections), extra=FILE_ONLY)
 
     def release(self) -> None:
         """Forget the group (call before destroying it); abort() becomes a no-op."""
         with self._lock:
             self._released = True
             self._other_backend = None
+
+
+def forming_ring(before: SocketSnapshot) -> RingHandle:
+    """A handle on a ring whose ``init_process_group`` is under way: ``abort()`` shuts
+    down the connections made since ``before`` (take it before connecting to the
+    round's store). An init waiting in the store for a peer that died then fails at
+    once instead of at the store's timeout (the collective timeout), and so does one
+    that already connected part of gloo's mesh."""
+    if not isinstance(before, SocketSnapshot):
+        raise TypeError(f"before must be a SocketSnapshot from socket_snapshot(), got {type(before).__name__}")
+    return RingHandle(None, before=before)
 
 
 def prepare_ring(group=None, *, before: SocketSnapshot) -> RingHandle:

@@ -41,20 +41,17 @@ from .console import FILE_ONLY
 from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
 from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
+from . import fault_points, round_store
 from .events import EventLog
 from .progress import Progress
 from .step_log import StepLog
-from .ring_abort import RingHandle, prepare_ring, socket_snapshot
+from .ring_abort import RingHandle, forming_ring, prepare_ring, socket_snapshot
 from .stragglers import StragglerWatch
 from .worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
 _ARRIVAL_POLL = 0.005  # seconds between looks at the arrival counter
-# A round's store is rank 0's agent. Connect in short attempts and look at the plan
-# between them: if that agent is dead, a newer plan (without it) replaces the round,
-# and waiting out a long connect timeout would hide it.
-_STORE_CONNECT_ATTEMPT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +82,8 @@ class Runtime:
         self._next_store = None  # (round, store) of a pending plan, for rank 0's look at joiners
         self._deferred: Optional[RoundPlan] = None  # a joiner's round, entered at its first sync
         self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
+        self._forming: Optional[tuple] = None  # (plan, RingHandle) of a round whose init is under way
+        self._tried_round = 0  # the newest round whose init we began (it may have failed)
         self._backend_lock = threading.Lock()
         self._progress: Optional[Progress] = None  # marks for the agent's hang watchdog
         self._stragglers: Optional[StragglerWatch] = None  # step times, exchanged every few commits
@@ -128,6 +127,7 @@ class Runtime:
                 cert_key=cfg.etcd_key,
                 user=cfg.etcd_user,
                 password=cfg.etcd_password,
+                **({} if cfg.etcd_retry_deadline is None else {"retry_deadline": cfg.etcd_retry_deadline}),
             )
         )
         self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()
@@ -236,7 +236,9 @@ class Runtime:
         ``except`` block: a live traceback keeps the old group's sockets open."""
         t0 = time.monotonic()
         self.steps.close()  # the old ring's last steps end here: the gap starts
-        old_round = self.round
+        # After a failed init, that round is the one to leave behind: re-entering it
+        # would re-use its store namespace, which hangs.
+        old_round = max(self.round, self._tried_round)
         # A planned switch leaves together: nobody is blocked, no garbage to chase.
         self.release_group(collect=failed)
         t1 = time.monotonic()
@@ -262,17 +264,18 @@ class Runtime:
         and the recovery path takes over.
         """
         with self._backend_lock:
-            current = self.plan
-            if current is None or self._ring is None:
+            # The ring in use, or the one whose init is under way (waiting for its peers).
+            current, ring = self._forming or (self.plan, self._ring)
+            if current is None or ring is None:
                 return
             if status.state == "failed":
                 why = f"job failed: {status.reason}"
-            elif plan is not None and plan.round > current.round and set(plan.lost) & set(current.worker_ids()):
+            elif _breaks(plan, current):
                 why = f"round {plan.round} lost {len(plan.lost)} worker(s)"
             else:
                 return
             log.info("round %d: aborting the ring (%s)", current.round, why, extra=FILE_ONLY)
-            self._ring.abort()
+            ring.abort()
 
     def release_group(self, collect: bool = True) -> None:
         with self._backend_lock:
@@ -340,6 +343,13 @@ class Runtime:
                 if self._arrive(store, plan):
                     break
             plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
+        fault_points.entering_round(plan.round, rank)  # tests only (ELASTIC_TEST_*)
+        # A peer that dies now leaves the others waiting in the init for its address
+        # until the store's timeout: the round that names it lost aborts the init.
+        self._tried_round = plan.round
+        with self._backend_lock:
+            self._forming = (plan, forming_ring(before))
+        self._on_control(self._control.plan, self._control.status)  # a loss announced already
         try:
             dist.init_process_group(
                 cfg.backend,
@@ -349,12 +359,16 @@ class Runtime:
                 timeout=datetime.timedelta(seconds=cfg.collective_timeout),
             )
         except Exception as exc:
-            if not is_communication_error(exc):
-                raise
+            with self._backend_lock:
+                self._forming = None
+            _forget_failed_init()
+            if not is_communication_error(exc) or _breaks(self._control.plan, plan):
+                raise  # a peer died: one more failure of the ring, not a network fault
             # Everyone reached the store, but not each other: name the addresses.
             addresses = sorted({addr for _, addr in plan.hosts.values()})
             raise PeersUnreachable(plan.round, addresses, summarize(exc)) from None
         with self._backend_lock:
+            self._forming = None
             self._ring = prepare_ring(before=before)
             self.plan = plan
             self.round = plan.round
@@ -365,26 +379,12 @@ class Runtime:
     def _connect_store(self, plan: RoundPlan):
         """The round's store, or None once a newer plan that includes us exists."""
         cfg = self.config
-        host, port = plan.store_addr.rsplit(":", 1)
-        deadline = time.monotonic() + cfg.rdzv_timeout
-        while True:
-            try:
-                base = dist.TCPStore(
-                    host, int(port), is_master=False, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=_STORE_CONNECT_ATTEMPT_S),
-                )
-            except (RuntimeError, dist.DistError) as exc:
-                if self._superseded(plan):
-                    return None
-                if time.monotonic() > deadline:
-                    raise RendezvousTimeoutError(
-                        f"round {plan.round}: store {plan.store_addr} unreachable for {cfg.rdzv_timeout:g}s ({exc})"
-                    ) from None
-                continue
+        return round_store.connect(
+            plan.store_addr, round_number=plan.round, overall_s=cfg.rdzv_timeout,
             # gloo's init reads its peers' addresses from here: a peer that died after
             # arriving must fail the init within the collective timeout, not --rdzv-timeout.
-            base.set_timeout(datetime.timedelta(seconds=min(cfg.rdzv_timeout, cfg.collective_timeout)))
-            return base
+            op_timeout_s=min(cfg.rdzv_timeout, cfg.collective_timeout), superseded=lambda: self._superseded(plan),
+        )
 
     def _superseded(self, plan: RoundPlan) -> bool:
         newest = self._control.plan
@@ -470,3 +470,19 @@ class Runtime:
         if self._stragglers is not None:
             self._stragglers.close()
             self._stragglers = None
+
+
+def _breaks(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
+    """Does ``newer`` declare lost a worker of ``plan`` (whose ring is then broken)?"""
+    return newer is not None and newer.round > plan.round and bool(set(newer.lost) & set(plan.worker_ids()))
+
+
+def _forget_failed_init() -> None:
+    """torch names process groups by a counter that only destroying the default group
+    resets; a failed init took a number without making a group. Give it back, or our
+    next group would be named unlike the same group in a fresh process (a joiner's):
+    gloo's init keys carry the name, so the two would wait for each other in vain."""
+    if not dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = 0

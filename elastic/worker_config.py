@@ -39,6 +39,7 @@ class WorkerConfig:
     etcd_key: Optional[str] = None
     etcd_user: Optional[str] = None
     etcd_password: Optional[str] = None
+    etcd_retry_deadline: Optional[float] = None  # --etcd-retry-deadline (None: EtcdConfig's default)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: Optional[int] = None
     checkpoint_interval: Optional[float] = None

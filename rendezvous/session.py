@@ -147,7 +147,7 @@ class Session:
                             self.name, self.lease_id)
                 self._needs_new_lease = True
         new_lease = self._etcd.grant_lease(self.ttl, retry_deadline=self._interval)
-        self.lease_id = new_lease
+        given_up, self.lease_id = self.lease_id, new_lease
         if self._on_new_lease is not None:
             try:
                 self._on_new_lease(new_lease)
@@ -157,10 +157,20 @@ class Session:
                     self._etcd.revoke_lease(new_lease, retry_deadline=self._interval)
                 except RendezvousError:
                     pass
+                self.lease_id = given_up  # still the one to revoke once a new lease holds
                 raise RendezvousError(f"re-registering on new lease {new_lease:x} failed: {exc}") from exc
         self._needs_new_lease = False
         self.renewals += 1
         log.info("session %s: now on lease %x", self.name, new_lease)
+        # etcd extends every lease when it restarts (and a healed link may beat the TTL),
+        # so the lease we gave up can still be alive, holding what we put on it that the
+        # owner did not put again (our coordinator election key: nobody, we included,
+        # could lead until it expired, a whole TTL after etcd returned). Gone it is.
+        try:
+            self._etcd.revoke_lease(given_up, retry_deadline=self._interval)
+        except RendezvousError as exc:
+            log.info("session %s: could not revoke the old lease %x (%s); it expires within %gs",
+                     self.name, given_up, exc, self.ttl)
 
     def _declare_lost(self, reason: str) -> None:
         self.lost_reason = reason

@@ -33,7 +33,7 @@ class AgentConfig:
     health_port: Optional[int] = None
     checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
     socket_ifname: Optional[str] = None  # the interface holding host_addr, for gloo/NCCL (addressing.py)
-    etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password
+    etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password/retry_deadline
     final_checkpoint_timeout: float = 600.0  # for a worker still writing the final checkpoint
     hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
     stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers

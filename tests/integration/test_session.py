@@ -147,3 +147,23 @@ def test_a_lost_session_comes_back_with_a_new_lease_when_etcd_does(fresh_etcd, j
     assert client.get(job_prefix + "member").lease == session.lease_id
     session.close()
     client.close()
+
+
+def test_a_session_back_on_a_new_lease_revokes_the_one_it_gave_up(fresh_etcd, job_prefix, no_leaked_threads):
+    """etcd extends every lease when it restarts, so the lease we declared lost may still
+    be alive, holding the keys we put on it (an agent's coordinator election key: nobody,
+    not even we, could lead until it expired, a whole TTL after etcd returned)."""
+    client = Etcd(fresh_etcd.config(retry_deadline=1.0, call_timeout=0.5))
+    session = Session(client, 3, name="gave-up", on_new_lease=lambda lease: None)
+    old = session.lease_id
+    client.put(job_prefix + "election", b"me", lease=old)
+    fresh_etcd.kill()
+    assert session.lost.wait(10)
+    fresh_etcd.restart()
+    assert wait_until(lambda: not session.lost.is_set(), 15), "the session did not come back"
+    assert session.lease_id != old
+    # Gone at once, not when its extended TTL (3 s) runs out.
+    assert wait_until(lambda: client.get(job_prefix + "election") is None, 1.0), "the old lease still holds its keys"
+    assert client.lease_time_to_live(old) < 0
+    session.close()
+    client.close()

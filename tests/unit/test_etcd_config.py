@@ -108,3 +108,33 @@ def test_retry_stop_stops_before_crossing_the_deadline():
     assert not stop(State())
     State.upcoming_sleep = 0.4
     assert stop(State())
+
+
+def test_retry_deadline_option_reaches_the_agent_and_its_workers(tmp_path, monkeypatch):
+    """--etcd-retry-deadline (or ELASTIC_ETCD_RETRY_DEADLINE) sets the agent's client and
+    travels to every worker's; without it both keep EtcdConfig's default."""
+    from elastic.agent.config import config_for_worker
+    from elastic.cli import etcd_config, parse
+    from elastic.worker_config import WorkerConfig
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    base = ["--rdzv-endpoint", "127.0.0.1:2379", "--job-id", "j", "--host-addr", "127.0.0.1", "--np", "1"]
+
+    def worker_side(config):
+        worker = config_for_worker(config, "m.w0", 1, endpoints="127.0.0.1:2379", member_id="m",
+                                   events_file="e", scratch=str(tmp_path), progress_file=None, stacks_file=None,
+                                   final_checkpoint_file="f")
+        return WorkerConfig.from_env(worker.to_env()).etcd_retry_deadline
+
+    config, args = parse([*base, "--etcd-retry-deadline", "2.5", str(script)])
+    assert etcd_config(args).retry_deadline == 2.5 and worker_side(config) == 2.5
+    monkeypatch.setenv("ELASTIC_ETCD_RETRY_DEADLINE", "4")
+    config, args = parse([*base, str(script)])
+    assert etcd_config(args).retry_deadline == 4.0 and worker_side(config) == 4.0
+    monkeypatch.delenv("ELASTIC_ETCD_RETRY_DEADLINE")
+    config, args = parse([*base, str(script)])
+    assert etcd_config(args).retry_deadline == EtcdConfig.__dataclass_fields__["retry_deadline"].default
+    assert worker_side(config) is None
+    with pytest.raises(ConfigError):
+        parse([*base, "--etcd-retry-deadline", "0", str(script)])

@@ -1,0 +1,88 @@
+"""Connecting to a round's store without hanging on a dead or paused one.
+
+A round's store is the TCPStore that its rank 0's agent serves. That agent may be
+gone (a lost host: its port refuses, or, cut off, never answers the SYN) or stopped
+(a paused VM, SIGSTOP: its listening socket stays open and the kernel completes the
+TCP handshake for it). Either way a newer plan without it follows, and the worker
+must notice it: so connect in short attempts, and ask between them whether the
+round was superseded.
+
+torch's client constructor honours its timeout while it connects, but once the TCP
+connection is up it waits for the server's answer to its handshake without any
+bound (torch 2.13, measured: a listening socket that is never accepted kept the
+constructor blocked for minutes). So each attempt runs in a helper thread; past the
+attempt's deadline, the connection it opened is shut down, which fails the
+handshake and ends the thread (the same lever as ring_abort.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from rendezvous.errors import RendezvousTimeoutError
+
+from .ring_abort import shutdown_connections_to, socket_snapshot
+
+ATTEMPT_S = 1.0  # one connect attempt; between two, the caller looks at the plan again
+_MIN_ATTEMPT_S = 0.1  # an attempt that fails at once (no route) is spaced out this much
+
+
+class StoreUnanswered(RuntimeError):
+    """The store accepted the connection but did not answer within the attempt."""
+
+
+def client(host: str, port: int, timeout_s: float = ATTEMPT_S):
+    """A TCPStore client of ``host:port`` within about ``timeout_s``, or an exception."""
+    before = socket_snapshot()
+    outcome: dict = {}
+
+    def connect() -> None:
+        try:
+            outcome["store"] = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                             timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # (RuntimeError, DistError): reported below, as a value
+            outcome["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+    thread = threading.Thread(target=connect, name=f"store-connect:{port}", daemon=True)
+    thread.start()
+    # The constructor's own timeout covers the connect; the margin is for a loaded host.
+    thread.join(timeout_s + 0.5)
+    if thread.is_alive():
+        # Connected, no answer: wake the handshake. Only connections to this port that
+        # appeared since ``before`` are touched (the store's client is one of them).
+        shutdown_connections_to(before, port)
+        thread.join(timeout_s)
+        raise StoreUnanswered(f"store {host}:{port} accepted the connection but did not answer within {timeout_s:g}s")
+    if "store" not in outcome:
+        raise RuntimeError(outcome.get("error", "store client failed"))
+    return outcome["store"]
+
+
+def connect(store_addr: str, *, round_number: int, overall_s: float, op_timeout_s: float,
+            superseded: Callable[[], bool]):
+    """The store at ``store_addr``, or None once ``superseded()`` says a newer round
+    replaces this one; RendezvousTimeoutError after ``overall_s`` (--rdzv-timeout).
+    The client's operations then time out after ``op_timeout_s``."""
+    host, port = store_addr.rsplit(":", 1)
+    deadline = time.monotonic() + overall_s
+    while True:
+        started = time.monotonic()
+        try:
+            base = client(host, int(port))
+        except RuntimeError as exc:  # DistError is one; StoreUnanswered too
+            if superseded():
+                return None
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(
+                    f"round {round_number}: store {store_addr} unreachable for {overall_s:g}s ({exc})"
+                ) from None
+            time.sleep(max(0.0, _MIN_ATTEMPT_S - (time.monotonic() - started)))
+            continue
+        base.set_timeout(datetime.timedelta(seconds=op_timeout_s))
+        return base
+

@@ -1,0 +1,169 @@
+"""Entering a round whose store is dead, against a fake control channel (no etcd).
+
+A round's store is its rank 0's agent. When that agent is gone (a lost host) or
+stopped (a paused host), a worker that tries to connect must notice a newer plan
+and move to it within about one connect attempt (1 s), not after --rdzv-timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from elastic.errors import PeersUnreachable
+from elastic.runtime import Runtime
+from elastic.worker_config import WorkerConfig
+from rendezvous import JobStatus, RoundPlan
+from rendezvous.rounds import Slot
+
+WORKER = "m.w0"
+ATTEMPT_S = 1.0  # one connect attempt (elastic/round_store.py)
+
+
+class FakeControl:
+    """The runtime's view of the control channel: the newest plan and the status."""
+
+    def __init__(self, plan):
+        self._cond = threading.Condition()
+        self.plan, self.status = plan, JobStatus()
+        self.requests = []  # (worker, round) of every reset request
+
+    def publish(self, plan):
+        with self._cond:
+            self.plan = plan
+            self._cond.notify_all()
+
+    def wait_for(self, predicate, timeout):
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.plan, self.status), timeout)
+
+    def request_reset(self, worker_id, round_number, reason, lost=()):
+        self.requests.append((worker_id, round_number))
+
+
+def plan(round_number, store_addr, workers=(WORKER,)):
+    return RoundPlan(round=round_number, slots=tuple(Slot("m", w) for w in workers),
+                     hosts={"m": ("h", "127.0.0.1")}, store_addr=store_addr, created=time.time())
+
+
+@pytest.fixture
+def runtime():
+    saved = dict(os.environ)  # _take_position sets torchrun's variables
+    rt = Runtime(WorkerConfig(job_id="j", endpoints="127.0.0.1:1", worker_id=WORKER, member_id="m", host_id="h",
+                              round=1, rdzv_timeout=600.0, collective_timeout=60.0))
+    yield rt
+    rt.release_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def live_store():
+    """A store that answers, as rank 0's agent serves it."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    yield f"127.0.0.1:{store.port}"
+    del store
+
+
+def refusing_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture
+def paused_store():
+    """A port that accepts connections (the kernel does, for a listening socket) and never
+    answers: the store of an agent that is stopped (SIGSTOP, a paused VM)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    yield f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+def enter_in_thread(runtime, first):
+    """Run ``runtime._enter(first)`` in a thread (a hang must not hang the test run)."""
+    outcome = {}
+
+    def enter():
+        try:
+            runtime._enter(first)
+            outcome["round"] = runtime.round
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=enter, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("dead", ["refusing", "not-answering"])
+def test_a_worker_leaves_a_dead_store_for_a_newer_plan_within_one_attempt(runtime, live_store, paused_store, dead):
+    dead_addr = f"127.0.0.1:{refusing_port()}" if dead == "refusing" else paused_store
+    control = FakeControl(plan(2, dead_addr))
+    runtime._control = control
+    thread, outcome = enter_in_thread(runtime, control.plan)
+    time.sleep(0.3)  # the worker is in its first connect attempt
+    published = time.monotonic()
+    control.publish(plan(3, live_store))
+    thread.join(30)
+    moved_after = time.monotonic() - published
+    assert not thread.is_alive(), f"still connecting to the {dead} store of round 2 after 30 s"
+    assert outcome == {"round": 3}, outcome
+    print(f"\n{dead}: in round 3 {moved_after:.2f}s after it was planned")
+    # One attempt to give up, one to connect, with slack for a loaded machine.
+    assert moved_after < 2 * ATTEMPT_S + 2.0, f"moved to round 3 only {moved_after:.1f}s after it was planned"
+
+
+def test_a_store_that_never_answers_is_given_up_after_one_attempt(runtime, paused_store):
+    """No newer plan: the worker keeps trying (bounded by --rdzv-timeout), one bounded
+    attempt at a time; here the connect attempts return, so the loop sees the deadline."""
+    runtime.config = WorkerConfig(**{**runtime.config.__dict__, "rdzv_timeout": 2.5})
+    runtime._control = FakeControl(plan(2, paused_store))
+    started = time.monotonic()
+    thread, outcome = enter_in_thread(runtime, runtime._control.plan)
+    thread.join(30)
+    assert not thread.is_alive(), "blocked on a store that never answers"
+    assert "unreachable for 2.5s" in str(outcome.get("error")), outcome
+    assert time.monotonic() - started < 2.5 + 2 * ATTEMPT_S + 2.0
+
+
+def test_after_a_round_failed_to_form_the_worker_asks_for_the_next_one(runtime, live_store):
+    """A round whose init failed with no newer plan in sight (a peer arrived, then never
+    published its address): the worker asks for a round after it and waits for one.
+    Entering the failed round again would re-use its store namespace, which hangs."""
+    runtime.config = WorkerConfig(**{**runtime.config.__dict__, "collective_timeout": 2.0})
+    runtime._etcd = type("NoEtcd", (), {"get": staticmethod(lambda key: None)})()
+    two = plan(2, live_store, workers=(WORKER, "m.w1"))
+    runtime._control = control = FakeControl(two)
+    host, port = live_store.rsplit(":", 1)
+    peer = dist.PrefixStore("/round/2/", dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                                       timeout=datetime.timedelta(seconds=10)))
+    peer.add("arrived", 1)  # ... and then it dies
+    with pytest.raises(PeersUnreachable):
+        runtime._enter(two)
+    entered = []
+    runtime._enter = lambda p: entered.append(p.round)
+    thread = threading.Thread(target=runtime.reform, args=("init failed",), kwargs={"failed": True}, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    assert control.requests == [(WORKER, 2)] and entered == [], (control.requests, entered)
+    control.publish(plan(3, live_store))
+    thread.join(10)
+    assert entered == [3]
+    # The failed init took a group name (torch numbers them, and only destroying a
+    # group gives the numbers back): the next group must be named as in a fresh
+    # process (a joiner's), or their inits look for each other under different keys.
+    del runtime._enter
+    runtime._enter(plan(3, live_store))
+    assert dist.group.WORLD.group_name == "0"
