@@ -32,6 +32,7 @@ from rendezvous import (
 
 from .agent import addressing
 from .agent import Agent, AgentConfig
+from .console import ConsoleFormatter
 from .stragglers import StragglerOptions
 from .agent.chaos import ChaosConfig
 
@@ -417,7 +418,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .timeline.cli import main as timeline_main
 
         return timeline_main(argv[1:])
-    logging.basicConfig(level=logging.INFO, format="elastic-run: %(message)s", stream=sys.stderr)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(ConsoleFormatter("elastic-run: %(message)s"))  # a warning says so
+    logging.basicConfig(level=logging.INFO, handlers=[console])
     try:
         config, args = parse(argv)
     except (ConfigError, ValueError) as exc:
