@@ -52,6 +52,12 @@ class PeersUnreachable(ElasticError):
         return PeersUnreachable(self.round, self.addresses, self.cause)
 
 
+class LeftBehind(ElasticError):
+    """Raised by ``state.commit()`` in a worker whose round the job left without it (a
+    later plan declared it lost: its host was paused or cut off past the TTL). Its
+    ring is gone: a ring failure, after which it joins the job again (commit_fence.py)."""
+
+
 class LeftJob(ElasticError):
     """This worker is no longer part of the job (graceful leave, or the job ended)."""
 
@@ -79,7 +85,7 @@ _COMMUNICATION_MARKERS = (
 
 
 def is_communication_error(exc: BaseException) -> bool:
-    if isinstance(exc, (HostsUpdatedInterrupt, PeersUnreachable)):
+    if isinstance(exc, (HostsUpdatedInterrupt, PeersUnreachable, LeftBehind)):
         return True
     if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True

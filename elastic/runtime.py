@@ -37,6 +37,7 @@ from rendezvous import (
 )
 from rendezvous.errors import RendezvousTimeoutError
 
+from .commit_fence import CommitFence
 from .console import FILE_ONLY
 from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
@@ -87,6 +88,7 @@ class Runtime:
         self._backend_lock = threading.Lock()
         self._progress: Optional[Progress] = None  # marks for the agent's hang watchdog
         self._stragglers: Optional[StragglerWatch] = None  # step times, exchanged every few commits
+        self._commit_fence: Optional[CommitFence] = None
         self.steps = StepLog(self.events, config.worker_id if config else "local")  # for the timeline
 
     @property
@@ -131,6 +133,7 @@ class Runtime:
             )
         )
         self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()
+        self._commit_fence = CommitFence(self._etcd, JobKeys(cfg.job_id), cfg.worker_id, cfg.rdzv_ttl)
         self._control.add_listener(self._on_control)
         plan = self._wait_for_plan(lambda p: p.round >= cfg.round)
         self._take_position(plan)
@@ -157,6 +160,8 @@ class Runtime:
         """The training function is (re-)entered on the current ring."""
         self._commits = 0
         self.steps.begin()
+        if self._commit_fence is not None:
+            self._commit_fence.reset()  # in step with the ring: a long re-formation is no gap
         if self._progress is not None:
             self._progress.mark(interval=False)  # the re-formation is no step interval
         if self._stragglers is not None:
@@ -183,16 +188,11 @@ class Runtime:
         return self._switch_action
 
     def fence(self) -> None:
-        """Called first thing in ``commit()``: a worker the job declared lost (a
-        process that wakes up after it was declared hung and replaced) never
-        completes a commit, nor writes a checkpoint, in a round that is over. It
-        exits instead; its agent reports the exit like a crash. Reads the cached
-        plan of the control watch: no etcd traffic."""
-        newest = self._control.plan if self._control is not None else None
-        if newest is not None and newest.round > self.round and self.config.worker_id in newest.lost:
-            raise SystemExit(
-                f"elastic: worker {self.config.worker_id} was declared lost in round {newest.round}; exiting"
-            )
+        """Called first thing in ``commit()``: a worker the job left behind (its host was
+        paused or cut off past the TTL) completes no commit, nor checkpoint, in a round
+        that is over; it re-joins instead (commit_fence.py)."""
+        if self._commit_fence is not None:
+            self._commit_fence.check(self.round, self._control.plan)
 
     def should_switch(self, commits: int) -> bool:
         """Called at every commit (``commits`` counts this round's commits)."""

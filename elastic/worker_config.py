@@ -26,6 +26,7 @@ class WorkerConfig:
     backend: str = "gloo"
     collective_timeout: float = 60.0
     rdzv_timeout: float = 600.0
+    rdzv_ttl: float = 10.0  # the agent's lease TTL: no plan can leave us behind in less
     max_resets: int = 20
     reset_window: float = 3600.0
     events_file: Optional[str] = None

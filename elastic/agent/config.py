@@ -55,6 +55,7 @@ def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, en
         backend=cfg.backend,
         collective_timeout=cfg.collective_timeout,
         rdzv_timeout=cfg.settings.timeout,
+        rdzv_ttl=cfg.ttl,
         max_resets=cfg.max_resets,
         reset_window=cfg.reset_window,
         events_file=events_file,

@@ -40,6 +40,7 @@ process too); its exit is then reported like a crash.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -123,7 +124,10 @@ class Watchdog:
     """Reads the boards of the agent's workers; kills the ones ``judge`` declares hung."""
 
     # A longer gap between two checks means the agent itself was not running (a paused
-    # VM, a stopped agent): every heartbeat looks old then. Skip one check instead.
+    # VM, SIGSTOP of the agent and its workers): every heartbeat looks old then, and the
+    # workers' heartbeat threads need a moment (a beat) to run again. Silence that the
+    # agent could not watch is no evidence: each worker's clock starts again from the
+    # end of the gap, so it is hung only if it stays silent a whole bound after that.
     _BLIND_GAP = 2.0
 
     def __init__(self, policy: HangPolicy, scratch: str, events: EventLog, log_dir: Optional[str],
@@ -138,6 +142,7 @@ class Watchdog:
         self._boards: dict[str, ProgressBoard] = {}
         self._handled: set[int] = set()  # pids already declared hung
         self._last_check: Optional[float] = None
+        self._watching_since = 0.0  # the end of the agent's last blind gap
 
     def files_for(self, worker_id: str) -> tuple[Optional[str], Optional[str]]:
         """(board, stacks) paths for a worker about to start; (None, None) when off."""
@@ -166,6 +171,7 @@ class Watchdog:
         now = self._clock()
         last, self._last_check = self._last_check, now
         if last is not None and now - last > self._BLIND_GAP:
+            self._watching_since = now
             return []
         hung, read = [], {}
         for worker_id, proc in workers.items():
@@ -173,6 +179,7 @@ class Watchdog:
             if board is None or proc.pid in self._handled or not proc.alive:
                 continue
             marks = read[worker_id] = board.read()
+            marks = _seen_since(marks, self._watching_since)
             late = marks.beats and now - marks.alive_at > self.policy.bound(marks.slowest, stuck=False)
             state = _proc_state(proc.pid) if late else ""
             verdict = judge(marks, self.policy, now, state)
@@ -232,6 +239,14 @@ class Watchdog:
             return path
         sys.stderr.write(header + dump)
         return "stderr"
+
+
+def _seen_since(marks: Marks, since: float) -> Marks:
+    """``marks`` judged as if the worker had shown life at ``since`` (the agent was blind before)."""
+    if marks.alive_at >= since and marks.progress_at >= since:
+        return marks
+    return dataclasses.replace(marks, alive_at=max(marks.alive_at, since), progress_at=max(marks.progress_at, since),
+                               user_since=max(marks.user_since, since) if marks.user_since else 0.0)
 
 
 def _proc_state(pid: int) -> str:

@@ -165,33 +165,6 @@ def test_heartbeat_sees_the_main_thread_in_user_code_and_waiting(tmp_path):
         reader.close()
 
 
-class _Control:
-    def __init__(self, plan):
-        self.plan = plan
-
-
-def _plan(round_, workers, lost=()):
-    from rendezvous.rounds import RoundPlan, Slot
-
-    return RoundPlan(round_, tuple(Slot("m", w) for w in workers), {}, "127.0.0.1:1", 0.0, lost=tuple(lost))
-
-
-def test_a_worker_declared_lost_never_completes_a_commit():
-    """It woke up after its agent gave up on it: the round it was in is over."""
-    from elastic.runtime import Runtime
-    from elastic.worker_config import WorkerConfig
-
-    runtime = Runtime(WorkerConfig(job_id="j", endpoints="e", worker_id="m.w1", member_id="m", host_id="h", round=1))
-    runtime.round = 1
-    runtime._control = _Control(_plan(2, ["m.w0"], lost=["m.w1"]))
-    with pytest.raises(SystemExit, match="declared lost in round 2"):
-        runtime.fence()
-    runtime._control = _Control(_plan(2, ["m.w0", "m.w2"], lost=["m.w3"]))  # somebody else was lost
-    runtime.fence()
-    runtime._control = _Control(_plan(1, ["m.w0", "m.w1"]))
-    runtime.fence()
-
-
 @pytest.mark.parametrize("text,value", [("off", 0.0), ("OFF", 0.0), ("0", 0.0), ("1", 1.0), ("42.5", 42.5)])
 def test_hang_timeout_option(tmp_path, text, value):
     from elastic.cli import parse
@@ -226,3 +199,31 @@ def test_a_main_thread_retrying_an_etcd_call_for_the_runtime_is_waiting_not_stuc
         Frame("elastic.runtime", "/repo/elastic/runtime.py", 420, "__call__"),
     ]
     assert classify(frames)[0] == WAITING
+
+
+def test_after_the_agent_itself_was_paused_its_workers_get_a_whole_bound_to_show_life(monkeypatch, tmp_path):
+    """A whole host paused (a VM, SIGSTOP of the agent and its workers) and resumed: the
+    agent's first looks see every heartbeat as old as the pause, before the workers'
+    heartbeat threads (every 0.25 s) have run again. Silence the agent could not watch
+    is no evidence: a worker is hung only if it stays silent a whole bound after that."""
+    from types import SimpleNamespace
+
+    from elastic.agent import watchdog as wd
+
+    clock = [100.0]
+    board = SimpleNamespace(read=lambda: Marks(progress=10, progress_at=99.9, slowest=0.2, beats=50, alive_at=99.95),
+                            close=lambda: None)
+    dog = wd.Watchdog(AUTO, str(tmp_path), events=None, log_dir=None, clock=lambda: clock[0])
+    dog._boards["m.w0"] = board
+    monkeypatch.setattr(wd, "_proc_state", lambda pid: "S")  # resumed, its main thread waits
+    monkeypatch.setattr(dog, "_evict", lambda hung, plan: None)
+    workers = {"m.w0": SimpleNamespace(pid=12345, alive=True)}
+    assert dog.check(workers, None) == []
+    resumed = clock[0] = 112.0  # agent and worker were stopped for 12 s
+    verdicts = {}
+    while clock[0] < resumed + 6.0:  # the agent's loop looks every 0.5 s at most
+        verdicts[round(clock[0] - resumed, 2)] = dog.check(workers, None)
+        clock[0] += 0.05 if clock[0] == resumed else 0.5
+    hung_after = [t for t, hung in verdicts.items() if hung]
+    # Not at the first looks after the resume; a worker still silent a bound later is hung.
+    assert hung_after and min(hung_after) > 5.0, verdicts

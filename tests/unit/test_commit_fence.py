@@ -1,0 +1,110 @@
+"""The fence on commits (elastic/commit_fence.py), against fake clocks and a fake etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.commit_fence import CommitFence
+from elastic.errors import LeftBehind, is_communication_error
+from rendezvous import JobKeys, RendezvousConnectionError
+from rendezvous.etcd import KeyValue
+from rendezvous.rounds import RoundPlan, Slot
+
+KEYS = JobKeys("j")
+ME = "m.w1"
+TTL = 10.0
+
+
+def plan(round_, workers, lost=()):
+    return RoundPlan(round_, tuple(Slot("m", w) for w in workers), {"m": ("h", "127.0.0.1")}, "127.0.0.1:1", 0.0,
+                     lost=tuple(lost))
+
+
+class FakeEtcd:
+    """Holds the plans of past rounds (rounds/<n>) and the newest (control/plan)."""
+
+    def __init__(self, *plans, down=False):
+        self.plans, self.down, self.reads = list(plans), down, 0
+
+    def _kv(self, key, p):
+        return KeyValue(key, p.to_json(), 1, 1, 1, 0)
+
+    def get(self, key, *, retry_deadline=None):
+        self.reads += 1
+        if self.down:
+            raise RendezvousConnectionError("cannot reach etcd")
+        assert key == KEYS.plan
+        return self._kv(key, self.plans[-1]) if self.plans else None
+
+    def get_prefix(self, prefix, *, retry_deadline=None):
+        self.reads += 1
+        assert prefix == KEYS.prefix + "rounds/"
+        return [self._kv(KEYS.round(p.round), p) for p in self.plans], 1
+
+
+class Clocks:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def fence(etcd):
+    clock = Clocks()
+    return CommitFence(etcd, KEYS, ME, TTL, clock=clock, wall=clock), clock
+
+
+def test_a_worker_declared_lost_completes_no_commit_and_re_forms():
+    """Seen in the cached plan (the control watch): no etcd read."""
+    etcd = FakeEtcd()
+    f, _ = fence(etcd)
+    f.reset()
+    with pytest.raises(LeftBehind, match="round 2 declared it lost") as raised:
+        f.check(1, plan(2, ["m.w0"], lost=[ME]))
+    assert is_communication_error(raised.value)  # a failure of its ring for the recovery path
+    f.check(1, plan(2, ["m.w0", "m.w2"], lost=["m.w3"]))  # somebody else was lost
+    f.check(1, plan(1, ["m.w0", ME]))
+    f.check(2, plan(2, ["m.w0"], lost=[ME]))  # that round is ours: we re-joined it
+    assert etcd.reads == 0
+
+
+def test_after_a_long_gap_the_plans_since_our_round_are_read_from_etcd():
+    """A paused host resumes: the main thread commits before the watch thread has caught up.
+    The job went through round 2 (lost us) and round 3 (let us back in) meanwhile."""
+    etcd = FakeEtcd(plan(1, ["m.w0", ME]), plan(2, ["m.w0"], lost=[ME]), plan(3, ["m.w0", ME]))
+    f, clock = fence(etcd)
+    f.reset()
+    clock.t += TTL / 2 - 0.1
+    f.check(1, plan(1, ["m.w0", ME]))  # a slow step: shorter than half the TTL, not read
+    assert etcd.reads == 0
+    clock.t += TTL / 2 + 0.1
+    with pytest.raises(LeftBehind, match="round 2 declared it lost"):
+        f.check(1, plan(1, ["m.w0", ME]))  # the stale view says round 1 is current
+    assert etcd.reads == 2
+
+
+def test_after_a_long_gap_a_current_round_or_an_unreachable_etcd_lets_the_commit_go():
+    current = FakeEtcd(plan(1, ["m.w0", ME]))
+    f, clock = fence(current)
+    f.reset()
+    clock.t += TTL
+    f.check(1, plan(1, ["m.w0", ME]))
+    assert current.reads == 1  # the newest plan is ours: nothing more to read
+    down = FakeEtcd(down=True)
+    f, clock = fence(down)
+    f.reset()
+    clock.t += TTL
+    f.check(1, plan(1, ["m.w0", ME]))  # an etcd outage never stops training
+    assert down.reads == 1
+
+
+def test_a_wall_clock_jump_counts_as_a_gap():
+    """A paused VM's monotonic clock may not advance while it is paused; its wall clock does."""
+    etcd = FakeEtcd(plan(1, ["m.w0", ME]), plan(2, ["m.w0"], lost=[ME]))
+    mono, wall = Clocks(), Clocks()
+    f = CommitFence(etcd, KEYS, ME, TTL, clock=mono, wall=wall)
+    f.reset()
+    wall.t += 60
+    with pytest.raises(LeftBehind):
+        f.check(1, plan(1, ["m.w0", ME]))
