@@ -425,9 +425,10 @@ class Agent:
         if alive and self._plan is not None:
             # The ring they were in may still be blocked on them; a round that names
             # them lost makes its survivors abort it now, not at the collective timeout.
-            self.participant.control.request_reset(
-                f"{self.member_id}.forced", self._plan.round, f"graceful leave forced: {reason}", lost=alive
-            )
+            # Queued if etcd is away: the agent must still get on with leaving.
+            failed_round, why = self._plan.round, f"graceful leave forced: {reason}"
+            self._etcd_writes.write("ask for a round without our workers", lambda: (
+                self.participant.control.request_reset(f"{self.member_id}.forced", failed_round, why, lost=alive)))
 
     def _finish(self, status: JobStatus) -> None:
         """The job is over: let our workers end (rank 0 may be writing the final

@@ -121,9 +121,9 @@ def test_a_paused_host_is_left_behind_and_disturbs_nobody_when_it_resumes(tmp_pa
             if job.proc.poll() is None:
                 signal_all([job.proc.pid], signal.SIGCONT)
                 job.kill()
+    back = min(s["t"] for s in a.steps() if s["world"] == 3 and s["t"] > resumed_at) - resumed_at
     print(f"\n{victim}: survivors' next step {stall:.2f}s after the pause (ttl {TTL:g}s); "
-          f"back to 3 workers {min(s['t'] for s in a.steps() if s['world'] == 3 and s['t'] > resumed_at) - resumed_at:.2f}s"
-          f" after the resume")
+          f"back to 3 workers {back:.2f}s after the resume")
     assert stall < TTL + 2 + SLACK_S, f"survivors waited {stall:.1f}s (ttl {TTL:g}s)"
 
     events = a.events()

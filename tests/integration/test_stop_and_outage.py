@@ -176,3 +176,25 @@ def test_a_peer_dying_during_the_init_of_a_new_round_is_one_more_ring_failure(tm
     assert [e["status"] for e in events if e["event"] == "job_finished"] == ["succeeded"]
     exits = [e for e in events if e["event"] == "worker_exited" and e["exit_code"] != 0]
     assert len(exits) == 2, exits  # the two that were killed, nobody else
+
+
+def test_an_agent_told_twice_to_leave_while_etcd_is_down_stops_its_workers_and_exits(tmp_path, fresh_etcd):
+    """The second signal kills the workers mid-step and asks for a round that names them
+    lost: with etcd away that request waits in the agent's queue; the agent's loop goes
+    on and the agent leaves (exit 0) instead of dying of the etcd error."""
+    jobs = agents(tmp_path, fresh_etcd.endpoint, [("a", 2)],
+                  extra=["--min-np", "1", "--max-np", "2", "--etcd-retry-deadline", "1", "--grace-period", "60"])
+    a = jobs["a"]
+    try:
+        a.wait_for_step(10, timeout=120)
+        fresh_etcd.kill()
+        a.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: any(e["event"] == "graceful_leave" for e in a.events()), 30, "the graceful leave")
+        a.proc.send_signal(signal.SIGTERM)
+        code = a.wait(60)
+    finally:
+        a.proc.poll() is None and a.kill()
+    assert code == 0, a.text()[-3000:]
+    assert "Traceback" not in a.text(), a.text()[-3000:]
+    left = [e for e in a.events() if e["event"] == "member_left"]
+    assert left and left[0]["graceful"] is False, left
