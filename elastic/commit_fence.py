@@ -10,18 +10,22 @@ recovery path, which rolls it back and waits for a round that includes it again
 sync then hands it the newest commit.
 
 Asked at every commit, it costs nothing in the common case: it reads the plan the
-control watch caches. That view can be stale exactly when it matters: a process
-that was paused (a paused VM, SIGSTOP of its host) resumes all its threads at once,
-and the main thread may reach its commit before the watch thread has read what etcd
-sent meanwhile (seen: a commit of the old round 1 s after the survivors moved on).
-No lease runs out in less than the TTL, so after a gap between two commits longer
-than half of it, the plans since round r are read from etcd (bounded, short). If
-etcd cannot say, the cached view decides: an etcd outage must not stop training.
+control watch caches, and etcd is never on the per-step path. That view can be stale
+exactly when it matters: a process that was paused (a paused VM, SIGSTOP of its host)
+resumes all its threads at once, and the main thread may reach its commit before the
+watch thread has read what etcd sent meanwhile (seen: a commit of the old round 1 s
+after the survivors moved on). So the fence notices pauses: a thread ticks every
+``TICK_S``; a gap between two ticks, or a tick overdue at the commit, longer than a
+quarter of the TTL (a lease cannot run out in less) means this process did not run
+for a while. Only then are the plans since round r read from etcd (bounded, short);
+if etcd cannot say, the cached view decides (an etcd outage must not stop training).
+An honest long step is no pause: the ticks go on during it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable, Optional
 
@@ -31,34 +35,49 @@ from .errors import LeftBehind
 
 log = logging.getLogger(__name__)
 
-READ_DEADLINE_S = 2.0  # the etcd reads after a long gap: a commit waits at most about this
+READ_DEADLINE_S = 2.0  # the etcd reads after a pause: a commit waits at most about this
+TICK_S = 0.25
 
 
 class CommitFence:
-    def __init__(self, etcd: Etcd, keys: JobKeys, worker: str, ttl: float, *,
+    def __init__(self, etcd: Etcd, keys: JobKeys, worker: str, ttl: float, *, ticking: bool = True,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self._etcd, self._keys, self._worker = etcd, keys, worker
-        self._gap_s = ttl / 2
+        self._pause_s = ttl / 4
         self._clock, self._wall = clock, wall
-        self._last: Optional[tuple[float, float]] = None
+        self._lock = threading.Lock()
+        self._last_tick = self._now()
+        self._longest_gap = 0.0  # between two ticks, since the last check
+        self._stop = threading.Event()
+        if ticking:
+            threading.Thread(target=self._tick_on, name="elastic-pause-clock", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def tick(self) -> None:
+        now = self._now()
+        with self._lock:
+            self._longest_gap = max(self._longest_gap, _gap(self._last_tick, now))
+            self._last_tick = now
 
     def reset(self) -> None:
         """The ring was just (re-)entered: our view of the job is current."""
-        self._last = (self._clock(), self._wall())
+        with self._lock:
+            self._longest_gap = 0.0
 
     def check(self, round_number: int, cached: Optional[RoundPlan]) -> None:
         """Raise LeftBehind if the job left ``round_number`` without this worker."""
-        now = (self._clock(), self._wall())
-        # Both clocks: a paused VM may not see its monotonic clock advance.
-        gap = max(now[0] - self._last[0], now[1] - self._last[1]) if self._last is not None else 0.0
-        self._last = now
+        with self._lock:
+            paused = max(self._longest_gap, _gap(self._last_tick, self._now()))
+            self._longest_gap = 0.0
         why = _lost_in(cached, self._worker) if cached is not None and cached.round > round_number else None
-        if why is None and gap > self._gap_s:
-            why = self._read_afresh(round_number, gap)
+        if why is None and paused > self._pause_s:
+            why = self._read_afresh(round_number, paused)
         if why is not None:
             raise LeftBehind(f"worker {self._worker} left behind in round {round_number}: {why}")
 
-    def _read_afresh(self, round_number: int, gap: float) -> Optional[str]:
+    def _read_afresh(self, round_number: int, paused: float) -> Optional[str]:
         try:
             plan_kv = self._etcd.get(self._keys.plan, retry_deadline=READ_DEADLINE_S)
             newest = RoundPlan.from_json(plan_kv.value) if plan_kv is not None else None
@@ -66,8 +85,8 @@ class CommitFence:
                 return None
             kvs, _ = self._etcd.get_prefix(self._keys.prefix + "rounds/", retry_deadline=READ_DEADLINE_S)
         except RendezvousError as exc:
-            log.info("round %d: %.1fs since the last commit and etcd cannot say what happened meanwhile (%s); "
-                     "going on", round_number, gap, exc)
+            log.info("round %d: this process did not run for %.1fs and etcd cannot say what happened meanwhile "
+                     "(%s); going on", round_number, paused, exc)
             return None
         for plan in [*(RoundPlan.from_json(kv.value) for kv in kvs), newest]:
             if plan.round > round_number:
@@ -75,6 +94,18 @@ class CommitFence:
                 if why is not None:
                     return why
         return None
+
+    def _now(self) -> tuple[float, float]:
+        return self._clock(), self._wall()
+
+    def _tick_on(self) -> None:
+        while not self._stop.wait(TICK_S):
+            self.tick()
+
+
+def _gap(since: tuple[float, float], now: tuple[float, float]) -> float:
+    # Both clocks: a paused VM may not see its monotonic clock advance.
+    return max(now[0] - since[0], now[1] - since[1])
 
 
 def _lost_in(plan: RoundPlan, worker: str) -> Optional[str]:

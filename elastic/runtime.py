@@ -462,6 +462,8 @@ class Runtime:
         self.release_group()
         if self._control is not None:
             self._control.close()
+        if self._commit_fence is not None:
+            self._commit_fence.close()
         if self._etcd is not None:
             self._etcd.close()
         if self._progress is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from elastic.commit_fence import CommitFence
@@ -52,14 +54,21 @@ class Clocks:
 
 def fence(etcd):
     clock = Clocks()
-    return CommitFence(etcd, KEYS, ME, TTL, clock=clock, wall=clock), clock
+    return CommitFence(etcd, KEYS, ME, TTL, ticking=False, clock=clock, wall=clock), clock
+
+
+def run_for(f, clock, seconds):
+    """The process runs: its pause clock ticks (every 0.25 s)."""
+    end = clock.t + seconds
+    while clock.t < end:
+        clock.t += 0.25
+        f.tick()
 
 
 def test_a_worker_declared_lost_completes_no_commit_and_re_forms():
     """Seen in the cached plan (the control watch): no etcd read."""
     etcd = FakeEtcd()
     f, _ = fence(etcd)
-    f.reset()
     with pytest.raises(LeftBehind, match="round 2 declared it lost") as raised:
         f.check(1, plan(2, ["m.w0"], lost=[ME]))
     assert is_communication_error(raised.value)  # a failure of its ring for the recovery path
@@ -69,42 +78,64 @@ def test_a_worker_declared_lost_completes_no_commit_and_re_forms():
     assert etcd.reads == 0
 
 
-def test_after_a_long_gap_the_plans_since_our_round_are_read_from_etcd():
+@pytest.mark.parametrize("ticked_first", [False, True], ids=["commit-first", "pause-clock-first"])
+def test_after_a_pause_the_plans_since_our_round_are_read_from_etcd(ticked_first):
     """A paused host resumes: the main thread commits before the watch thread has caught up.
-    The job went through round 2 (lost us) and round 3 (let us back in) meanwhile."""
+    The job went through round 2 (lost us) and round 3 (let us back in) meanwhile. Whichever
+    of the main thread and the pause clock's thread runs first after the resume."""
     etcd = FakeEtcd(plan(1, ["m.w0", ME]), plan(2, ["m.w0"], lost=[ME]), plan(3, ["m.w0", ME]))
     f, clock = fence(etcd)
-    f.reset()
-    clock.t += TTL / 2 - 0.1
-    f.check(1, plan(1, ["m.w0", ME]))  # a slow step: shorter than half the TTL, not read
+    run_for(f, clock, 60)  # an honest 60 s step: the process ran all along, nothing to read
+    f.check(1, plan(1, ["m.w0", ME]))
     assert etcd.reads == 0
-    clock.t += TTL / 2 + 0.1
+    clock.t += TTL  # stopped: no tick
+    if ticked_first:
+        f.tick()
     with pytest.raises(LeftBehind, match="round 2 declared it lost"):
         f.check(1, plan(1, ["m.w0", ME]))  # the stale view says round 1 is current
     assert etcd.reads == 2
 
 
-def test_after_a_long_gap_a_current_round_or_an_unreachable_etcd_lets_the_commit_go():
+def test_after_a_pause_a_current_round_or_an_unreachable_etcd_lets_the_commit_go():
     current = FakeEtcd(plan(1, ["m.w0", ME]))
     f, clock = fence(current)
-    f.reset()
     clock.t += TTL
     f.check(1, plan(1, ["m.w0", ME]))
     assert current.reads == 1  # the newest plan is ours: nothing more to read
     down = FakeEtcd(down=True)
     f, clock = fence(down)
-    f.reset()
     clock.t += TTL
     f.check(1, plan(1, ["m.w0", ME]))  # an etcd outage never stops training
     assert down.reads == 1
 
 
-def test_a_wall_clock_jump_counts_as_a_gap():
+def test_a_pause_shorter_than_a_quarter_of_the_ttl_or_during_a_re_formation_is_not_read():
+    etcd = FakeEtcd(plan(1, ["m.w0", ME]), plan(2, ["m.w0"], lost=[ME]))
+    f, clock = fence(etcd)
+    clock.t += TTL / 4 - 0.1
+    f.check(1, plan(1, ["m.w0", ME]))
+    clock.t += TTL
+    f.tick()
+    f.reset()  # the ring was entered since: in step with it
+    f.check(1, plan(1, ["m.w0", ME]))
+    assert etcd.reads == 0
+
+
+def test_a_wall_clock_jump_counts_as_a_pause():
     """A paused VM's monotonic clock may not advance while it is paused; its wall clock does."""
     etcd = FakeEtcd(plan(1, ["m.w0", ME]), plan(2, ["m.w0"], lost=[ME]))
     mono, wall = Clocks(), Clocks()
-    f = CommitFence(etcd, KEYS, ME, TTL, clock=mono, wall=wall)
-    f.reset()
+    f = CommitFence(etcd, KEYS, ME, TTL, ticking=False, clock=mono, wall=wall)
     wall.t += 60
     with pytest.raises(LeftBehind):
         f.check(1, plan(1, ["m.w0", ME]))
+
+
+def test_the_pause_clock_ticks_in_a_thread_of_its_own():
+    f = CommitFence(FakeEtcd(plan(1, ["m.w0", ME])), KEYS, ME, TTL)
+    try:
+        time.sleep(0.6)
+        with f._lock:
+            assert time.monotonic() - f._last_tick[0] < 0.5
+    finally:
+        f.close()
