@@ -180,14 +180,9 @@ class Agent:
             for event in self._event_tail.read_new():
                 self._on_event(event)
             self._etcd_writes.flush()
-            self._restart_plain_workers()
             self._watchdog.check(self._workers, self._plan)  # a hung worker is killed; its exit comes next
             self._peer_probe.tick(self._watchdog.marks())  # a stalled ring: can we reach our peers?
-            try:
-                self._follow_control()
-            except RendezvousError as exc:
-                self._plan = self._plan_started  # not acted on yet: the next turn tries again
-                log.warning("cannot follow the newest plan yet (%s); retrying", exc)
+            self._follow_rounds()
             self._check_grace()
         return self._outcome
 
@@ -198,6 +193,18 @@ class Agent:
         self._chaos and self._chaos.on_event(event)
 
     # -- following the plan -----------------------------------------------------------
+    def _follow_rounds(self) -> None:
+        """Act on the newest plan. Starting a worker reads etcd (a torchrun-style
+        worker's store address), so etcd being away, or a store never published, must
+        not end the agent: the plan is then taken as not acted on, and the next turn
+        acts on it again (starting the workers it wants that are not running)."""
+        try:
+            self._restart_plain_workers()
+            self._follow_control()
+        except RendezvousError as exc:
+            self._plan = self._plan_started
+            log.warning("cannot follow the newest plan yet (%s); retrying", exc)
+
     def _follow_control(self) -> None:
         control = self.participant.control
         status, plan = control.status, control.plan
