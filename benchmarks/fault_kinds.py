@@ -50,6 +50,10 @@ KINDS = {k.name: k for k in (
     Kind("partition-host", True, "single", "recovery", True,
          "link of a host holding neither rank 0 nor the coordinator cut"),
     Kind("partition-rank0", True, "single", "recovery", True, "link of the host of rank 0 and the coordinator cut"),
+    # A lost VM or an OOM-killed pod: everything on the host dies, its kernel still
+    # answers (connections reset, its agent's port refuses).
+    Kind("host-kill-rank0", True, "single", "recovery", True,
+         "agent and workers of the host of rank 0, its store and the coordinator SIGKILLed"),
     Kind("etcd-leader-kill", False, "cluster", "pause", False, "SIGKILL of the leader of a 3-member etcd"),
     Kind("etcd-outage", False, "single", "pause", False, "etcd SIGKILLed, restarted after --outage s"),
     Kind("etcd-freeze", False, "single", "pause", False, "etcd SIGSTOPped, SIGCONT after --outage s"),
@@ -198,6 +202,17 @@ def inject(cluster: Cluster, rng: random.Random, outage_s: float) -> Fault:
         now = time.time()
         os.kill(victim.pid, signal.SIGKILL if name == "crash" else signal.SIGSTOP)
         return Fault(now, now, {victim.pid}, {"victim_rank": victim.rank, "victim_host": cluster.host_of(victim.pid)})
+    if name == "host-kill-rank0":
+        target = next(cluster.host_of(w.pid) for w in cluster.workers() if w.rank == 0)
+        agent = cluster.jobs[target].proc.pid
+        victims, coordinator = harness.descendants(agent), cluster.coordinator_host()
+        now = time.time()
+        for pid in (agent, *victims):  # listed first: a worker must not outlive its agent unseen
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return Fault(now, now, victims, {"killed_host": target, "coordinator_host": coordinator})
     if name.startswith("partition"):
         rank0 = next((cluster.host_of(w.pid) for w in cluster.workers() if w.rank == 0), None)
         coordinator = cluster.coordinator_host()

@@ -8,6 +8,7 @@ Kinds (benchmarks/fault_kinds.py has the topologies):
   hang               SIGSTOP of a worker (elastic-run's watchdog evicts it)
   partition-host     a plain host's link cut (no rank 0, no coordinator)  3 namespaced hosts x 2
   partition-rank0    the link of rank 0's and the coordinator's host cut
+  host-kill-rank0    agent and workers of rank 0's (and the coordinator's) host SIGKILLed
   etcd-leader-kill   SIGKILL of the leader of a 3-member etcd cluster
   etcd-outage        the whole etcd SIGKILLed, restarted after --outage s (30)
   etcd-freeze        the whole etcd SIGSTOPped, SIGCONT after --outage s
