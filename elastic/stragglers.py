@@ -27,12 +27,18 @@ What is measured (per worker, per commit interval)
     attribution of a stretch goes by the frame seen at its end; with NCCL the GPU
     waits are invisible from the CPU, so scores stay near 1.
 
-Every ``WINDOW_COMMITS`` commits of a round the ranks exchange their window's wall
-and waiting seconds with one all_gather of two floats per rank, at the same commit
-on every rank (the commits of a ring are in lockstep), so it cannot deadlock; if it
-raises, the ring is broken like after any collective and the recovery path takes
-over. A window closes at an exchange once it spans ``MIN_WINDOW_S`` on every rank
-(short steps would give a few samples: a noisy figure); every rank then emits
+At commits of a round chosen alike on every rank the ranks exchange their window's
+wall and waiting seconds with one all_gather of two floats per rank (the commits of
+a ring are in lockstep), so it cannot deadlock; if it raises, the ring is broken
+like after any collective and the recovery path takes over. The first exchange
+comes ``WINDOW_COMMITS`` commits after the round's first; each exchange schedules
+the next from the gathered figures (hence alike everywhere): as many commits as
+span ``TARGET_WINDOW_S`` at the pace just seen, at least ``WINDOW_COMMITS``. The
+exchange is a barrier that absorbs the ranks' skew (measured: about 9 ms on 4
+workers sharing 2 cores), so with short steps it must not come every few commits:
+that alone cost about 1 ms per commit. A window closes at an exchange once it
+spans ``MIN_WINDOW_S`` on every rank (short steps would give a few samples: a
+noisy figure); every rank then emits
 ``step_times`` with its own figures and its ``straggler_score``
 (own compute_s / median over the ranks). A worker whose score exceeds
 ``--straggler-ratio`` in ``PERSISTENT_WINDOWS`` windows in a row emits
@@ -44,6 +50,7 @@ gracefully (``agent/straggler_eviction.py``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import statistics
@@ -59,8 +66,10 @@ from .progress import WAITING, classify, main_thread_frames, stdlib_prefixes
 
 log = logging.getLogger(__name__)
 
-WINDOW_COMMITS = 10  # commits between exchanges: one all_gather of two floats per rank
+WINDOW_COMMITS = 10  # commits to the first exchange of a round, and the fewest between two
 MIN_WINDOW_S = 1.0  # a window closes at an exchange once it spans this long on every rank
+TARGET_WINDOW_S = 2.0  # the next exchange: this long at the pace seen (a window of >= MIN_WINDOW_S)
+MAX_WINDOW_COMMITS = 1000  # ... but never further than this many commits away
 PERSISTENT_WINDOWS = 3  # windows in a row above the ratio before a rank is reported
 SAMPLE_INTERVAL = 0.01  # seconds between samples of the main thread (jittered +-50%)
 # Frames in these modules, on a main thread that uses no CPU, are waits on peers.
@@ -190,13 +199,17 @@ class StragglerWatch:
 
     def __init__(self, runtime, ratio: float, clock: Optional[WaitClock] = None,
                  every: int = WINDOW_COMMITS, windows: int = PERSISTENT_WINDOWS,
-                 min_window_s: float = MIN_WINDOW_S):
+                 min_window_s: float = MIN_WINDOW_S, target_window_s: float = TARGET_WINDOW_S,
+                 now=time.monotonic):
         self._runtime = runtime
         self._clock = clock if clock is not None else WaitClock().start()
         self._every = every
         self._min_window_s = min_window_s
+        self._target_window_s = target_window_s
+        self._now = now
         self._persistence = Persistence(ratio, windows)
-        self._start: Optional[tuple[float, float]] = None  # (time, waiting_s) at the window's start
+        self._start: Optional[tuple[float, float, int]] = None  # (time, waiting_s, commit) at the window's start
+        self._next = 0  # the round's commit of the next exchange
         self._round = None
 
     def close(self) -> None:
@@ -211,32 +224,39 @@ class StragglerWatch:
 
     def on_commit(self, commits: int) -> None:
         """``commits`` counts the round's commits, equal on every rank."""
-        now, waiting = time.monotonic(), self._clock.waiting_s
+        now, waiting = self._now(), self._clock.waiting_s
         if self._start is None:
             self._start = (now, waiting, commits)  # the interval before the round's first commit is no step
+            self._next = commits + self._every
             return
-        if (commits - 1) % self._every:
+        if commits != self._next:
             return
         began, waited, first = self._start
-        elapsed, blocked = now - began, waiting - waited
-        # One all_gather of (seconds, seconds waiting) since the window began, per rank.
-        mine = torch.tensor([elapsed, blocked], dtype=torch.float64)
-        rt = self._runtime
-        if rt.world_size > 1:
-            if rt.backend == "nccl":
-                mine = mine.cuda()
-            every = [torch.zeros_like(mine) for _ in range(rt.world_size)]
-            dist.all_gather(every, mine)  # a broken ring raises here, like any collective
-            figures = [(float(t[0]), float(t[1])) for t in every]
-        else:
-            figures = [(elapsed, blocked)]
+        figures = self._gather(now - began, waiting - waited)
         # Short steps make short windows, and a few samples are a noisy estimate: the
-        # window grows (by another WINDOW_COMMITS) until it spans MIN_WINDOW_S on every
-        # rank. Decided on the gathered figures, hence alike on every rank.
-        if min(e for e, _ in figures) < self._min_window_s:
-            return
-        self._start = (now, waiting, commits)
-        self._close_window(commits - first, figures)
+        # window grows until it spans MIN_WINDOW_S on every rank. Decided on the
+        # gathered figures, hence alike on every rank, like the next exchange.
+        shortest = min(e for e, _ in figures)
+        closes = shortest >= self._min_window_s
+        per_commit = shortest / (commits - first)
+        wanted_s = self._target_window_s if closes else self._min_window_s - shortest
+        ahead = math.ceil(wanted_s / per_commit - 1e-6) if per_commit > 0 else self._every  # (rounding)
+        self._next = commits + min(MAX_WINDOW_COMMITS, max(self._every, ahead))
+        if closes:
+            self._start = (now, waiting, commits)
+            self._close_window(commits - first, figures)
+
+    def _gather(self, elapsed: float, blocked: float) -> list[tuple[float, float]]:
+        """One all_gather of (seconds, seconds waiting) since the window began, per rank."""
+        rt = self._runtime
+        if rt.world_size == 1:
+            return [(elapsed, blocked)]
+        mine = torch.tensor([elapsed, blocked], dtype=torch.float64)
+        if rt.backend == "nccl":
+            mine = mine.cuda()
+        every = [torch.zeros_like(mine) for _ in range(rt.world_size)]
+        dist.all_gather(every, mine)  # a broken ring raises here, like any collective
+        return [(float(t[0]), float(t[1])) for t in every]
 
     def _close_window(self, steps: int, figures: list[tuple[float, float]]) -> None:
         rt = self._runtime

@@ -170,25 +170,62 @@ def test_a_window_is_every_k_commits_after_the_rounds_first(caplog):
     assert fields["console"] is False  # periodic: kept off the console
 
 
-def test_a_short_window_grows_until_it_spans_the_minimum():
-    emitted = []
+class _Counting(StragglerWatch):
+    """Records the commits at which it exchanges (the all_gather a real ring would do)."""
+
+    exchanges: list
+
+    def _gather(self, elapsed, blocked):
+        self.exchanges.append(self._commit)
+        return super()._gather(elapsed, blocked)
+
+
+def _paced_watch(step_s: float, **options):
+    emitted, now = [], [0.0]
     runtime = SimpleNamespace(
         round=1, rank=0, world_size=1, backend="gloo", plan=None, config=SimpleNamespace(worker_id="w0"),
         events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
     )
-    watch = StragglerWatch(runtime, ratio=1.5, clock=_FakeClock(), every=2, windows=1, min_window_s=0.2)
+    watch = _Counting(runtime, ratio=1.5, clock=_FakeClock(), windows=1, now=lambda: now[0], **options)
+    watch.exchanges = []
     watch.begin_round()
-    for commits in range(1, 6):
-        watch.on_commit(commits)  # exchanges at 3 and 5: both well under 0.2 s
-    assert emitted == []
-    time.sleep(0.25)
-    watch.on_commit(6)
-    assert emitted == []  # no exchange at an even commit
-    watch.on_commit(7)
-    [(name, fields)] = emitted
-    # The window spans the real sleep: at least 0.25 s over its 6 steps (a loaded machine
-    # only makes it longer, so no upper bound beyond "not absurd").
-    assert fields["steps"] == 6 and 0.25 / 6 <= fields["step_s"] < 5.0
+
+    def commit(number):
+        now[0] += step_s
+        watch._commit = number
+        watch.on_commit(number)
+
+    return watch, emitted, commit
+
+
+def test_a_short_window_grows_until_it_spans_the_minimum_then_exchanges_come_every_target_span():
+    # 50 ms steps: the first exchange (10 commits after the first, 0.5 s) is too short for
+    # a window of 1 s; it asks for the 10 more commits that make one. Then, at this pace,
+    # the next exchange is 2 s (40 commits) away: one all_gather per 2 s, not per 10 commits.
+    watch, emitted, commit = _paced_watch(0.05, every=10, min_window_s=1.0, target_window_s=2.0)
+    for number in range(1, 202):
+        commit(number)
+    assert watch.exchanges == [11, 21, 61, 101, 141, 181]
+    assert [f["steps"] for _, f in emitted] == [20, 40, 40, 40, 40]
+    assert all(f["step_s"] == pytest.approx(0.05) for _, f in emitted)
+
+
+def test_slow_steps_exchange_every_k_commits_at_least():
+    # 0.5 s steps: 2 s would be 4 commits; never closer than `every` (10) commits.
+    watch, emitted, commit = _paced_watch(0.5, every=10, min_window_s=1.0, target_window_s=2.0)
+    for number in range(1, 42):
+        commit(number)
+    assert watch.exchanges == [11, 21, 31, 41]
+    assert [f["steps"] for _, f in emitted] == [10, 10, 10, 10]
+
+
+def test_very_short_steps_exchange_at_most_max_window_commits_apart():
+    from elastic.stragglers import MAX_WINDOW_COMMITS
+
+    watch, _, commit = _paced_watch(0.0001, every=10, min_window_s=1.0, target_window_s=2.0)
+    for number in range(1, 2 * MAX_WINDOW_COMMITS + 20):
+        commit(number)
+    assert watch.exchanges == [11, 11 + MAX_WINDOW_COMMITS, 11 + 2 * MAX_WINDOW_COMMITS]
 
 
 # -- the options ----------------------------------------------------------------------
