@@ -46,6 +46,7 @@ from . import fault_points, round_store
 from .events import EventLog
 from .progress import Progress
 from .step_log import StepLog
+from .switch_points import SwitchPoints
 from .ring_abort import RingHandle, forming_ring, prepare_ring, socket_snapshot
 from .stragglers import StragglerWatch
 from .worker_config import WorkerConfig
@@ -79,6 +80,7 @@ class Runtime:
         self._store = None  # the round's PrefixStore
         self._switch_at: Optional[int] = None
         self._switch_action = "switch"  # what the ring does at _switch_at: "switch" or "stop"
+        self._switch_points = SwitchPoints()  # the commits where it may (switch_points.py)
         self._commits = 0  # commits in the current round
         self._next_store = None  # (round, store) of a pending plan, for rank 0's look at joiners
         self._deferred: Optional[RoundPlan] = None  # a joiner's round, entered at its first sync
@@ -116,7 +118,9 @@ class Runtime:
         cfg = self.config
         if cfg.progress_file:
             self._progress = Progress(cfg.progress_file, cfg.stacks_file)
-        self._stragglers = StragglerWatch(self, cfg.straggler_ratio)
+        # Its exchanges give every rank the same pace: switch points are spaced by it.
+        self._stragglers = StragglerWatch(self, cfg.straggler_ratio,
+                                          on_pace=lambda *pace: self._switch_points.agree(*pace))
         if cfg.marker_file:
             # Tells the agent this worker follows rounds itself (no restart on change).
             with open(cfg.marker_file, "w") as f:
@@ -208,9 +212,9 @@ class Runtime:
                     # The action travels with the commit number: every worker does
                     # what rank 0 decided, never what its own copy of the status says.
                     self._switch_action = "stop" if stopping else "switch"
-                    self._switch_at = commits + 1
+                    self._switch_at = self._switch_points.next_point(commits)
                     self._store.set("switch_at", f"{self._switch_at} {self._switch_action}")
-            elif self._store.check(["switch_at"]):
+            elif self._switch_points.is_point(commits) and self._store.check(["switch_at"]):
                 at, action = self._store.get("switch_at").decode().split()
                 self._switch_at, self._switch_action = int(at), action
         return self._switch_at is not None and commits >= self._switch_at
@@ -374,6 +378,7 @@ class Runtime:
             self.round = plan.round
         self._store = store
         self._switch_at = None
+        self._switch_points = SwitchPoints()
         self._take_position(plan)
 
     def _connect_store(self, plan: RoundPlan):

@@ -200,13 +200,16 @@ class StragglerWatch:
     def __init__(self, runtime, ratio: float, clock: Optional[WaitClock] = None,
                  every: int = WINDOW_COMMITS, windows: int = PERSISTENT_WINDOWS,
                  min_window_s: float = MIN_WINDOW_S, target_window_s: float = TARGET_WINDOW_S,
-                 now=time.monotonic):
+                 now=time.monotonic, on_pace=None):
         self._runtime = runtime
         self._clock = clock if clock is not None else WaitClock().start()
         self._every = every
         self._min_window_s = min_window_s
         self._target_window_s = target_window_s
         self._now = now
+        # (commit, seconds per commit), alike on every rank -> the spacing of the switch
+        # points (switch_points.py); each exchange comes at one of those points.
+        self._on_pace = on_pace
         self._persistence = Persistence(ratio, windows)
         self._start: Optional[tuple[float, float, int]] = None  # (time, waiting_s, commit) at the window's start
         self._next = 0  # the round's commit of the next exchange
@@ -239,9 +242,11 @@ class StragglerWatch:
         shortest = min(e for e, _ in figures)
         closes = shortest >= self._min_window_s
         per_commit = shortest / (commits - first)
+        points = self._on_pace(commits, per_commit) if self._on_pace is not None else 1
         wanted_s = self._target_window_s if closes else self._min_window_s - shortest
         ahead = math.ceil(wanted_s / per_commit - 1e-6) if per_commit > 0 else self._every  # (rounding)
-        self._next = commits + min(MAX_WINDOW_COMMITS, max(self._every, ahead))
+        ahead = min(MAX_WINDOW_COMMITS, max(self._every, ahead))
+        self._next = commits + math.ceil(ahead / points) * points
         if closes:
             self._start = (now, waiting, commits)
             self._close_window(commits - first, figures)

@@ -1,0 +1,56 @@
+"""Which commits of a round may be switch points (a join, a graceful leave, a stop).
+
+Rank 0 decides a switch when its view of etcd shows a newer plan (or a stop) and
+writes ``switch_at`` into the round's store; every other worker must read it before
+its own commit of that number, and reading it is a round trip to rank 0's agent.
+Asked at every commit, that look was the largest cost of a commit after the copy of
+the state (measured: 1.3-1.9 ms mean per commit, with 40 ms steps on 4 workers
+sharing 2 cores, against 0.03 ms on rank 0, which only reads its own memory).
+
+So switch points are spaced: every ``every``-th commit from an ``origin`` commit.
+A round starts with every commit a point. At each exchange of the straggler watch
+(stragglers.py: one all_gather at the same commit everywhere, about every 2 s) all
+ranks learn the same pace, and from that commit on the points are ``SPACING_S`` of
+steps apart at that pace (at most ``MAX_EVERY`` commits). Rank 0 schedules a switch
+at the first point after the commit where it decides, and the others look only at
+points. Why that is enough: rank 0 writes ``switch_at`` during its commit c, before
+the point p > c; a worker that reaches its commit p has finished step p's
+collectives, which rank 0 joined only after its commit p - 1 >= c. Both sides count
+points alike, and a change of spacing never skips a scheduled switch: every
+exchange comes at a point of the spacing before it (the watch rounds its next
+exchange up to one), so a switch scheduled before the exchange is at or before it,
+and the exchange's commit is a point of the new spacing too.
+
+The cost: a switch comes up to ``SPACING_S`` later (a joiner starts training a
+little later, a graceful leave takes a little longer); nothing is rolled back.
+"""
+
+from __future__ import annotations
+
+SPACING_S = 0.25  # seconds of steps between two switch points, at the agreed pace
+MAX_EVERY = 16  # the most commits between two switch points
+
+
+class SwitchPoints:
+    """One round's schedule of switch points, alike on every rank."""
+
+    def __init__(self, spacing_s: float = SPACING_S, max_every: int = MAX_EVERY):
+        self.every, self.origin = 1, 0
+        self._spacing_s, self._max_every = spacing_s, max_every
+
+    def agree(self, commits: int, seconds_per_commit: float) -> int:
+        """At ``commits`` (a point), every rank learned the same pace: space the points
+        from there. Returns the spacing; the next exchange must come at a point."""
+        if seconds_per_commit > 0:
+            self.every = max(1, min(self._max_every, int(self._spacing_s / seconds_per_commit)))
+            self.origin = commits
+        return self.every
+
+    def is_point(self, commits: int) -> bool:
+        return commits >= self.origin and (commits - self.origin) % self.every == 0
+
+    def next_point(self, after: int) -> int:
+        """The first switch point after commit ``after``."""
+        if after < self.origin:
+            return after + 1  # (not reached: a spacing is agreed at a commit both sides are at)
+        return self.origin + ((after - self.origin) // self.every + 1) * self.every
