@@ -10,12 +10,10 @@ SIGKILL when the owner dies (Linux PR_SET_PDEATHSIG), and atexit stops it.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib.util
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -75,11 +73,24 @@ def _free_ports(host: str, count: int) -> list[int]:
             sock.close()
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL the child when the thread that forked it dies."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+# etcd is started through this launcher, which asks for SIGKILL when the thread that
+# started it dies (PR_SET_PDEATHSIG survives the exec) and then becomes etcd. Not a
+# preexec_fn: running Python in a child forked from a process with live gRPC threads
+# crashes it before the exec (seen: etcd "exited with code -6 during start-up", gRPC's
+# epoll poller aborting in the child, when a test restarted etcd under live clients).
+_LAUNCHER = f"""
+import ctypes, os, signal, sys
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL, 0, 0, 0)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the parent is gone already: do not start an orphan etcd
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _tied_to_this_process(command: Sequence[str]) -> list[str]:
+    """``command`` run so that it dies with the thread that starts it."""
+    return [sys.executable, "-I", "-c", _LAUNCHER, str(os.getpid()), *command]
 
 
 class EmbeddedEtcd:
@@ -275,11 +286,10 @@ class EmbeddedEtcd:
             self._log_file = open(self._log_path, "ab")
             self._log_offset = self._log_file.tell()
             self._process = subprocess.Popen(
-                self._command(),
+                _tied_to_this_process(self._command()),
                 stdin=subprocess.DEVNULL,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
                 close_fds=True,
             )
             _running.add(self)
