@@ -152,12 +152,8 @@ def etcd_config(args: argparse.Namespace) -> EtcdConfig:
         ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
         user=args.etcd_user, password=args.etcd_password,
         # Only the launcher has this option (`elastic-run status` keeps the default).
-        **_retry_deadline(getattr(args, "etcd_retry_deadline", None)),
+        retry_deadline=getattr(args, "etcd_retry_deadline", None),
     )
-
-
-def _retry_deadline(seconds: Optional[float]) -> dict:
-    return {} if seconds is None else {"retry_deadline": seconds}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -434,7 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             embedded = EmbeddedEtcd().start()
             endpoints = embedded.endpoint
-            config_of_etcd = EtcdConfig.from_string(endpoints, **_retry_deadline(args.etcd_retry_deadline))
+            config_of_etcd = EtcdConfig.from_string(endpoints, retry_deadline=args.etcd_retry_deadline)
             logging.getLogger(__name__).info(
                 "embedded etcd at %s; join with: elastic-run --rdzv-endpoint %s --job-id %s ...",
                 endpoints, endpoints, config.job_id,

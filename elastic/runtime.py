@@ -133,7 +133,7 @@ class Runtime:
                 cert_key=cfg.etcd_key,
                 user=cfg.etcd_user,
                 password=cfg.etcd_password,
-                **({} if cfg.etcd_retry_deadline is None else {"retry_deadline": cfg.etcd_retry_deadline}),
+                retry_deadline=cfg.etcd_retry_deadline,
             )
         )
         self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()

@@ -50,12 +50,14 @@ class EtcdConfig:
                 raise ConfigError(f"etcd {name} file not found: {path}")
 
     @classmethod
-    def from_string(cls, spec: str, **kwargs) -> "EtcdConfig":
-        """Parse "host:port[,host:port...]"; an http:// or https:// prefix is accepted."""
+    def from_string(cls, spec: str, **options) -> "EtcdConfig":
+        """Parse "host:port[,host:port...]"; an http:// or https:// prefix is accepted.
+
+        An option given as None takes its default (an option the user did not set)."""
         endpoints = []
         for item in str(spec).split(","):
             endpoints.append(_parse_endpoint(item.strip()))
-        return cls(endpoints=tuple(endpoints), **kwargs)
+        return cls(endpoints=tuple(endpoints), **{k: v for k, v in options.items() if v is not None})
 
     @property
     def secure(self) -> bool:

@@ -138,3 +138,11 @@ def test_retry_deadline_option_reaches_the_agent_and_its_workers(tmp_path, monke
     assert worker_side(config) is None
     with pytest.raises(ConfigError):
         parse([*base, "--etcd-retry-deadline", "0", str(script)])
+
+
+def test_from_string_gives_an_option_passed_as_none_its_default():
+    """Callers pass options the user may not have set (None) straight through."""
+    config = EtcdConfig.from_string("127.0.0.1:2379", retry_deadline=None, call_timeout=None, ca_cert=None)
+    assert config == EtcdConfig.from_string("127.0.0.1:2379")
+    assert config.retry_deadline == EtcdConfig.__dataclass_fields__["retry_deadline"].default
+    assert EtcdConfig.from_string("127.0.0.1:2379", retry_deadline=2.5).retry_deadline == 2.5
