@@ -153,7 +153,11 @@ class RingHandle:
     @property
     def connections(self) -> int:
         """How many gloo TCP connections abort() would shut down."""
-        return len(self._connections if self._connections is not None else _connections_since(self._before))
+        return len(self._current_connections())
+
+    def _current_connections(self) -> FrozenSet[Tuple[int, int]]:
+        # A forming ring's are found at the time of asking: its mesh grows meanwhile.
+        return self._connections if self._connections is not None else _connections_since(self._before)
 
     @property
     def aborted(self) -> bool:
@@ -173,7 +177,7 @@ class RingHandle:
         if backend is not None:
             backend.abort()
             return
-        connections = self._connections if self._connections is not None else _connections_since(self._before)
+        connections = self._current_connections()
         closed = sum(_shutdown_if_same(fd, inode) for fd, inode in connections)
         log.info("ring aborted: shut down %d of %d gloo connections", closed, len(connections), extra=FILE_ONLY)
 

@@ -85,4 +85,3 @@ def connect(store_addr: str, *, round_number: int, overall_s: float, op_timeout_
             continue
         base.set_timeout(datetime.timedelta(seconds=op_timeout_s))
         return base
-
