@@ -16,11 +16,13 @@ import time
 import pytest
 import torch.distributed as dist
 
+from elastic import round_store
 from elastic.errors import PeersUnreachable
 from elastic.runtime import Runtime
 from elastic.worker_config import WorkerConfig
 from rendezvous import JobStatus, RoundPlan
 from rendezvous.rounds import Slot
+from tests.fakes.jobs import wait_until
 
 WORKER = "m.w0"
 ATTEMPT_S = 1.0  # one connect attempt (elastic/round_store.py)
@@ -108,12 +110,21 @@ def enter_in_thread(runtime, first):
 
 
 @pytest.mark.parametrize("dead", ["refusing", "not-answering"])
-def test_a_worker_leaves_a_dead_store_for_a_newer_plan_within_one_attempt(runtime, live_store, paused_store, dead):
+def test_a_worker_leaves_a_dead_store_for_a_newer_plan_within_one_attempt(runtime, live_store, paused_store, dead,
+                                                                          monkeypatch):
     dead_addr = f"127.0.0.1:{refusing_port()}" if dead == "refusing" else paused_store
     control = FakeControl(plan(2, dead_addr))
     runtime._control = control
+    attempting = threading.Event()
+    real_client = round_store.client
+
+    def client(host, port, *args, **kwargs):
+        attempting.set()
+        return real_client(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(round_store, "client", client)
     thread, outcome = enter_in_thread(runtime, control.plan)
-    time.sleep(0.3)  # the worker is in its first connect attempt
+    assert attempting.wait(10), "the worker never tried the store of round 2"
     published = time.monotonic()
     control.publish(plan(3, live_store))
     thread.join(30)
@@ -156,7 +167,7 @@ def test_after_a_round_failed_to_form_the_worker_asks_for_the_next_one(runtime, 
     runtime._enter = lambda p: entered.append(p.round)
     thread = threading.Thread(target=runtime.reform, args=("init failed",), kwargs={"failed": True}, daemon=True)
     thread.start()
-    time.sleep(0.5)
+    wait_until(lambda: control.requests, 10, "the worker's request for a round after round 2")
     assert control.requests == [(WORKER, 2)] and entered == [], (control.requests, entered)
     control.publish(plan(3, live_store))
     thread.join(10)
