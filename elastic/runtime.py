@@ -44,6 +44,7 @@ from .reset_nudge import ResetNudge
 from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
 from . import fault_points, round_store
 from .events import EventLog
+from .joiners import JoinerWatch
 from .progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
@@ -54,6 +55,7 @@ from .worker_config import WorkerConfig
 log = logging.getLogger(__name__)
 
 _ARRIVAL_POLL = 0.005  # seconds between looks at the arrival counter
+_ARRIVAL_REPORT_S = 30.0  # a wait at the round's store this long is logged (then 60 s, 120 s, ...)
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class Runtime:
         self._switch_action = "switch"  # what the ring does at _switch_at: "switch" or "stop"
         self._switch_points = SwitchPoints()  # the commits where it may (switch_points.py)
         self._commits = 0  # commits in the current round
-        self._next_store = None  # (round, store) of a pending plan, for rank 0's look at joiners
+        self._joiners = JoinerWatch()  # rank 0's look at a pending round's joiners
         self._deferred: Optional[RoundPlan] = None  # a joiner's round, entered at its first sync
         self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
         self._forming: Optional[tuple] = None  # (plan, RingHandle) of a round whose init is under way
@@ -206,7 +208,7 @@ class Runtime:
             if self.rank == 0:
                 newest = self._control.plan
                 stopping = self._control.status.state == STOPPING
-                if stopping or (newest is not None and newest.round > self.round and self._newcomers_ready(newest)):
+                if stopping or (newest is not None and newest.round > self.round and self._joiners.ready(self.plan, newest)):
                     # Everyone is within one step of us (each step has a collective
                     # with rank 0), so all will read this before their commit+1.
                     # The action travels with the commit number: every worker does
@@ -218,21 +220,6 @@ class Runtime:
                 at, action = self._store.get("switch_at").decode().split()
                 self._switch_at, self._switch_action = int(at), action
         return self._switch_at is not None and commits >= self._switch_at
-
-    def _newcomers_ready(self, plan: RoundPlan) -> bool:
-        """Have the workers new in ``plan`` arrived at its store? Until they have,
-        the running ring keeps training instead of waiting for a joiner that is
-        still importing torch (seconds)."""
-        current = set(self.plan.worker_ids())
-        newcomers = sum(1 for w in plan.worker_ids() if w not in current)
-        if newcomers == 0:
-            return True
-        if self._next_store is None or self._next_store[0] != plan.round:
-            host, port = plan.store_addr.rsplit(":", 1)
-            base = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                 timeout=datetime.timedelta(seconds=self.config.rdzv_timeout))
-            self._next_store = (plan.round, dist.PrefixStore(f"/round/{plan.round}/", base))
-        return self._next_store[1].add("arrived", 0) >= newcomers
 
     # -- moving to the next round ----------------------------------------------
     def reform(self, reason: str, *, failed: bool) -> ReformTimes:
@@ -288,7 +275,7 @@ class Runtime:
         if ring is not None:
             ring.release()
         self._store = None
-        self._next_store = None
+        self._joiners.forget()
         self._switch_at = None
         self._switch_action = "switch"
         if dist.is_initialized():
@@ -432,12 +419,19 @@ class Runtime:
         while others leave would block its joiners until the collective timeout.
         """
         store.add("arrived", 1)
-        deadline = time.monotonic() + self.config.rdzv_timeout
+        started = time.monotonic()
+        deadline, report_after = started + self.config.rdzv_timeout, _ARRIVAL_REPORT_S
         while True:
-            if store.add("arrived", 0) >= plan.world_size:
+            arrived = store.add("arrived", 0)
+            if arrived >= plan.world_size:
                 return self._settle_round(store, "formed") == "formed"
             if self._superseded(plan):
                 return self._settle_round(store, "abandoned") == "formed"
+            waited = time.monotonic() - started
+            if waited > report_after:  # a long wait, in the log file: who is here, since when
+                report_after *= 2
+                log.info("round %d: %d of %d workers at the store after %.0fs; waiting for the rest", plan.round,
+                         arrived, plan.world_size, waited, extra=FILE_ONLY)
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
                     f"round {plan.round}: not every worker arrived within {self.config.rdzv_timeout:g}s"
