@@ -12,7 +12,10 @@ etcd, no syscall per step) every time its loop wakes (at least every 0.5 s) and
   holds the GIL. If one of its threads is running (``R``) it computes (a long C
   call that keeps the GIL, a ``gc.collect()``, a starved machine): healthy. If
   all sleep, a thread sleeps while holding the GIL, a deadlock: hung once the
-  patient bound of a stuck main thread (below) has passed.
+  patient bound of a stuck main thread (below) has passed. Its stacks are shown
+  (in its log) as soon as the heartbeat is late, once, without a kill: before
+  its first step that bound is long, and a person should not wait for it to
+  see where the worker is.
 * **stuck**: the heartbeat goes on, but the main thread has been seen idle in
   user code (no CPU used: sleeping, blocked on a lock or a socket),
   continuously and without a progress mark, for longer than the bound.
@@ -141,6 +144,7 @@ class Watchdog:
         self._clock = clock
         self._boards: dict[str, ProgressBoard] = {}
         self._handled: set[int] = set()  # pids already declared hung
+        self._warned: set[int] = set()  # pids whose stacks were shown for a silent heartbeat
         self._last_check: Optional[float] = None
         self._watching_since = 0.0  # the end of the agent's last blind gap
 
@@ -173,7 +177,7 @@ class Watchdog:
         if last is not None and now - last > self._BLIND_GAP:
             self._watching_since = now
             return []
-        hung, read = [], {}
+        hung, suspects, read = [], [], {}
         for worker_id, proc in workers.items():
             board = self._boards.get(worker_id)
             if board is None or proc.pid in self._handled or not proc.alive:
@@ -185,35 +189,28 @@ class Watchdog:
             verdict = judge(marks, self.policy, now, state)
             if verdict.hung:
                 hung.append((worker_id, proc, verdict, state))
+            elif late and state not in (RUNNING, "") and proc.pid not in self._warned:
+                suspects.append((worker_id, proc, now - marks.alive_at))
         if self._on_marks is not None:
             self._on_marks(read, plan)
         if hung:
             self._evict(hung, plan)
+        if suspects:
+            self._warn(suspects, plan)
         return [w for w, *_ in hung]
 
     def _evict(self, hung: list, plan) -> None:
         for _, proc, _, _ in hung:
             self._handled.add(proc.pid)
-            try:
-                os.kill(proc.pid, signal.SIGUSR1)  # the worker alone, not its children
-            except ProcessLookupError:
-                pass
-        deadline = self._clock() + self.policy.grace
-        stacks = {w: os.path.join(self._scratch, f"{w}.stacks") for w, *_ in hung}
-        # A stopped process runs no handler before SIGCONT: no point waiting for it.
-        answering = [stacks[w] for w, _, _, state in hung if state not in STOPPED]
-        while answering and self._clock() < deadline and not all(_size(p) > 0 for p in answering):
-            time.sleep(0.02)
-        if answering:
-            time.sleep(0.05)  # a dump that started is written in one go; let it end
+        dumps = self._ask_stacks([(w, proc, state) for w, proc, _, state in hung])
         for worker_id, proc, verdict, state in hung:
             proc.lost_reason = f"declared hung: {verdict.kind}, no progress for {verdict.stalled_s:.1f}s"
             proc.signal(signal.SIGKILL)
             rank = plan.rank_of(worker_id) if plan is not None else None
             round_ = plan.round if plan is not None else None
-            dump = _read(stacks[worker_id])
+            dump = dumps[worker_id]
             where = verdict.where or "unknown"
-            shown = self._keep_stacks(worker_id, rank, dump)
+            shown = self._keep_stacks(worker_id, f"(rank {rank}), declared hung", dump)
             self._events.emit(
                 "hang_detected", worker=worker_id, rank=rank, round=round_, kind=verdict.kind,
                 stalled_s=round(verdict.stalled_s, 2), timeout_s=round(verdict.timeout_s, 2), where=where,
@@ -227,11 +224,50 @@ class Watchdog:
                     else f"no stacks within {self.policy.grace:g}s (a frozen process cannot answer)"),
             )
 
-    def _keep_stacks(self, worker_id: str, rank, dump: str) -> Optional[str]:
+    def _warn(self, suspects: list, plan) -> None:
+        """Heartbeat silent, no thread running: a thread that sleeps holding the GIL. That
+        is judged with the patient bound (CUDA's initialisation can look like it), but a
+        deadlock looks like it too: show the stacks now, once, so that a person need not
+        wait for the verdict to see where it is."""
+        for _, proc, _ in suspects:
+            self._warned.add(proc.pid)
+        dumps = self._ask_stacks(suspects)
+        for worker_id, proc, silent in suspects:
+            rank = plan.rank_of(worker_id) if plan is not None else None
+            shown = self._keep_stacks(worker_id, f"(rank {rank}), heartbeat silent {silent:.1f}s", dumps[worker_id])
+            self._events.emit("hang_suspected", worker=worker_id, rank=rank, silent_s=round(silent, 2), stacks=shown)
+            log.warning(
+                "worker %s (rank %s): no heartbeat for %.1fs and no thread running (a thread sleeps holding the "
+                "GIL); %s; declared hung if it lasts %.0fs", worker_id, rank, silent,
+                f"stacks in {shown}" if shown else "no stacks", self.policy.bound(0.0, stuck=True))
+
+    def _ask_stacks(self, entries: list) -> dict:
+        """Each worker's stacks (faulthandler on SIGUSR1, written without the GIL), waited
+        for ``grace`` seconds in all: {worker id: the dump, or ""}. ``entries`` holds
+        (worker id, process, kernel state) triples."""
+        stacks = {w: os.path.join(self._scratch, f"{w}.stacks") for w, *_ in entries}
+        before = {w: _size(path) for w, path in stacks.items()}  # earlier dumps stay in the file
+        answering = []
+        for worker_id, proc, state in entries:
+            if state in STOPPED:
+                continue  # a stopped process runs no handler before SIGCONT: no point waiting for it
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)  # the worker alone, not its children
+                answering.append(worker_id)
+            except ProcessLookupError:
+                pass
+        deadline = self._clock() + self.policy.grace
+        while answering and self._clock() < deadline and not all(_size(stacks[w]) > before[w] for w in answering):
+            time.sleep(0.02)
+        if answering:
+            time.sleep(0.05)  # a dump that started is written in one go; let it end
+        return {w: _read(path, before[w]) for w, path in stacks.items()}
+
+    def _keep_stacks(self, worker_id: str, why: str, dump: str) -> Optional[str]:
         """Put the dump where the user looks: the worker's log, else the console."""
         if not dump:
             return None
-        header = f"--- stacks of worker {worker_id} (rank {rank}), declared hung ---\n"
+        header = f"--- stacks of worker {worker_id} {why} ---\n"
         if self._log_dir:
             path = os.path.join(self._log_dir, f"worker-{worker_id}.log")
             with open(path, "a") as f:
@@ -277,9 +313,10 @@ def _size(path: str) -> int:
         return 0
 
 
-def _read(path: str) -> str:
+def _read(path: str, offset: int = 0) -> str:
     try:
         with open(path, errors="replace") as f:
+            f.seek(offset)
             return f.read()
     except OSError:
         return ""

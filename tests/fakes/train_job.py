@@ -13,6 +13,7 @@ Files written to --out (one line per event, flushed at once, so tests can watch)
                   rank's indices, so the step is accounted for even if only one rank logs it)
   final-<pid>.pt  the final parameters (float64 when --float64)
   hung.jsonl      {"pid", "rank", "step", "time"} when --hang-rank's main thread starts sleeping forever
+  gil.jsonl       {"pid", "seconds", "time"} when TRAIN_JOB_SETUP_HOLDS_GIL=S makes the set-up keep the GIL S seconds
   killed-<step>   written by --kill-rank right before it SIGKILLs itself (--kill-at: once per job and step)
   committed-<step> written by rank 0 after its commit of a step that --kill-at names
   lagged-<step>   written by --lag-rank (its pid) when it leaves the step uncommitted
@@ -85,6 +86,19 @@ os.makedirs(args.out, exist_ok=True)
 def append(name, record):
     with open(os.path.join(args.out, name), "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def sleep_holding_the_gil(seconds: int) -> None:
+    """A set-up stuck in C code that keeps the GIL (a library's deadlock): no other
+    Python thread runs meanwhile, the heartbeat neither, and every thread sleeps."""
+    import ctypes
+
+    append("gil.jsonl", {"pid": os.getpid(), "seconds": seconds, "time": time.time()})
+    ctypes.PyDLL(None).sleep(seconds)  # PyDLL: the call keeps the GIL
+
+
+if os.environ.get("TRAIN_JOB_SETUP_HOLDS_GIL"):  # for one agent's workers only: set in its environment
+    sleep_holding_the_gil(int(os.environ["TRAIN_JOB_SETUP_HOLDS_GIL"]))
 
 
 torch.manual_seed(0)

@@ -29,11 +29,11 @@ TARGET_S = 10.0
 MARGIN_S = 15.0
 
 
-def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name, extra=(), host=None):
+def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name, extra=(), host=None, env=None):
     """One elastic-run, inside ``host`` (a namespaced host) if given; default options else."""
     launcher = ["--rdzv-endpoint", endpoint, "--job-id", job_id, "--nproc-per-node", str(nproc), *extra]
     args = Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, script_args)
-    return host.job(tmp_path, args, name=name) if host is not None else Job(tmp_path, args, name=name)
+    return host.job(tmp_path, args, name=name) if host is not None else Job(tmp_path, args, name=name, env=env)
 
 
 def events(job, kind):
@@ -145,3 +145,43 @@ def test_honest_30_second_steps_are_never_taken_for_a_hang(tmp_path):
     assert events(job, "hang_detected") == []
     assert [e["world_size"] for e in events(job, "round_formed")] == [2]
     assert max(s["step"] for s in job.steps()) == 3
+
+
+@pytest.mark.slow  # 60 s
+def test_a_joiner_whose_set_up_keeps_the_gil_shows_its_stacks_at_once_and_joins_when_it_wakes(tmp_path, etcd_server):
+    """A library deadlocked in C code while holding the GIL silences every thread of the
+    worker, its heartbeat too, while all of them sleep. That is judged with the patient
+    bound before any step was seen (CUDA's initialisation looks alike), but its agent
+    shows the stacks within the freeze bound, without killing it. The running ring
+    trains on meanwhile; when the set-up ends, the joiner joins."""
+    job_id = f"gil-{uuid.uuid4().hex[:8]}"
+    limits = ["--min-np", "2", "--max-np", "3"]
+    args = ["--steps", "700", "--step-delay", "0.05"]
+    first = agent(tmp_path, etcd_server.endpoint, job_id, 2, args, name="first", extra=limits)
+    second = None
+    try:
+        wait_until(lambda: any(s["world"] == 2 for s in first.steps()), 120, "steps of the first 2 workers")
+        second = agent(tmp_path, etcd_server.endpoint, job_id, 1, args, name="second", extra=limits,
+                       env={"TRAIN_JOB_SETUP_HOLDS_GIL": "20"})
+        held = wait_until(lambda: read_jsonl(tmp_path / "out" / "gil.jsonl"), 60, "the joiner to keep the GIL")[0]
+        suspected = wait_until(lambda: events(second, "hang_suspected"), 20, "the joiner's stacks")[0]
+        before_wake = [s for s in first.steps() if s["t"] < held["time"] + held["seconds"] - 1]
+        wait_until(lambda: any(s["world"] == 3 for s in first.steps()), 60, "a step with the joiner")
+        assert first.wait(180) == 0, first.text()[-3000:]
+        assert second.wait(60) == 0, second.text()[-3000:]
+    finally:
+        for job in (first, second):
+            if job is not None:
+                job.kill()
+    shown = suspected["time"] - held["time"]
+    print(f"\njoiner keeping the GIL: stacks shown {shown:.2f}s after it began")
+    assert 5.0 <= shown <= TARGET_S + MARGIN_S
+    assert suspected["stacks"] == str(tmp_path / "logs" / f"worker-{suspected['worker']}.log")
+    log = (tmp_path / "logs" / f"worker-{suspected['worker']}.log").read_text()
+    dump = log[log.index("heartbeat silent"):]
+    assert "sleep_holding_the_gil" in dump
+    assert f"stacks in {suspected['stacks']}; declared hung if it lasts 300s" in second.text()
+    assert not events(second, "hang_detected") and not events(first, "hang_detected")
+    # The ring never waited for it: steps went on at world 2 while it slept.
+    assert max(s["step"] for s in before_wake) > min(s["step"] for s in before_wake) + 20
+    assert max(s["step"] for s in first.steps()) == 700

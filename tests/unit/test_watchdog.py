@@ -227,3 +227,39 @@ def test_after_the_agent_itself_was_paused_its_workers_get_a_whole_bound_to_show
     hung_after = [t for t, hung in verdicts.items() if hung]
     # Not at the first looks after the resume; a worker still silent a bound later is hung.
     assert hung_after and min(hung_after) > 5.0, verdicts
+
+
+def test_a_silent_heartbeat_with_every_thread_asleep_shows_the_stacks_once_before_any_verdict(monkeypatch, tmp_path):
+    """Before any step interval was seen, a worker keeping the GIL while it sleeps is given
+    the patient bound; its stacks are shown at once, and only once, without a kill."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from elastic.agent import watchdog as wd
+    from tests.fakes.waiting import readline_within
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import faulthandler, signal, sys, threading\n"
+        "f = open(sys.argv[1], 'w'); faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+        "def set_up_of_a_library():\n    print('ready', flush=True); threading.Event().wait(60)\n"
+        "set_up_of_a_library()\n"), str(tmp_path / "m.w0.stacks")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert readline_within(child.stdout, 30).strip() == "ready"
+        emitted = []
+        events = SimpleNamespace(emit=lambda kind, **fields: emitted.append((kind, fields)))
+        (tmp_path / "logs").mkdir()
+        dog = wd.Watchdog(AUTO, str(tmp_path), events=events, log_dir=str(tmp_path / "logs"), clock=lambda: NOW)
+        dog._boards["m.w0"] = SimpleNamespace(read=lambda: marks(progress=0, silent=6, since_progress=6, slowest=0),
+                                              close=lambda: None)
+        monkeypatch.setattr(wd, "_proc_state", lambda pid: "S")
+        killed = []
+        workers = {"m.w0": SimpleNamespace(pid=child.pid, alive=True, signal=killed.append)}
+        assert dog.check(workers, None) == [] and dog.check(workers, None) == []
+        assert [kind for kind, _ in emitted] == ["hang_suspected"] and not killed
+        log = (tmp_path / "logs" / "worker-m.w0.log").read_text()
+        assert log.startswith("--- stacks of worker m.w0 (rank None), heartbeat silent 6.0s ---")
+        assert "set_up_of_a_library" in log
+    finally:
+        child.kill()
+        child.wait(10)
