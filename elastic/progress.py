@@ -35,6 +35,7 @@ on SIGUSR1: the agent asks for it before it kills a worker it declared hung.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import mmap
 import os
 import signal
@@ -197,8 +198,34 @@ def classify(frames: Sequence[Frame], stdlib: Iterable[str] = (),
     return WAITING, ""  # only interpreter frames: starting up or shutting down
 
 
+# CPython 3.11 (python/cpython#106883, not fixed in 3.11): sys._current_frames() holds
+# the runtime's lock on the list of threads while it makes frame objects. A garbage
+# collection that such an allocation triggers may run a finalizer, whose Python code can
+# hand the GIL to a thread that is starting another thread: that one then waits for the
+# lock while holding the GIL, and the whole process stops for good. Seen in CI: a worker
+# froze at start-up, its heartbeat silent after one beat, every thread asleep; reproduced
+# with a sampler and a thread-starting loop. So no collection may run inside the call.
+# From 3.12 on, collections run only between bytecodes, never inside it.
+_COLLECTION_INSIDE_CURRENT_FRAMES = sys.version_info[:2] == (3, 11)
+_frames_lock = threading.Lock()  # the heartbeat and the wait clock both sample
+
+
+def _current_frame(ident: int):
+    if not _COLLECTION_INSIDE_CURRENT_FRAMES:
+        return sys._current_frames().get(ident)
+    with _frames_lock:
+        # Restores what it found: a script that turned the collector off keeps it off.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return sys._current_frames().get(ident)
+        finally:
+            if enabled:
+                gc.enable()
+
+
 def main_thread_frames(main_ident: int, limit: int = 64) -> list[Frame]:
-    frame = sys._current_frames().get(main_ident)
+    frame = _current_frame(main_ident)
     out = []
     while frame is not None and len(out) < limit:
         code = frame.f_code

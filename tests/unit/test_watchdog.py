@@ -263,3 +263,65 @@ def test_a_silent_heartbeat_with_every_thread_asleep_shows_the_stacks_once_befor
     finally:
         child.kill()
         child.wait(10)
+
+
+def _collections_inside_current_frames(seconds: float = 1.0) -> int:
+    """Sample the main thread from a helper thread, as the heartbeat does, while the main
+    thread keeps entering fresh frames (each sample then makes a frame object inside
+    sys._current_frames) and a collection is due at every allocation: how many
+    collections started inside that call?"""
+    import gc
+    import sys
+    import threading
+
+    from elastic import progress
+
+    import linecache
+
+    inside = []
+
+    def on_collection(phase, _info):
+        # Inside the C call, the innermost Python frame is the line that calls it.
+        frame = sys._getframe(1)
+        if phase == "start" and frame.f_code.co_name == "_current_frame" and \
+                "sys._current_frames()" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            inside.append(frame.f_lineno)
+
+    stop = threading.Event()
+
+    def sampler():
+        while not stop.is_set():
+            progress.main_thread_frames(threading.main_thread().ident)
+
+    def fresh_frame(depth):
+        return depth if depth == 0 else fresh_frame(depth - 1)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(on_collection)
+    gc.set_threshold(1)
+    thread = threading.Thread(target=sampler, daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            fresh_frame(20)
+    finally:
+        stop.set()
+        thread.join(10)
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(on_collection)
+    return len(inside)
+
+
+def test_no_garbage_collection_starts_inside_sys_current_frames():
+    """CPython 3.11 deadlocks when one does (python/cpython#106883; elastic/progress.py)."""
+    assert _collections_inside_current_frames() == 0
+
+
+@pytest.mark.skipif(__import__("sys").version_info[:2] != (3, 11), reason="only CPython 3.11 collects inside the call")
+def test_without_the_guard_collections_do_start_inside_sys_current_frames(monkeypatch):
+    """The test above can fail: unguarded, collections start inside the call on 3.11."""
+    from elastic import progress
+
+    monkeypatch.setattr(progress, "_COLLECTION_INSIDE_CURRENT_FRAMES", False)
+    assert _collections_inside_current_frames() > 0
