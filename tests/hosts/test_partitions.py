@@ -202,13 +202,18 @@ def test_rank0s_host_alone_cut_publishes_no_checkpoint_of_the_round_it_left(netn
 
 
 def _held_write(ckpt) -> Optional[str]:
-    """The name of a tmp dir that stays for a second (a write waiting at its gate)."""
+    """The name of a tmp dir that stays for a second (a write waiting at its gate).
+
+    The newest: a worker SIGKILLed while writing (part_rank0_from_the_coordinator kills
+    host 0's rank 0, which writes every 5 steps) leaves the tmp dir of an older step
+    behind until a writer that starts later sweeps it; taking that one failed a slow run.
+    Step names are zero-padded, so the greatest name is the newest step."""
     first = {n for n in os.listdir(ckpt) if n.startswith(mf.TMP_PREFIX)} if ckpt.is_dir() else set()
     if not first:
         return None
     time.sleep(1.0)
     still = first & {n for n in os.listdir(ckpt) if n.startswith(mf.TMP_PREFIX)}
-    return min(still) if still else None
+    return max(still) if still else None
 
 
 def finish(tmp_path, jobs, out, *, fenced: Optional[Cut] = None):
