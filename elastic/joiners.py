@@ -53,7 +53,8 @@ class JoinerWatch:
 
     def ready(self, current: RoundPlan, pending: RoundPlan) -> bool:
         """Have all the workers that ``pending`` adds to ``current`` arrived at its store?"""
-        joiners = [w for w in pending.worker_ids() if w not in set(current.worker_ids())]
+        members = set(current.worker_ids())
+        joiners = [w for w in pending.worker_ids() if w not in members]
         if not joiners:
             return True
         now = self._clock()

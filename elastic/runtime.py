@@ -208,7 +208,8 @@ class Runtime:
             if self.rank == 0:
                 newest = self._control.plan
                 stopping = self._control.status.state == STOPPING
-                if stopping or (newest is not None and newest.round > self.round and self._joiners.ready(self.plan, newest)):
+                pending = newest is not None and newest.round > self.round
+                if stopping or (pending and self._joiners.ready(self.plan, newest)):
                     # Everyone is within one step of us (each step has a collective
                     # with rank 0), so all will read this before their commit+1.
                     # The action travels with the commit number: every worker does
@@ -427,12 +428,12 @@ class Runtime:
                 return self._settle_round(store, "formed") == "formed"
             if self._superseded(plan):
                 return self._settle_round(store, "abandoned") == "formed"
-            waited = time.monotonic() - started
-            if waited > report_after:  # a long wait, in the log file: who is here, since when
+            now = time.monotonic()
+            if now - started > report_after:  # a long wait, in the log file: who is here, since when
                 report_after *= 2
                 log.info("round %d: %d of %d workers at the store after %.0fs; waiting for the rest", plan.round,
-                         arrived, plan.world_size, waited, extra=FILE_ONLY)
-            if time.monotonic() > deadline:
+                         arrived, plan.world_size, now - started, extra=FILE_ONLY)
+            if now > deadline:
                 raise RendezvousTimeoutError(
                     f"round {plan.round}: not every worker arrived within {self.config.rdzv_timeout:g}s"
                 )

@@ -189,7 +189,7 @@ class Watchdog:
             verdict = judge(marks, self.policy, now, state)
             if verdict.hung:
                 hung.append((worker_id, proc, verdict, state))
-            elif late and state not in (RUNNING, "") and proc.pid not in self._warned:
+            elif late and state != RUNNING and proc.pid not in self._warned:  # "", T, D: hung above
                 suspects.append((worker_id, proc, now - marks.alive_at))
         if self._on_marks is not None:
             self._on_marks(read, plan)
@@ -242,26 +242,9 @@ class Watchdog:
                 f"stacks in {shown}" if shown else "no stacks", self.policy.bound(0.0, stuck=True))
 
     def _ask_stacks(self, entries: list) -> dict:
-        """Each worker's stacks (faulthandler on SIGUSR1, written without the GIL), waited
-        for ``grace`` seconds in all: {worker id: the dump, or ""}. ``entries`` holds
-        (worker id, process, kernel state) triples."""
-        stacks = {w: os.path.join(self._scratch, f"{w}.stacks") for w, *_ in entries}
-        before = {w: _size(path) for w, path in stacks.items()}  # earlier dumps stay in the file
-        answering = []
-        for worker_id, proc, state in entries:
-            if state in STOPPED:
-                continue  # a stopped process runs no handler before SIGCONT: no point waiting for it
-            try:
-                os.kill(proc.pid, signal.SIGUSR1)  # the worker alone, not its children
-                answering.append(worker_id)
-            except ProcessLookupError:
-                pass
-        deadline = self._clock() + self.policy.grace
-        while answering and self._clock() < deadline and not all(_size(stacks[w]) > before[w] for w in answering):
-            time.sleep(0.02)
-        if answering:
-            time.sleep(0.05)  # a dump that started is written in one go; let it end
-        return {w: _read(path, before[w]) for w, path in stacks.items()}
+        """{worker id: its stacks, or ""} for (worker id, process, kernel state) triples."""
+        return ask_stacks({w: (proc.pid, os.path.join(self._scratch, f"{w}.stacks"), state not in STOPPED)
+                           for w, proc, state in entries}, self.policy.grace, self._clock)
 
     def _keep_stacks(self, worker_id: str, why: str, dump: str) -> Optional[str]:
         """Put the dump where the user looks: the worker's log, else the console."""
@@ -275,6 +258,32 @@ class Watchdog:
             return path
         sys.stderr.write(header + dump)
         return "stderr"
+
+
+def ask_stacks(targets: dict, grace: float, clock: Callable[[], float] = time.monotonic) -> dict:
+    """Every thread's stack of some workers, from the faulthandler that elastic/progress.py
+    registers for SIGUSR1 (it writes without the GIL, so a deadlocked worker answers too).
+
+    ``targets`` maps a key to (pid, the worker's stacks file, whether it can answer: a
+    stopped process runs no handler before SIGCONT, so it is not waited for). Waits up to
+    ``grace`` seconds in all; returns {key: the dump written now, or ""}. Earlier dumps
+    stay in the file: only what follows them is read."""
+    before = {key: _size(path) for key, (_, path, _) in targets.items()}
+    answering = []
+    for key, (pid, _, answers) in targets.items():
+        if not answers:
+            continue
+        try:
+            os.kill(pid, signal.SIGUSR1)  # the worker alone, not its children
+            answering.append(key)
+        except ProcessLookupError:
+            pass
+    deadline = clock() + grace
+    while answering and clock() < deadline and not all(_size(targets[k][1]) > before[k] for k in answering):
+        time.sleep(0.02)
+    if answering:
+        time.sleep(0.05)  # a dump that started is written in one go; let it end
+    return {key: _read(path, before[key]) for key, (_, path, _) in targets.items()}
 
 
 def _seen_since(marks: Marks, since: float) -> Marks:

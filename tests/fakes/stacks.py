@@ -4,17 +4,18 @@ A worker under ``elastic-run`` registers ``faulthandler`` for SIGUSR1, writing t
 file it keeps open (``elastic/progress.py``); the agent uses it before it kills a hung
 worker. A test that waited in vain uses it the same way: the file is found through
 ``/proc/<pid>/fd``, so the test needs only the pids (from the ``worker_started``
-events). faulthandler writes without the GIL, so even a process deadlocked while
-holding it shows every thread; the kernel's state of each thread is added.
+events), and asks as the agent does (``ask_stacks``). faulthandler writes without the
+GIL, so even a process deadlocked while holding it shows every thread; the kernel's
+state of each thread is added.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import time
 from typing import Callable, Iterable, Iterator
+
+from elastic.agent.watchdog import ask_stacks
 
 
 def _stacks_file(pid: int) -> str | None:
@@ -47,24 +48,10 @@ def _thread_states(pid: int) -> str:
 
 def worker_stacks(pids: Iterable[int], timeout: float = 3.0) -> str:
     """Each live worker's thread states and stacks (bounded by ``timeout`` in all)."""
-    files = {}
-    for pid in dict.fromkeys(pids):
-        path = _stacks_file(pid)
-        if path is None:
-            continue
-        files[pid] = (path, os.path.getsize(path))
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(os.path.getsize(p) > size for p, size in files.values()):
-        time.sleep(0.05)
-    time.sleep(0.1)  # a dump that started is written in one go; let it end
-    parts = []
-    for pid, (path, size) in files.items():
-        with open(path, errors="replace") as f:
-            f.seek(size)
-            dump = f.read().strip() or "(no answer)"
-        parts.append(f"--- worker pid {pid}, threads {_thread_states(pid)} ---\n{dump}")
+    files = {pid: path for pid in dict.fromkeys(pids) if (path := _stacks_file(pid)) is not None}
+    dumps = ask_stacks({pid: (pid, path, True) for pid, path in files.items()}, timeout)
+    parts = [f"--- worker pid {pid}, threads {_thread_states(pid)} ---\n{dumps[pid].strip() or '(no answer)'}"
+             for pid in files]
     return "\n".join(parts) or "(no live worker with a stacks file)"
 
 

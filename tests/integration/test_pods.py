@@ -95,7 +95,9 @@ def test_cpu_pods_scale_3_to_5_to_3_without_losing_a_step(tmp_path, etcd_server,
 
     def trains_at(world: int, more: int = 3):
         """Wait until `more` steps have run in a ring of `world` workers."""
-        worker_pids = lambda: [e["pid"] for pod in pods for e in pod.events() if e["event"] == "worker_started"]  # noqa: E731
+        def worker_pids():
+            return [e["pid"] for pod in pods for e in pod.events() if e["event"] == "worker_started"]
+
         with stacks_on_timeout(worker_pids):
             wait_until(lambda: sum(1 for s in steps() if s["world"] == world and s["rank"] == 0) >= more,
                        90, f"{more} steps at world size {world}")

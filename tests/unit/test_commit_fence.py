@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from elastic.commit_fence import TICK_S, CommitFence
