@@ -179,12 +179,17 @@ def test_rank0s_host_alone_cut_publishes_no_checkpoint_of_the_round_it_left(netn
     # Back in the ring under the same worker id: only the fence stands between the held
     # write of the round the job left and the directory.
     gates[victim].touch()
-    wait_until(lambda: not (ckpt / held).exists(), 60, "the held write to end")
+    # Await the write's own report, not its tmp dir going away: the writer removes the dir
+    # first and reports after, through the agent's event log (a slow run read the log between).
+    held_outcome = lambda: [e for e in jobs[victim].events()  # noqa: E731
+                            if e["event"] in ("checkpoint_written", "checkpoint_failed") and e.get("step") == held_step]
+    wait_until(held_outcome, 60, f"rank 0's held write of step {held_step} to end")
+    assert not (ckpt / held).exists(), f"the held write's tmp dir {held} outlived its report"
     victim_events = jobs[victim].events()
     published = [e for e in victim_events if e["event"] == "checkpoint_written" and e["time"] > cut.at]
     assert not published, f"the cut host published after the cut: {published}"
-    refused = [e for e in victim_events if e["event"] == "checkpoint_failed" and e.get("step") == held_step]
-    assert refused and "declared this worker lost" in refused[0]["error"], refused or victim_events[-20:]
+    refused = [e for e in held_outcome() if e["event"] == "checkpoint_failed"]
+    assert refused and "declared this worker lost" in refused[0]["error"], held_outcome()
 
     survivors = [e for i, job in enumerate(jobs) if i != victim for e in job.events()
                  if e["event"] == "checkpoint_written" and e["time"] > cut.at]
