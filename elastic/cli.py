@@ -47,8 +47,7 @@ environment variable: --min-np is ELASTIC_MIN_NP, and so on.
 
 Without --rdzv-endpoint an embedded etcd is started and all workers run on this host.
 `elastic-run checkpoints DIR` lists and verifies the checkpoints in DIR.
-`elastic-run status --rdzv-endpoint E --job-id J` shows what a job is doing (or how it ended);
-
+`elastic-run status --rdzv-endpoint E --job-id J` shows what a job is doing (or how it ended).
 `elastic-run timeline LOG_DIR -o FILE.png` draws what a job did."""
 
 
