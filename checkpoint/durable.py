@@ -63,8 +63,11 @@ STALE_TMP_SECONDS = 3600.0
 # Test hook, read only here: a path; every write waits (at most an hour) until that
 # file exists before writing its data, so an end-to-end test can hold a final checkpoint
 # "still being written" when the job ends (tests/integration/test_final_checkpoint.py).
+# A write that waits says so in a file beside the gate, TEST_GATE_HELD_PREFIX + its
+# step, holding the name of its tmp dir: the test awaits that instead of guessing.
 # Unset in production.
 TEST_WRITE_GATE_ENV = "ELASTIC_TEST_CHECKPOINT_WRITE_GATE"
+TEST_GATE_HELD_PREFIX = ".held-step-"
 _TMP_OWNER = re.compile(r"@(?P<host>[^@:/]+):(?P<pid>\d+)$")
 
 
@@ -261,7 +264,7 @@ class DurableWriter:
         try:
             os.makedirs(directory, exist_ok=True)
             os.mkdir(tmp)
-            _wait_for_test_gate()
+            _wait_for_test_gate(job.step, tmp)
             files = {mf.STATE_NAME: self._write_state(os.path.join(tmp, mf.STATE_NAME))}
             manifest = mf.build_manifest(
                 step=job.step, files=files, created=time.time(), epoch=job.epoch,
@@ -359,10 +362,16 @@ class DurableWriter:
             logger.debug("checkpoint report %s failed: %s", name, exc)
 
 
-def _wait_for_test_gate() -> None:
+def _wait_for_test_gate(step: int, tmp: str) -> None:
     gate = os.environ.get(TEST_WRITE_GATE_ENV)
+    if not gate or os.path.exists(gate):
+        return
+    held = f"{gate}{TEST_GATE_HELD_PREFIX}{step}"
+    with open(held + ".part", "w") as f:
+        f.write(os.path.basename(tmp))
+    os.rename(held + ".part", held)  # whole or absent for the test that reads it
     deadline = time.monotonic() + 3600
-    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+    while not os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 

@@ -23,7 +23,6 @@ holds only what the survivors published after the cut.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from dataclasses import dataclass
@@ -33,8 +32,7 @@ import pytest
 import torch
 
 from checkpoint import list_checkpoints
-from checkpoint import manifest as mf
-from checkpoint.durable import TEST_WRITE_GATE_ENV
+from checkpoint.durable import TEST_GATE_HELD_PREFIX, TEST_WRITE_GATE_ENV
 from rendezvous import Etcd, EtcdConfig, JobKeys, RoundPlan
 from tests.fakes.jobs import TRAIN_JOB, read_jsonl, wait_until
 
@@ -170,8 +168,7 @@ def test_rank0s_host_alone_cut_publishes_no_checkpoint_of_the_round_it_left(netn
 
     # Hold rank 0's next write at its gate: a write of this round, in flight from before the cut.
     gates[victim].unlink()
-    held = wait_until(lambda: _held_write(ckpt), 60, "rank 0's next write to wait at its gate")
-    held_step = int(re.match(r"\.tmp-step-(\d+)-", held).group(1))
+    held_step, held = wait_until(lambda: _held_write(gates[victim]), 60, "rank 0's next write to wait at its gate")
     cut = cut_until_the_survivors_step(hosts, out, victim, "rank 0's (and the store's) host")
     assert roles(hosts, "partition-rank0")[0] == 0, "the coordinator stayed on host 0"
     heal_until_rejoined(hosts, out, victim, "rank 0's host")
@@ -206,19 +203,14 @@ def test_rank0s_host_alone_cut_publishes_no_checkpoint_of_the_round_it_left(netn
     assert valid and valid[0].manifest["round"] > cut.left_round, [(c.step, c.manifest["round"]) for c in valid]
 
 
-def _held_write(ckpt) -> Optional[str]:
-    """The name of a tmp dir that stays for a second (a write waiting at its gate).
-
-    The newest: a worker SIGKILLed while writing (part_rank0_from_the_coordinator kills
-    host 0's rank 0, which writes every 5 steps) leaves the tmp dir of an older step
-    behind until a writer that starts later sweeps it; taking that one failed a slow run.
-    Step names are zero-padded, so the greatest name is the newest step."""
-    first = {n for n in os.listdir(ckpt) if n.startswith(mf.TMP_PREFIX)} if ckpt.is_dir() else set()
-    if not first:
+def _held_write(gate) -> Optional[tuple[int, str]]:
+    """(step, tmp dir name) of the write waiting at ``gate``: the writer's test hook says
+    so in a file beside the gate (checkpoint/durable.py, TEST_GATE_HELD_PREFIX)."""
+    held = {int(p.name.rsplit("-", 1)[1]): p for p in gate.parent.glob(gate.name + TEST_GATE_HELD_PREFIX + "*[0-9]")}
+    if not held:
         return None
-    time.sleep(1.0)
-    still = first & {n for n in os.listdir(ckpt) if n.startswith(mf.TMP_PREFIX)}
-    return max(still) if still else None
+    first = min(held)  # one write at a time: the writer takes the next only after this one
+    return first, held[first].read_text()
 
 
 def finish(tmp_path, jobs, out, *, fenced: Optional[Cut] = None):

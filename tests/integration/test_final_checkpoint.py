@@ -14,6 +14,7 @@ import time
 import pytest
 
 from checkpoint import list_checkpoints
+from checkpoint.durable import TEST_GATE_HELD_PREFIX, TEST_WRITE_GATE_ENV
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(400)
@@ -28,7 +29,7 @@ def start(tmp_path, *extra: str) -> Job:
     args = Job.train_args(tmp_path / "out", tmp_path / "logs",
                           ["--np", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000", *extra],
                           ["--steps", str(STEPS)])
-    return Job(tmp_path, args, env={"ELASTIC_TEST_CHECKPOINT_WRITE_GATE": str(tmp_path / "gate")})
+    return Job(tmp_path, args, env={TEST_WRITE_GATE_ENV: str(tmp_path / "gate")})
 
 
 def exits(job: Job) -> dict:
@@ -38,8 +39,10 @@ def exits(job: Job) -> dict:
 def test_a_slow_final_checkpoint_is_written_to_the_end(tmp_path):
     job = start(tmp_path)
     wait_until(lambda: 1 in exits(job), 240, "rank 1 to finish")
-    # Rank 0 is now writing (held by the gate). Without the fix its agent kills it
-    # AGENT_MOMENT after the job succeeded; hold the write past that moment.
+    held = tmp_path / f"gate{TEST_GATE_HELD_PREFIX}{STEPS}"
+    wait_until(held.exists, 60, "rank 0's final write to wait at its gate")
+    # Without the fix its agent kills it AGENT_MOMENT after the job succeeded: this sleep
+    # is the hold under test (nothing may happen during it), not a synchronisation.
     time.sleep(AGENT_MOMENT + 5)
     assert 0 not in exits(job), "rank 0 was stopped while writing the final checkpoint"
     (tmp_path / "gate").touch()
@@ -57,6 +60,7 @@ def test_a_slow_final_checkpoint_is_written_to_the_end(tmp_path):
 def test_the_final_checkpoint_is_bounded_by_final_checkpoint_timeout(tmp_path):
     job = start(tmp_path, "--final-checkpoint-timeout", "2")  # the gate is never opened
     assert job.wait(240) == 0, job.text()[-3000:]
+    assert (tmp_path / f"gate{TEST_GATE_HELD_PREFIX}{STEPS}").exists(), "the final write never reached its gate"
     assert [c.step for c in list_checkpoints(str(tmp_path / "ckpt")) if c.valid] == []
     assert "--final-checkpoint-timeout 2" in job.text(), job.text()[-3000:]
     ended = exits(job)
