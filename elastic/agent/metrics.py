@@ -121,6 +121,13 @@ class AgentMetrics:
         self.straggler_score = Gauge(
             "elastic_straggler_score", "A worker's compute time per step over the median of all ranks (1: typical)",
             ["worker", "rank"], registry=r)
+        self.straggler_reports = Counter(
+            "elastic_straggler_reports",
+            "Times a worker was reported as a straggler (its score over --straggler-ratio for a run of windows)",
+            ["worker"], registry=r)
+        self.straggler_evictions = Counter(
+            "elastic_straggler_evictions", "Times this agent left the job because its worker was a straggler "
+            "(--evict-stragglers)", registry=r)
         for kind in REFORMATION_KINDS:
             self.reformations.labels(kind)  # every kind shows, at 0, before it first happens
         self._round = 0
@@ -229,6 +236,13 @@ class AgentMetrics:
         if isinstance(score, (int, float)) and event.get("worker"):
             self._set(self.straggler_score, event["worker"], event.get("rank"), score)
 
+    def _on_straggler_detected(self, event: Mapping[str, Any]) -> None:
+        if event.get("worker"):
+            self.straggler_reports.labels(event["worker"]).inc()
+
+    def _on_straggler_evicted(self, event: Mapping[str, Any]) -> None:
+        self.straggler_evictions.inc()
+
     _HANDLERS = {
         "agent_started": _on_agent_started,
         "worker_started": _on_worker_started,
@@ -239,6 +253,8 @@ class AgentMetrics:
         "checkpoint_written": _on_checkpoint_written,
         "checkpoint_failed": _on_checkpoint_failed,
         "step_times": _on_step_times,
+        "straggler_detected": _on_straggler_detected,
+        "straggler_evicted": _on_straggler_evicted,
     }
 
     # -- helpers ---------------------------------------------------------------------------

@@ -147,6 +147,19 @@ def test_straggler_scores_per_worker_go_when_the_worker_exits():
     assert ("elastic_straggler_score", (("rank", "1"), ("worker", "m.w1"))) not in samples(metrics)
 
 
+def test_straggler_reports_and_evictions_are_counted():
+    metrics = AgentMetrics(host=HOST)
+    assert value(metrics, "elastic_straggler_evictions_total") == 0
+    for _ in range(2):
+        metrics.observe(ev("straggler_detected", rank=2, worker="m.w1", ratio=3.1, windows=3, remaining=2))
+    metrics.observe(ev("straggler_evicted", worker="m.w1", ratio=3.1, remaining=2, min_np=2))
+    assert value(metrics, "elastic_straggler_reports_total", worker="m.w1") == 2
+    assert value(metrics, "elastic_straggler_evictions_total") == 1
+    # Another host's report (a shared log directory) is not this agent's.
+    metrics.observe({**ev("straggler_detected", rank=0, worker="x.w0", ratio=2.0), "host": "h2"})
+    assert ("elastic_straggler_reports_total", (("worker", "x.w0"),)) not in samples(metrics)
+
+
 def test_a_survivor_renumbered_by_a_reformation_keeps_its_straggler_score_under_its_new_rank():
     """A real kill (tests/integration/test_metrics.py): the survivor of rank 2 becomes
     rank 1, its step time moves to the new label at the agent's next look at the marks,
