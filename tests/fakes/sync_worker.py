@@ -15,6 +15,8 @@ call name), so that a test sees a holder that receives anything.
     holder-dies  rank 0: commits up to 4 in round 1 (value 4); ranks 1, 2: up to 3 (value 3);
                  rank 0 exits after sending 2 of its chunks: the receivers keep commit 3
     laggard      rank 0: commits 1, 2 (value 2); every other rank: commit 1 (value 1)
+    rank0-behind rank 0: commit 1 (value 1); ranks 1, 2: commits 1, 2 (value 2); rank 3: no
+                 commit (a joiner): rank 0 receives, and the layout comes from rank 1
 
 With ``--backend nccl`` the state lives on GPU ``RANK`` (the staged transfer path).
 """
@@ -36,7 +38,7 @@ p = argparse.ArgumentParser()
 p.add_argument("rank", type=int)
 p.add_argument("world", type=int)
 p.add_argument("port", type=int)
-p.add_argument("scenario", choices=["mixed", "holder-dies", "laggard"])
+p.add_argument("scenario", choices=["mixed", "holder-dies", "laggard", "rank0-behind"])
 p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
 args = p.parse_args()
 device = torch.device("cpu")
@@ -80,6 +82,9 @@ if args.scenario == "mixed":
         commit_values(1, [1, 2, 3])
 elif args.scenario == "laggard":
     commit_values(1, [1, 2] if args.rank == 0 else [1])
+elif args.scenario == "rank0-behind":
+    if args.rank < 3:
+        commit_values(1, [1] if args.rank == 0 else [1, 2])
 else:
     commit_values(1, [1, 2, 3, 4] if args.rank == 0 else [1, 2, 3])
     if args.rank == 0:

@@ -58,6 +58,21 @@ def test_the_ring_goes_on_from_its_newest_commit_and_only_the_others_receive():
         assert r["received"]["irecv"] >= (1 << 20) * 4 + 10 * 8, r
 
 
+def test_rank_0_behind_receives_from_the_holders_like_any_other_worker():
+    """Rank 0 rolled back one commit further than ranks 1 and 2, and rank 3 is a joiner:
+    rank 0 is a receiver (the layout comes from rank 1, the first holder), and the ring
+    goes on from the holders' commit, never from rank 0's older one."""
+    results = run_ring(4, "rank0-behind")
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        assert r["outcome"] == "synced: holders [1, 2] receivers [0, 3]", r
+        assert (r["weights"], r["counts"], r["step"], r["commit"]) == ([2.0], [2], 2, [1, 2]), r
+    for r in (results[1], results[2]):
+        assert r["received"] == {"all_gather": 4 * 3 * 8}, r
+    for r in (results[0], results[3]):
+        assert r["received"]["irecv"] >= (1 << 20) * 4 + 10 * 8, r
+
+
 def test_a_holder_dying_mid_sync_leaves_the_receivers_previous_commit():
     """Rank 0 alone holds commit 4 and exits after two of its chunks: the receivers,
     which received into their own snapshot, restore commit 3, never a mix."""
