@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -123,6 +124,10 @@ def test_rdzv_timeout_fails_a_job_short_of_min_np_with_one_line_naming_the_count
         job.text()[-3000:]
     assert not events_named(job, "worker_started")  # no round, so no worker ever ran
     assert "Traceback" not in job.text()
+    # Meanwhile the console said how long it would wait: at once, then every few seconds.
+    waiting = [int(m.group(1)) for m in re.finditer(r"waiting for workers: 2 of 3 present, failing in (\d+) s",
+                                                    job.text())]
+    assert len(waiting) >= 2 and waiting[0] <= 6 and waiting == sorted(set(waiting), reverse=True), job.text()[-3000:]
 
 
 # ----------------------------------------------------------------------------- two jobs on one etcd
