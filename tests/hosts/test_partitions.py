@@ -152,6 +152,35 @@ def test_the_coordinators_host_alone_cut(netns_hosts, tmp_path):
     finish(tmp_path, jobs, out, fenced=cut)
 
 
+@pytest.mark.slow  # a long cut: the slow run (CI) has it
+def test_a_cut_outlasting_the_etcd_retry_deadline_and_the_collective_timeout_fails_nothing(netns_hosts, tmp_path):
+    """Issue 12's example (a host cut off for 90 s failed a healthy job), scaled down: a
+    3 s --etcd-retry-deadline and an 8 s collective timeout, and a cut of 30 s. Meanwhile
+    the cut host's agent loses its lease and its etcd calls give up again and again, and
+    its worker either re-forms without etcd (its collective timed out) or waits in its
+    commit's look at the round's store, whose host it cannot reach (torch's store client
+    does not time that out; when the link returns the store answers, and the next
+    collective fails). Nothing may count as a user error or end a process; once healed,
+    the host joins again and the job ends with equal parameters everywhere."""
+    hosts = netns_hosts(3)
+    victim = 2
+    jobs = start(hosts, tmp_path, "partition-long",
+                 extra=["--etcd-retry-deadline", "3", "--collective-timeout", "8"])
+    out = tmp_path / "out"
+    wait_until(lambda: len(steps_after(out, 0, 3)) >= 15, 180, "the 3-worker ring to train")
+    cut = cut_until_the_survivors_step(hosts, out, victim, "a plain host, for long")
+    # The fault's duration: past the collective timeout, the TTL and several retry deadlines.
+    time.sleep(max(0.0, cut.at + 30 - time.time()))
+    assert jobs[victim].proc.poll() is None, jobs[victim].text()[-3000:]
+    lost = [e for e in jobs[victim].events() if e["event"] == "session_lost"]
+    assert lost, "the cut host's agent never lost its lease: the cut was too short to test anything"
+    heal_until_rejoined(hosts, out, victim, "the long-cut host")
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / hosts[victim].name / "logs").glob("worker-*.log"))
+    print("the cut worker re-formed without etcd" if "etcd unreachable while asking for a new round" in logs
+          else "the cut worker waited at the round's store until the heal")
+    finish(tmp_path, jobs, out, fenced=cut)
+
+
 @pytest.mark.slow  # two re-formations before the cut: the slow run (CI) has it
 def test_rank0s_host_alone_cut_publishes_no_checkpoint_of_the_round_it_left(netns_hosts, tmp_path):
     hosts = netns_hosts(3)
