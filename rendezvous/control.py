@@ -2,7 +2,8 @@
 
 ``control/plan`` (the newest round) and ``control/status`` (is the job still
 running) are the only keys that everybody watches, so the traffic of a round is
-one event per participant. Reset requests go the other way, to the coordinator.
+one event per participant; ``control/waiting`` (waiting.py) is there only while
+the job waits below min_np. Reset requests go the other way, to the coordinator.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Optional
 from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
 from .keys import JobKeys
 from .rounds import RoundPlan
+from .waiting import WaitingNotice
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class ControlChannel:
         self._cond = threading.Condition()
         self._plan: Optional[RoundPlan] = None
         self._status = JobStatus()
+        self._waiting: Optional[tuple[WaitingNotice, float]] = None  # and when it arrived (monotonic)
         self._listeners: list[Listener] = []
         self._watch = None
 
@@ -65,6 +68,7 @@ class ControlChannel:
     def _reload(self) -> None:
         kvs, revision = self._etcd.get_prefix(self._keys.control)
         with self._cond:
+            self._waiting = None  # a full read: absent unless read below
             for kv in kvs:
                 self._apply(kv.key, kv.value)
         if self._watch is not None:
@@ -87,12 +91,16 @@ class ControlChannel:
                 self._plan = plan
         elif key == self._keys.status:
             self._status = JobStatus.from_json(value)
+        elif key == self._keys.waiting:
+            self._waiting = (WaitingNotice.from_json(value), time.monotonic())
 
     def _on_events(self, events) -> None:
         with self._cond:
             for event in events:
                 if event.type == "put":
                     self._apply(event.kv.key, event.kv.value)
+                elif event.kv.key == self._keys.waiting:
+                    self._waiting = None
         self._notify()
 
     def _notify(self) -> None:
@@ -115,6 +123,13 @@ class ControlChannel:
     def status(self) -> JobStatus:
         with self._cond:
             return self._status
+
+    @property
+    def waiting(self) -> Optional[tuple[WaitingNotice, float]]:
+        """The coordinator's notice of a wait below min_np, and when it arrived
+        (``time.monotonic()``); None when the job is not waiting."""
+        with self._cond:
+            return self._waiting
 
     def add_listener(self, listener: Listener) -> None:
         with self._cond:

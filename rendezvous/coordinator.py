@@ -52,40 +52,11 @@ from .rounds import (
     decide,
 )
 from .session import Session
+from .waiting import WAITING_LINE_INTERVAL_S, WaitingEcho, WaitingLine, WaitingNotice
 
 log = logging.getLogger(__name__)
 
 RoundListener = Callable[[RoundPlan, str], None]
-
-# While fewer than min_np workers are present, say so this often (seconds).
-WAITING_LINE_INTERVAL_S = 5.0
-
-
-class WaitingLine:
-    """"waiting for workers: 2 of 4 present, failing in 580 s", every few seconds
-    while the leader waits below min_np (times from the coordinator's clock)."""
-
-    def __init__(self, min_np: int, interval: float = WAITING_LINE_INTERVAL_S):
-        self._min_np = min_np
-        self._interval = interval
-        self._last: Optional[tuple[float, int]] = None  # (when, count) of the last line
-
-    def text(self, present: int, remaining: float) -> str:
-        return f"waiting for workers: {present} of {self._min_np} present, failing in {max(0.0, remaining):.0f} s"
-
-    def report(self, present: int, remaining: float, now: float) -> Optional[str]:
-        """Log (and return) the line when it is due: at once, when the count changes,
-        and every ``interval`` seconds."""
-        if self._last is not None and self._last[1] == present and now - self._last[0] < self._interval:
-            return None
-        self._last = (now, present)
-        line = self.text(present, remaining)
-        log.info("%s", line)
-        return line
-
-    def reset(self) -> None:
-        self._last = None
-
 
 class Coordinator:
     def __init__(
@@ -123,6 +94,9 @@ class Coordinator:
         self._below_min_since: Optional[float] = None
         self._plan_seen: tuple[int, float] = (0, 0.0)  # (round, when we first saw its plan)
         self._waiting = WaitingLine(settings.min_np)
+        self._waiting_published: Optional[int] = None  # the count of the notice in etcd (waiting.py)
+        self._waiting_published_at = 0.0
+        self._waiting_echo = WaitingEcho()  # the leader's line, shown while we do not lead
         self._dirty = False
 
     def start(self) -> "Coordinator":
@@ -198,15 +172,39 @@ class Coordinator:
         )
         try:
             while not (vacant.is_set() or self._stop.is_set() or self._session.lost.is_set()):
+                self._waiting_echo.tick(*(self._control.waiting or (None, 0.0)))
                 vacant.wait(0.5)
         finally:
             watch.cancel()
+
+    def _publish_waiting(self, token: int, notice: Optional[WaitingNotice], now: float) -> None:
+        """Tell the other agents of a wait below min_np (waiting.py). Only once it has
+        lasted an interval, then when the count changes, at most once an interval: a
+        rendezvous that completes at once never writes it, and arrivals during a long
+        wait cost every agent one event per interval, not one per arrival (O(N) per
+        interval, never O(N^2)). When the wait ends, the key goes."""
+        count = None if notice is None else notice.present
+        if count == self._waiting_published:
+            return
+        if notice is not None and (now - self._below_min_since < WAITING_LINE_INTERVAL_S
+                                   or now - self._waiting_published_at < WAITING_LINE_INTERVAL_S):
+            return  # the next turn (at least every second) looks again
+        key, fence = self._keys.waiting, CreateRevisionEquals(self._keys.coordinator, token)
+        action = Delete(key) if notice is None else Put(key, notice.to_json(), lease=self._session.lease_id)
+        try:
+            written, _ = self._etcd.txn([fence], [action])
+        except RendezvousError as exc:
+            log.debug("coordinator: waiting notice not written (%s)", exc)
+            return
+        if written:
+            self._waiting_published, self._waiting_published_at = count, now
 
     # -- leading ------------------------------------------------------------
     def _lead(self, token: int) -> None:
         log.info("coordinator: %s leads (token %d)", self._member_id, token)
         # A previous term's view is stale: the below-min clock starts afresh.
         self._below_min_since = None
+        self._waiting_published = -1  # unknown: a notice of an earlier leader may be there
         self.leading.set()
         deposed = threading.Event()
 
@@ -347,10 +345,12 @@ class Coordinator:
             plan = self._control.plan
             members, recheck_at = self._reachable_members(plan, now)
             present = len(candidates(plan, members)[: self._settings.max_np])
+            notice = None
             if present < self._settings.min_np:
                 if self._below_min_since is None:
                     self._below_min_since = now
-                self._waiting.report(present, self._below_min_since + self._settings.timeout - now, now)
+                notice = WaitingNotice(present, self._settings.min_np, self._below_min_since + self._settings.timeout - now)
+                self._waiting.report(present, notice.fails_in, now)
             else:
                 self._below_min_since = None
                 self._waiting.reset()
@@ -365,6 +365,7 @@ class Coordinator:
                 plan_seen_at=self._plan_seen[1] if plan is not None else None,
             )
             self._dirty = False
+        self._publish_waiting(token, notice, now)
         decision = decide(snapshot, self._settings, now)
         if isinstance(decision, FormRound) and decision.lost and self._excluded:
             cut = [m for m in self._excluded if plan is not None and plan.local_ranks(m)]

@@ -16,6 +16,7 @@ from .control import RUNNING, STOPPING, JobStatus
 from .etcd import Etcd
 from .keys import JobKeys
 from .rounds import Member, RoundPlan
+from .waiting import WaitingNotice
 
 # Rounds listed by default (etcd keeps KEEP_ROUNDS of them).
 RECENT_ROUNDS = 10
@@ -99,6 +100,7 @@ def job_view(snapshot: JobSnapshot, *, recent: int = RECENT_ROUNDS) -> JobView:
     status = JobStatus.from_json(values["control/status"]) if values.get("control/status") else JobStatus()
     plan = RoundPlan.from_json(values["control/plan"]) if values.get("control/plan") else None
     coordinator = values["coordinator"].decode() if values.get("coordinator") else None
+    waiting = WaitingNotice.from_json(values["control/waiting"]) if values.get("control/waiting") else None
     members = sorted(
         (Member.from_json(v) for k, v in values.items() if k.startswith("members/") and v),
         key=lambda m: (m.joined, m.member_id),
@@ -129,7 +131,7 @@ def job_view(snapshot: JobSnapshot, *, recent: int = RECENT_ROUNDS) -> JobView:
         members=member_views,
         rounds=tuple(RoundView(p.round, p.created, p.world_size, p.reason, len(p.lost)) for p in rounds[:recent]),
         requests=requests,
-        note=_note(status, plan, member_views),
+        note=_note(status, plan, member_views, waiting),
         history_expires_in=snapshot.history_ttl,
     )
 
@@ -139,12 +141,16 @@ def _request(worker_id: str, value: bytes) -> RequestView:
     return RequestView(worker_id, int(body.get("round", 0)), body.get("reason", ""))
 
 
-def _note(status: JobStatus, plan: Optional[RoundPlan], members: tuple[MemberView, ...]) -> str:
+def _note(status: JobStatus, plan: Optional[RoundPlan], members: tuple[MemberView, ...],
+          waiting: Optional[WaitingNotice]) -> str:
     offered = sum(len(m.workers) for m in members)
     if status.state in (RUNNING, STOPPING) and not members:
         # Members live on their agents' leases: none left means no agent is alive.
         return "no agent is registered: every agent has left or died" + (
             " (the job stopped at a commit)" if status.state == STOPPING else "")
+    if status.state == RUNNING and waiting is not None:
+        return (f"waiting for workers: {waiting.present} of {waiting.min_np} present "
+                f"(the job fails if --rdzv-timeout runs out first)")
     if status.state == RUNNING and plan is None:
         return f"waiting for the first round: {offered} worker(s) offered"
     if status.state == RUNNING and plan is not None:

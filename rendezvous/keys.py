@@ -13,6 +13,9 @@ never read or watch each other's keys.
                                          only the newest KEEP_ROUNDS are kept.
     /elastic/<job>/control/plan          JSON RoundPlan of the newest round.
     /elastic/<job>/control/status        JSON JobStatus (running / succeeded / failed).
+    /elastic/<job>/control/waiting       JSON WaitingNotice while fewer than min_np workers
+                                         are present (waiting.py), on the coordinator's
+                                         lease; deleted when the wait ends.
     /elastic/<job>/reach/<member-id>     JSON ReachReport: the members this member's agent
                                          could not connect to while its workers were
                                          stalled (reachability.py), on its lease.
@@ -111,3 +114,7 @@ class JobKeys:
     @property
     def status(self) -> str:
         return self.control + "status"
+
+    @property
+    def waiting(self) -> str:
+        return self.control + "waiting"

@@ -20,7 +20,7 @@ from etcd3 import etcdrpc
 
 from rendezvous import JobKeys, RoundPlan
 from rendezvous.etcd import Etcd
-from tests.fakes.jobs import ELASTIC_RUN, REPO, Job, read_jsonl
+from tests.fakes.jobs import ELASTIC_RUN, REPO, Job, read_jsonl, wait_until
 from tests.fakes.pki import make_pki, tls_etcd_server
 
 from ..conftest import etcd_binary_or_skip
@@ -128,6 +128,28 @@ def test_rdzv_timeout_fails_a_job_short_of_min_np_with_one_line_naming_the_count
     waiting = [int(m.group(1)) for m in re.finditer(r"waiting for workers: 2 of 3 present, failing in (\d+) s",
                                                     job.text())]
     assert len(waiting) >= 2 and waiting[0] <= 6 and waiting == sorted(set(waiting), reverse=True), job.text()[-3000:]
+
+
+def test_every_agent_prints_the_waiting_line_not_only_the_coordinator(tmp_path, etcd_server, etcd):
+    """Two agents, 3 workers, --min-np 4: the coordinator counts, the other agent's
+    console shows the same countdown (from the coordinator's notice in etcd)."""
+    job_id = new_job_id("waiting")
+    jobs = []
+    for name, workers in (("first", "2"), ("second", "1")):
+        home = tmp_path / name
+        home.mkdir()
+        jobs.append(Job(home, ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-id", name,
+                               "--host-addr", "127.0.0.1", "--nproc-per-node", workers, "--min-np", "4",
+                               "--max-np", "4", "--rdzv-timeout", "15", "--log-dir", str(home / "logs"),
+                               str(ENV_PROBE), "--out", str(home / "env.jsonl")], name=name))
+        if name == "first":  # registered first: it leads
+            wait_until(lambda: events_named(jobs[0], "member_joined"), 60, "the first agent to register")
+    for job in jobs:
+        assert job.wait(120) == 1, job.text()[-3000:]
+    for job in jobs:
+        assert "waiting for workers: 3 of 4 present, failing in" in job.text(), job.text()[-3000:]
+    # The notice went with the job: nothing is left under control/waiting.
+    assert etcd.get(JobKeys(job_id).waiting) is None
 
 
 # ----------------------------------------------------------------------------- two jobs on one etcd

@@ -7,7 +7,7 @@ import json
 
 from elastic.status_command import render_text
 from rendezvous.control import JobStatus
-from rendezvous.coordinator import WaitingLine
+from rendezvous.waiting import WaitingEcho, WaitingLine, WaitingNotice
 from rendezvous.job_view import JobSnapshot, job_view
 from rendezvous.rounds import Member, RoundPlan, Slot
 
@@ -77,6 +77,10 @@ def test_spares_have_no_rank_and_a_job_waiting_for_its_first_round_says_so():
     assert view.members[0].workers[0].rank is None
     assert view.note == "waiting for the first round: 1 worker(s) offered"
     assert "w0=spare" in render_text(view, NOW)
+    # Below min_np, the coordinator's notice says how many of how many are there.
+    values["control/waiting"] = WaitingNotice(present=1, min_np=2, fails_in=500.0).to_json()
+    view = job_view(JobSnapshot("job", values, NOW))
+    assert view.note == "waiting for workers: 1 of 2 present (the job fails if --rdzv-timeout runs out first)"
 
 
 def test_a_running_job_without_members_says_every_agent_is_gone():
@@ -102,6 +106,21 @@ def test_the_waiting_line_comes_at_once_on_a_change_and_every_interval():
     assert line.report(3, 573.0, now=7.0) == "waiting for workers: 3 of 4 present, failing in 573 s"
     line.reset()
     assert line.report(3, 600.0, now=7.5) is not None
+
+
+def test_an_agent_that_does_not_lead_echoes_the_notice_on_its_own_clock():
+    now = [100.0]
+    echo = WaitingEcho(interval=5.0, clock=lambda: now[0])
+    notice = WaitingNotice.from_json(WaitingNotice(present=3, min_np=4, fails_in=580.4).to_json())
+    assert echo.tick(notice, received_at=99.0) == "waiting for workers: 3 of 4 present, failing in 579 s"
+    now[0] = 102.0
+    assert echo.tick(notice, received_at=99.0) is None  # within the interval
+    now[0] = 105.0
+    assert echo.tick(notice, received_at=99.0) == "waiting for workers: 3 of 4 present, failing in 574 s"
+    assert echo.tick(None, received_at=0.0) is None  # the wait ended
+    now[0] = 106.0
+    assert echo.tick(WaitingNotice(2, 4, 10.0), received_at=106.0) == \
+        "waiting for workers: 2 of 4 present, failing in 10 s"
 
 
 def test_watch_draws_each_read_and_shows_a_failed_read_as_one_line(monkeypatch):
