@@ -63,6 +63,9 @@ p.add_argument("--wait-file", default=None, help="every rank waits (bounded) aft
 p.add_argument("--wait-step", type=int, default=None)
 p.add_argument("--hang-rank", type=int, default=None, help="this rank's main thread sleeps forever ...")
 p.add_argument("--hang-step", type=int, default=None, help="... after finishing this step, outside any collective")
+p.add_argument("--break-ring-every", type=int, default=None,
+               help="steps mode: after every Nth commit, the last rank shuts its ring's connections down, as a "
+                    "network fault would: the whole ring takes the failure path (abort, restore, re-form, sync)")
 p.add_argument("--hold-below-world", type=int, default=None,
                help="while the ring is smaller than this, commit in lockstep without training")
 p.add_argument("--kill-at", default="", help="sampler mode: STEP:POINT,... --kill-rank SIGKILLs itself at POINT "
@@ -283,6 +286,8 @@ def train(state):
             time.sleep((args.slow_factor - 1) * (time.monotonic() - step_started))
         if state.step % args.commit_every == 0:
             state.commit()
+            if args.break_ring_every and state.step % args.break_ring_every == 0 and rank == world - 1:
+                elastic._runtime()._ring.abort()  # the next all-reduce fails on every rank
 
 
 train(state)

@@ -2,15 +2,18 @@
 etcd keys bounded (issue: rounds, requests, plain stores and store keys were never
 deleted; --max-resets counted over the process's whole life).
 
-The re-formations are real rounds of a real job: the test asks the coordinator for a
-new round (a reset request, as a worker whose ring broke would post), the workers
-switch to it at a commit. Slow: about a minute per hundred rounds on this machine.
+The re-formations are real rounds of a real job, of both kinds: planned (the test
+asks the coordinator for a new round, as a worker whose ring broke would, and the
+workers switch to it at a commit) and failures (a worker shuts its ring's connections
+down, as a network fault would: every worker aborts, rolls back, re-forms and syncs,
+in-process). Slow: about a minute per hundred rounds on this machine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 
 import pytest
@@ -25,6 +28,16 @@ ROUNDS = 200
 
 def counts(pid: int) -> tuple[int, int]:
     return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+
+
+def settled_counts(pid: int) -> tuple[int, int]:
+    """The fewest fds and threads over a second: a re-formation under way holds a few
+    more for a moment (the old ring's sockets until they are closed)."""
+    seen = []
+    for _ in range(5):
+        seen.append(counts(pid))
+        time.sleep(0.2)  # spacing samples over a second, not synchronisation
+    return min(f for f, _ in seen), min(t for _, t in seen)
 
 
 def test_200_re_formations_leave_fds_threads_and_keys_bounded(tmp_path, etcd_server, etcd):
@@ -67,3 +80,41 @@ def test_200_re_formations_leave_fds_threads_and_keys_bounded(tmp_path, etcd_ser
     assert len([n for n in names if n.startswith("rounds/")]) <= 32
     assert not [n for n in names if n.startswith("requests/")], names
     assert len(names) <= 32 + 8, names
+
+
+def test_200_failed_rings_re_formed_in_process_leave_fds_and_threads_bounded(tmp_path, etcd_server, etcd):
+    job_id = f"long-fail-{uuid.uuid4().hex[:10]}"
+    keys = JobKeys(job_id)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    job = Job(tmp_path, Job.train_args(out, logs, [
+        "--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-addr", "127.0.0.1",
+        "--nproc-per-node", "2", "--min-np", "2", "--max-np", "2", "--max-resets", str(2 * ROUNDS),
+        "--collective-timeout", "20"],
+        ["--steps", "1000000", "--step-delay", "0.01", "--break-ring-every", "3",
+         "--stop-file", str(tmp_path / "stop")]))
+    job.wait_for_step(5, timeout=120)
+    workers = [e["pid"] for e in job.pids()]
+
+    def plan_round() -> int:
+        kv = etcd.get(keys.plan)
+        return RoundPlan.from_json(kv.value).round if kv is not None else 0
+
+    start = plan_round()
+    wait_until(lambda: plan_round() >= start + 20, 120, "20 failed rings re-formed")
+    early = {pid: settled_counts(pid) for pid in [job.proc.pid, *workers]}
+    wait_until(lambda: plan_round() >= start + ROUNDS, 900, f"{ROUNDS} failed rings re-formed")
+    late = {pid: settled_counts(pid) for pid in [job.proc.pid, *workers]}
+    (tmp_path / "stop").touch()
+    assert job.wait(120) == 0, job.text()[-3000:]
+
+    # Every round was a failure the workers went through in-process: same processes,
+    # each re-formation rolled back (reform_done failed=True), nothing counted as a user error.
+    assert {e["pid"] for e in job.pids()} == set(workers)
+    failed = [e for e in job.events() if e["event"] == "reform_done" and e.get("failed")]
+    assert len(failed) >= 2 * ROUNDS * 0.9, len(failed)  # two workers, about one per round each
+    assert not [e for e in job.events() if e.get("user_error")]
+    for pid in early:
+        (fds_early, threads_early), (fds_late, threads_late) = early[pid], late[pid]
+        assert fds_late <= fds_early + 4, f"pid {pid}: {fds_early} -> {fds_late} file descriptors"
+        assert threads_late <= threads_early + 2, f"pid {pid}: {threads_early} -> {threads_late} threads"
+    print(f"{ROUNDS} failed rings: fds and threads per process {early} -> {late}")
