@@ -42,6 +42,12 @@ def test_checkpoint_interval_and_keep_through_elastic_run(tmp_path):
     # would write nothing before the end): every write but the final one came by time.
     timed = sorted((seen | set(kept)) - {steps})
     assert timed and all(0 < s < steps for s in timed)
+    # Spaced by time, not by commits (a step is 0.1 s): consecutive timed writes at least
+    # about an interval apart (their published times; each write takes milliseconds).
+    times = [e["time"] for e in job.events() if e["event"] == "checkpoint_written" and e["step"] != steps]
+    assert len(times) >= 2, times
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert min(gaps) >= 0.8 * interval, gaps
 
 
 @pytest.fixture

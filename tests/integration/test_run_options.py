@@ -93,6 +93,35 @@ def test_a_sigkilled_worker_is_replaced_only_within_max_restarts(tmp_path, max_r
     assert max(s["step"] for s in job.steps()) == 150
 
 
+@heavy
+def test_a_spent_max_restarts_budget_replaces_no_more_and_the_job_goes_on(tmp_path):
+    """--max-restarts 1: the first kill is replaced, the second is not; with --min-np 2
+    the job goes on with two workers and ends well."""
+    stop = tmp_path / "stop"
+    job = train(tmp_path, ["--np", "3", "--min-np", "2", "--max-restarts", "1", "--collective-timeout", "20"],
+                ["--steps", "1000000", "--step-delay", "0.03", "--stop-file", str(stop)])
+    job.wait_for_step(10)
+    first = job.worker_pid(1)
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: [s for s in job.steps() if s["world"] == 2], 120, "the ring of two")
+    # The replacement joins: the ring of 3 trains again.
+    wait_until(lambda: len(events_named(job, "worker_started")) == 4
+               and job.steps()[-1]["world"] == 3, 180, "the replacement to train in a ring of 3")
+    second = job.worker_pid(2)
+    killed_at = time.time()
+    os.kill(second, signal.SIGKILL)
+    wait_until(lambda: len([s for s in job.steps() if s["world"] == 2 and s["t"] > killed_at]) >= 20, 120,
+               "20 steps of the two left")
+    stop.touch()
+    assert job.wait(120) == 0, job.text()[-3000:]
+    started = events_named(job, "worker_started")
+    assert len(started) == 4, started  # three, and one replacement: the budget was spent
+    victims = {e["worker"] for e in started if e["pid"] in (first, second)}
+    assert {e["worker"] for e in events_named(job, "worker_exited") if e["signal"] == signal.SIGKILL} == victims
+    assert len(finals(job.out)) == 2
+    assert_identical(finals(job.out))
+
+
 def test_below_min_np_with_no_restarts_left_the_job_fails_with_one_line(tmp_path):
     job = train(tmp_path, ["--np", "2", "--min-np", "2", "--max-restarts", "0", "--rdzv-timeout", "5",
                            "--collective-timeout", "20"],
