@@ -83,6 +83,25 @@ def test_a_member_deleted_while_the_members_watch_was_compacted_away_is_still_se
     assert after.worker_ids() == (worker("a"), worker("b"))
 
 
+def test_a_reset_request_put_while_the_requests_watch_was_compacted_away_is_still_answered(local, etcd):
+    # One member: a reset request then makes the coordinator probe no other agent (these
+    # in-process members serve no agent port, so any other would count as dead).
+    local.add("a", RendezvousSettings(1, 8, settle=0.2, timeout=60))
+    first = local.wait_for_plan("a", has_workers(worker("a")))
+    leader = poll(local.leader, timeout=10)
+    assert leader is not None
+    gate = cut_watch(leader, local.keys.requests)
+
+    # A worker whose ring broke asks for a new round while nobody watches...
+    body = json.dumps({"round": first.round, "reason": "ring broken", "lost": []}).encode()
+    etcd.put(local.keys.request(worker("a")), body)
+    compact(etcd)  # ...and the history holding that put is gone
+    gate.set()
+    after = local.wait_for_plan("a", lambda p: p.round > first.round, timeout=20)
+    assert after.reason == "reset requested: ring broken" and after.worker_ids() == (worker("a"),), after
+    assert poll(lambda: etcd.get(local.keys.request(worker("a"))) is None, timeout=10), "the request was not answered"
+
+
 def test_a_success_never_overwrites_a_failure_written_between_read_and_write(etcd, job_id):
     keys = JobKeys(job_id)
     etcd.put(keys.status, JobStatus(STOPPING, "scale-down").to_json())  # not over: may be replaced
