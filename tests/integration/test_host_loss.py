@@ -1,6 +1,7 @@
 """Loss of a whole host: its agent and workers SIGKILLed together (a lost VM, an
-OOM-killed pod), including the host that holds rank 0, the round's store and the
-coordinator. Three agents share one etcd, one worker each.
+OOM-killed pod): the host that holds rank 0, the round's store and the coordinator,
+a plain host, and the coordinator's host alone (rank 0 moved away first). Three agents
+share one etcd, one worker each.
 
 The survivors must not wait for the lost member's lease (--rdzv-ttl, 30 s here):
 its agent's port refuses connections, which is proof that it is dead (see
@@ -29,11 +30,11 @@ TTL = 30.0  # long on purpose: a recovery bound by the TTL fails the test
 BOUND_S = 5.0
 
 
-def three_hosts(tmp_path, etcd_server):
+def three_hosts(tmp_path, etcd_server, extra=()):
     job_id = f"hostloss-{uuid.uuid4().hex[:10]}"
     common = ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-addr", "127.0.0.1",
               "--nproc-per-node", "1", "--min-np", "2", "--max-np", "3", "--rdzv-ttl", str(TTL),
-              "--collective-timeout", "60"]
+              "--collective-timeout", "60", *extra]
     out, logs = tmp_path / "out", tmp_path / "logs"
     script = ["--steps", "100000", "--step-delay", "0.02", "--stop-file", str(tmp_path / "stop")]
     jobs = []
@@ -57,10 +58,28 @@ def kill_host(job: Job) -> float:
     return killed_at
 
 
-@pytest.mark.parametrize("victim", ["rank0-store-and-coordinator", pytest.param("plain", marks=pytest.mark.slow)])
+def move_rank0_away_from(a: Job) -> None:
+    """Kill a's worker (rank 0); its replacement joins at the end of the rank order, so
+    rank 0 and the round's store move to another host while a still leads."""
+    before = {e["pid"] for e in a.pids()}
+    victim = a.worker_pid(0)
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: [e for e in a.pids() if e["rank"] == 2 and e["pid"] not in before], 180,
+               "a's replacement to join last")
+    assert a.worker_pid(0) in before - {victim}
+    assert "leads (token" in a.text() and "stops leading" not in a.text(), a.text()[-3000:]
+
+
+@pytest.mark.parametrize("victim", [
+    "rank0-store-and-coordinator",
+    pytest.param("plain", marks=pytest.mark.slow),
+    pytest.param("coordinator-only", marks=pytest.mark.slow),
+])
 def test_survivors_go_on_without_waiting_for_the_lost_hosts_ttl(tmp_path, etcd_server, victim):
-    jobs = three_hosts(tmp_path, etcd_server)
+    jobs = three_hosts(tmp_path, etcd_server, extra=["--max-restarts", "1"] if victim == "coordinator-only" else ())
     a, b, c = jobs
+    if victim == "coordinator-only":
+        move_rank0_away_from(a)
     dead, survivors = (a, [b, c]) if victim != "plain" else (c, [a, b])
     events_before = len(a.events())
     killed_at = kill_host(dead)
