@@ -30,6 +30,11 @@ def counts(pid: int) -> tuple[int, int]:
     return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
 
 
+def plan_round(etcd, keys: JobKeys) -> int:
+    kv = etcd.get(keys.plan)
+    return RoundPlan.from_json(kv.value).round if kv is not None else 0
+
+
 def settled_counts(pid: int) -> tuple[int, int]:
     """The fewest fds and threads over a second: a re-formation under way holds a few
     more for a moment (the old ring's sockets until they are closed)."""
@@ -51,15 +56,11 @@ def test_200_re_formations_leave_fds_threads_and_keys_bounded(tmp_path, etcd_ser
     job.wait_for_step(5, timeout=120)
     workers = [e["pid"] for e in job.pids()]
 
-    def plan_round() -> int:
-        kv = etcd.get(keys.plan)
-        return RoundPlan.from_json(kv.value).round if kv is not None else 0
-
     samples = {}
     for i in range(ROUNDS):
-        current = plan_round()
+        current = plan_round(etcd, keys)
         etcd.put(keys.request(f"test-{i % 3}"), json.dumps({"round": current, "reason": "test round"}).encode())
-        wait_until(lambda c=current: plan_round() > c, 30, f"round {current + 1}")
+        wait_until(lambda c=current: plan_round(etcd, keys) > c, 30, f"round {current + 1}")
         # The workers are on the new round once they stepped in it.
         wait_until(lambda c=current: any(s["round"] > c for s in job.steps()[-10:]), 60, f"steps of round {current + 1}")
         if i in (20, ROUNDS - 1):
@@ -95,14 +96,10 @@ def test_200_failed_rings_re_formed_in_process_leave_fds_and_threads_bounded(tmp
     job.wait_for_step(5, timeout=120)
     workers = [e["pid"] for e in job.pids()]
 
-    def plan_round() -> int:
-        kv = etcd.get(keys.plan)
-        return RoundPlan.from_json(kv.value).round if kv is not None else 0
-
-    start = plan_round()
-    wait_until(lambda: plan_round() >= start + 20, 120, "20 failed rings re-formed")
+    start = plan_round(etcd, keys)
+    wait_until(lambda: plan_round(etcd, keys) >= start + 20, 120, "20 failed rings re-formed")
     early = {pid: settled_counts(pid) for pid in [job.proc.pid, *workers]}
-    wait_until(lambda: plan_round() >= start + ROUNDS, 900, f"{ROUNDS} failed rings re-formed")
+    wait_until(lambda: plan_round(etcd, keys) >= start + ROUNDS, 900, f"{ROUNDS} failed rings re-formed")
     late = {pid: settled_counts(pid) for pid in [job.proc.pid, *workers]}
     (tmp_path / "stop").touch()
     assert job.wait(120) == 0, job.text()[-3000:]
