@@ -85,7 +85,10 @@ def test_a_host_cut_from_its_peers_only_is_left_behind_and_rejoins(netns_hosts, 
     # While the cut lasts, the survivors train on without it, and it is not let back in.
     first_new = min(s["t"] for s in after_cut)
     wait_until(lambda: steps_after(out, first_new + HOLD_S, 2), 60, f"the survivors to train {HOLD_S:g}s more")
-    assert not steps_after(out, cut_at, 3)
+    # (A step of the old ring may be recorded just after cut_at: its all-reduce can end
+    # while the cut is being made. A ring of 3 after the cut is what must not exist.)
+    readmitted = [s for s in steps_after(out, cut_at, 3) if s["round"] > old_round]
+    assert not readmitted, readmitted
     # Fenced: no step of the round the job left completes once the survivors moved on.
     assert_fenced(out, old_round, first_new)
 
