@@ -238,6 +238,12 @@ def candidates(plan: Optional[RoundPlan], members: tuple[Member, ...]) -> list[S
     return ordered
 
 
+def candidate_count(members: tuple[Member, ...]) -> int:
+    """``len(candidates(plan, members))`` without ordering them: every offered worker is
+    a candidate exactly once (cheap enough for the coordinator's every step)."""
+    return len({w for m in members for w in m.workers})
+
+
 def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Decision:
     plan = snapshot.plan
     wanted = candidates(plan, snapshot.members)

@@ -14,6 +14,8 @@ from rendezvous.rounds import (
     Snapshot,
     StopJob,
     Wait,
+    candidate_count,
+    candidates,
     decide,
 )
 
@@ -232,3 +234,16 @@ def test_rounds_that_re_form_a_broken_ring_say_so_and_carry_their_reason():
     assert requested.recovers and requested.after_failure
     q = RoundPlan(4, p.slots, p.hosts, "x:1", 0.0, reason="1 worker(s) lost", recovers=True)
     assert RoundPlan.from_json(q.to_json()) == q
+
+
+@pytest.mark.parametrize("previous, members", [
+    (None, ()),
+    (None, (member("a", ["a0", "a1"], 1), member("b", ["b0"], 2))),
+    # survivors, a worker gone, a newcomer, a member with no workers (draining)
+    (plan(3, ("a", "a0"), ("b", "b0"), ("b", "b1")), (member("a", ["a0"], 1), member("b", ["b1"], 2),
+                                                      member("c", ["c0", "c1"], 3), member("d", [], 4))),
+    # a worker id now offered by another member than in the plan
+    (plan(2, ("a", "x0")), (member("b", ["x0"], 2), member("a", ["a1"], 1))),
+])
+def test_the_cheap_candidate_count_is_the_number_of_candidates(previous, members):
+    assert candidate_count(members) == len(candidates(previous, members))
