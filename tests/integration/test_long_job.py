@@ -30,6 +30,17 @@ def counts(pid: int) -> tuple[int, int]:
     return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
 
 
+def start_job(tmp_path, etcd_server, kind: str, launcher=(), script=()) -> tuple[JobKeys, Job]:
+    """One agent with two workers training until tmp_path/stop exists; returns once it steps."""
+    job_id = f"{kind}-{uuid.uuid4().hex[:10]}"
+    job = Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", [
+        "--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-addr", "127.0.0.1",
+        "--nproc-per-node", "2", "--min-np", "2", "--max-np", "2", *launcher],
+        ["--steps", "1000000", "--step-delay", "0.01", "--stop-file", str(tmp_path / "stop"), *script]))
+    job.wait_for_step(5, timeout=120)
+    return JobKeys(job_id), job
+
+
 def plan_round(etcd, keys: JobKeys) -> int:
     kv = etcd.get(keys.plan)
     return RoundPlan.from_json(kv.value).round if kv is not None else 0
@@ -46,14 +57,7 @@ def settled_counts(pid: int) -> tuple[int, int]:
 
 
 def test_200_re_formations_leave_fds_threads_and_keys_bounded(tmp_path, etcd_server, etcd):
-    job_id = f"long-{uuid.uuid4().hex[:10]}"
-    keys = JobKeys(job_id)
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    job = Job(tmp_path, Job.train_args(out, logs, [
-        "--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-addr", "127.0.0.1",
-        "--nproc-per-node", "2", "--min-np", "2", "--max-np", "2", ],
-        ["--steps", "1000000", "--step-delay", "0.01", "--stop-file", str(tmp_path / "stop")]))
-    job.wait_for_step(5, timeout=120)
+    keys, job = start_job(tmp_path, etcd_server, "long")
     workers = [e["pid"] for e in job.pids()]
 
     samples = {}
@@ -84,16 +88,9 @@ def test_200_re_formations_leave_fds_threads_and_keys_bounded(tmp_path, etcd_ser
 
 
 def test_200_failed_rings_re_formed_in_process_leave_fds_and_threads_bounded(tmp_path, etcd_server, etcd):
-    job_id = f"long-fail-{uuid.uuid4().hex[:10]}"
-    keys = JobKeys(job_id)
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    job = Job(tmp_path, Job.train_args(out, logs, [
-        "--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-addr", "127.0.0.1",
-        "--nproc-per-node", "2", "--min-np", "2", "--max-np", "2", "--max-resets", str(2 * ROUNDS),
-        "--collective-timeout", "20"],
-        ["--steps", "1000000", "--step-delay", "0.01", "--break-ring-every", "3",
-         "--stop-file", str(tmp_path / "stop")]))
-    job.wait_for_step(5, timeout=120)
+    keys, job = start_job(tmp_path, etcd_server, "long-fail",
+                          launcher=["--max-resets", str(2 * ROUNDS), "--collective-timeout", "20"],
+                          script=["--break-ring-every", "3"])
     workers = [e["pid"] for e in job.pids()]
 
     start = plan_round(etcd, keys)
