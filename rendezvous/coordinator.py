@@ -60,6 +60,7 @@ RoundListener = Callable[[RoundPlan, str], None]
 
 STEP_REST_FACTOR = 2.0  # after a step, rest twice what it cost (_step)
 
+
 class Coordinator:
     def __init__(
         self,
@@ -377,9 +378,10 @@ class Coordinator:
                 plan_seen_at=self._plan_seen[1] if plan is not None else None,
             )
             self._dirty = False
-        self._publish_waiting(token, notice, now)
         decision = decide(snapshot, self._settings, now)
+        # The rest follows the step's computing, not the etcd round trip of the notice.
         self._rest_until = time.monotonic() + STEP_REST_FACTOR * (time.monotonic() - started)
+        self._publish_waiting(token, notice, now)
         if isinstance(decision, FormRound) and decision.lost and self._excluded:
             cut = [m for m in self._excluded if plan is not None and plan.local_ranks(m)]
             if cut:
