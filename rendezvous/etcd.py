@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import grpc
 import tenacity
@@ -39,9 +39,8 @@ from etcd3.utils import prefix_range_end
 from .errors import ConfigError, LeaseLostError, RendezvousAuthError, RendezvousConnectionError, RendezvousError
 
 from .etcd_config import EtcdConfig, netloc
-
-if TYPE_CHECKING:
-    from .watch import Watch
+from .kv import KeyValue
+from .watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -68,20 +67,6 @@ _TLS_MESSAGES = ("ssl", "handshake", "certificate", "tls")
 
 
 # ----------------------------------------------------------------------------- values
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-    @classmethod
-    def from_proto(cls, kv) -> "KeyValue":
-        return cls(kv.key.decode("utf-8"), bytes(kv.value), kv.create_revision, kv.mod_revision, kv.version, kv.lease)
 
 
 @dataclass(frozen=True)
@@ -207,7 +192,27 @@ class Etcd:
             )
         self._watches: "weakref.WeakSet" = weakref.WeakSet()
 
-    # -- plumbing shared with watch.py
+    # -- what a watch's stream needs of the client (watch.WatchTransport)
+
+    def stream_channel(self) -> tuple[int, grpc.Channel]:
+        """(endpoint index, channel) for a new watch stream."""
+        return self._channel()
+
+    def stream_metadata(self, channel: grpc.Channel) -> tuple:
+        """The call metadata of a new stream on ``channel`` (logs in first if needed)."""
+        return self._metadata(channel, self.config.call_timeout)
+
+    def count_request(self) -> None:
+        self._count_request()
+
+    def stream_broke(self, exc: grpc.RpcError, index: int) -> None:
+        """A stream on endpoint ``index`` failed: fail over, or log in again next time."""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._failover(index)
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in (exc.details() or ""):
+            self._token = None
+
+    # -- plumbing
 
     def _channel(self) -> tuple[int, grpc.Channel]:
         with self._lock:
@@ -436,10 +441,8 @@ class Etcd:
 
         self._call(f"lease revoke {lease_id:x}", rpc, deadline=retry_deadline)
 
-    def watch(self, key: str, *, prefix: bool, start_revision: int, on_events, on_reset=None) -> "Watch":
+    def watch(self, key: str, *, prefix: bool, start_revision: int, on_events, on_reset=None) -> Watch:
         """Start a resilient watch (see watch.Watch); cancel it or close the client to stop it."""
-        from .watch import Watch  # watch.py imports this module
-
         watch = Watch(self, key, prefix=prefix, start_revision=start_revision, on_events=on_events, on_reset=on_reset)
         self._watches.add(watch)
         return watch

@@ -3,7 +3,7 @@
 ``read_job`` takes one consistent read of the job's keys (one range request at
 one revision, plus the TTL of the lease that keeps an ended job's history);
 ``job_view`` is a pure function from that snapshot to a ``JobView``, tested
-without etcd. Rendering is the caller's (``elastic/status_command.py``).
+without etcd. Rendering is the caller's (``elastic/cli/status.py``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import queue
 import random
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import grpc
 from etcd3 import etcdrpc
@@ -28,10 +28,7 @@ from etcd3.etcdrpc import kv_pb2
 from etcd3.utils import prefix_range_end
 
 from .errors import RendezvousError
-from .etcd import KeyValue
-
-if TYPE_CHECKING:
-    from .etcd import Etcd
+from .kv import KeyValue
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +50,21 @@ def _event_from_proto(event) -> WatchEvent:
     return WatchEvent(kind, KeyValue.from_proto(event.kv))
 
 
+class WatchTransport(Protocol):
+    """What a watch needs of the etcd client (``etcd.Etcd`` is one): channels to the
+    current endpoint, call metadata, and to be told when a stream broke."""
+
+    def stream_channel(self) -> tuple[int, grpc.Channel]: ...
+
+    def stream_metadata(self, channel: grpc.Channel) -> tuple: ...
+
+    def stream_broke(self, exc: grpc.RpcError, index: int) -> None: ...
+
+    def count_request(self) -> None: ...
+
+    def current_revision(self) -> int: ...
+
+
 class Watch:
     """Streams the events of a key (or prefix) to `on_events` until cancelled.
 
@@ -65,7 +77,7 @@ class Watch:
 
     def __init__(
         self,
-        etcd: "Etcd",
+        etcd: WatchTransport,
         key: str,
         *,
         prefix: bool,
@@ -138,8 +150,8 @@ class Watch:
     def _stream_once(self) -> bool:
         """One Watch stream until it breaks. True if it got as far as being created."""
         try:
-            index, channel = self._etcd._channel()
-            metadata = self._etcd._metadata(channel, self._etcd.config.call_timeout)
+            index, channel = self._etcd.stream_channel()
+            metadata = self._etcd.stream_metadata(channel)
         except grpc.RpcError as exc:
             log.log(logging.DEBUG if self._quiet else logging.INFO, "watch on %s: cannot connect (%s); retrying",
                     self.key, _reason(exc))
@@ -151,7 +163,7 @@ class Watch:
 
         requests: "queue.Queue[object]" = queue.Queue()
         requests.put(etcdrpc.WatchRequest(create_request=self._create_request()))
-        self._etcd._count_request()
+        self._etcd.count_request()
         call = etcdrpc.WatchStub(channel).Watch(_until_none(requests), metadata=(*metadata, _REQUIRE_LEADER))
         with self._lock:
             self._call = call
@@ -232,10 +244,7 @@ class Watch:
         return True
 
     def _note_failure(self, exc: grpc.RpcError, index: int) -> None:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            self._etcd._failover(index)
-        if exc.code() == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in (exc.details() or ""):
-            self._etcd._token = None  # log in again on the next stream
+        self._etcd.stream_broke(exc, index)  # fail over, or log in again on the next stream
 
 
 def _until_none(requests: "queue.Queue[object]") -> Iterator[object]:
