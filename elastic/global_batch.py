@@ -49,12 +49,9 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import TYPE_CHECKING, Iterable, Iterator, TypeVar
+from typing import Iterable, Iterator, Protocol, TypeVar
 
 from torch.utils.data import Sampler
-
-if TYPE_CHECKING:
-    from .sampler import ElasticSampler
 
 T = TypeVar("T")
 
@@ -110,6 +107,18 @@ def split_evenly(share: list[int], pieces: int) -> list[list[int]]:
     return out
 
 
+class PassSource(Protocol):
+    """What a global batch layout needs of its sampler (``ElasticSampler`` is one)."""
+
+    num_replicas: int
+    rank: int
+    drop_last: bool
+
+    def start_pass(self) -> list[int]: ...
+
+    def current_pass(self) -> list[int]: ...
+
+
 class GlobalBatchSampler(Sampler[list]):
     """This rank's share of each global batch of a pass (see the module doc).
 
@@ -117,15 +126,14 @@ class GlobalBatchSampler(Sampler[list]):
     of micro-batches per step.
     """
 
-    def __init__(self, sampler: "ElasticSampler", global_batch_size: int, micro_batch_size: int | None = None):
+    def __init__(self, sampler: PassSource, global_batch_size: int, micro_batch_size: int | None = None):
         self.sampler = sampler
         self.global_batch_size = positive_int("global_batch_size", global_batch_size)
         self.micro_batch_size = None if micro_batch_size is None else positive_int("micro_batch_size", micro_batch_size)
 
     def __iter__(self) -> Iterator[list]:
         sampler = self.sampler
-        sampler._pass = sampler._remaining()
-        pass_indices, world, rank = sampler._pass, sampler.num_replicas, sampler.rank
+        pass_indices, world, rank = sampler.start_pass(), sampler.num_replicas, sampler.rank
         for batch_idx in range(global_batch_count(len(pass_indices), self.global_batch_size, sampler.drop_last)):
             start, end = global_batch_bounds(len(pass_indices), self.global_batch_size, batch_idx)
             share = rank_share(pass_indices[start:end], world, rank)
@@ -135,7 +143,7 @@ class GlobalBatchSampler(Sampler[list]):
                 yield split_evenly(share, micro_batch_count(end - start, world, self.micro_batch_size))
 
     def __len__(self) -> int:
-        return global_batch_count(len(self.sampler._current_pass()), self.global_batch_size, self.sampler.drop_last)
+        return global_batch_count(len(self.sampler.current_pass()), self.global_batch_size, self.sampler.drop_last)
 
 
 def accumulate(model, micro_batches: Iterable[T]) -> Iterator[T]:

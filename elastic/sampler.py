@@ -133,7 +133,7 @@ class ElasticSampler(Sampler[int]):
         batch ``batch_idx`` (``G`` samples, or the smaller last one) is marked.
         """
         batch_idx = non_negative_int("batch_idx", batch_idx)
-        pass_indices = self._current_pass()
+        pass_indices = self.current_pass()
         if self.global_batch_size is not None:
             if batch_size is not None and batch_size != self.global_batch_size:
                 raise ValueError(f"record_batch got batch_size {batch_size}, but the sampler yields global "
@@ -217,11 +217,23 @@ class ElasticSampler(Sampler[int]):
     # -- iteration -------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
-        self._pass = self._remaining()
-        return iter(self._pass[self.rank :: self.num_replicas])
+        return iter(self.start_pass()[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return len(self._current_pass()[self.rank :: self.num_replicas])
+        return len(self.current_pass()[self.rank :: self.num_replicas])
+
+    # -- passes (what the batch samplers lay out) ---------------------------------------
+
+    def start_pass(self) -> list[int]:
+        """Begin a pass: freeze ``R``, the epoch's remaining indices in order (module doc)."""
+        self._pass = self._remaining()
+        return self._pass
+
+    def current_pass(self) -> list[int]:
+        """``R`` of the pass under way (begun now if none is)."""
+        if self._pass is None:
+            self._pass = self._remaining()
+        return self._pass
 
     def batches(
         self, batch_size: int | None = None, *, global_batch_size: int | None = None,
@@ -278,11 +290,6 @@ class ElasticSampler(Sampler[int]):
             remaining = remaining[: len(remaining) - len(remaining) % self.num_replicas]
         return remaining
 
-    def _current_pass(self) -> list[int]:
-        if self._pass is None:
-            self._pass = self._remaining()
-        return self._pass
-
 
 class ElasticBatchSampler(Sampler[list[int]]):
     """Yields this rank's batches of a pass; equal batch counts on every rank."""
@@ -293,8 +300,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         sampler = self.sampler
-        sampler._pass = sampler._remaining()
-        pass_indices, world = sampler._pass, sampler.num_replicas
+        pass_indices, world = sampler.start_pass(), sampler.num_replicas
         if 0 < len(pass_indices) < world:
             logger.warning(
                 "sampler: %d remaining samples for %d ranks; skipping them this epoch",
@@ -305,7 +311,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
             yield pass_indices[start:end][sampler.rank :: world]
 
     def __len__(self) -> int:
-        return self._count(len(self.sampler._current_pass()))
+        return self._count(len(self.sampler.current_pass()))
 
     def _count(self, pass_len: int) -> int:
         world, per_step = self.sampler.num_replicas, self.sampler.num_replicas * self.batch_size
