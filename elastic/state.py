@@ -3,7 +3,7 @@
 ``commit()`` copies the state into buffers allocated once (``checkpoint.Snapshot``),
 never a fresh deep copy, then asks the runtime whether the ring changes at this
 commit. Each commit has an identity, (the round it was made in, the commit count):
-see ``elastic/sync_plan.py`` for why the count alone is not enough.
+see ``elastic/worker/sync_plan.py`` for why the count alone is not enough.
 
 ``sync()`` makes every worker of a new ring hold the ring's newest commit:
 
@@ -41,10 +41,11 @@ import torch
 
 from checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_tree, load_latest
 
-from .console import FILE_ONLY
-from .errors import HostsUpdatedInterrupt, JobStopping
-from .state_transfer import CHUNK_BYTES, gather_holdings, receive_layout, run_transfers, send_layout
-from .sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
+from .contract.console import FILE_ONLY
+from .contract.errors import HostsUpdatedInterrupt, JobStopping
+from .worker.state_transfer import CHUNK_BYTES, gather_holdings, receive_layout, run_transfers, send_layout
+from .worker.lifecycle import current as _runtime  # the process-wide runtime, set by elastic.init()
+from .worker.sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,6 @@ class State:
 
     def commit(self) -> None:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
-        from . import _runtime  # the process-wide runtime, set by elastic.init()
-
         runtime = _runtime()
         runtime.fence()
         self._resolve_policy(runtime)
@@ -150,8 +149,6 @@ class State:
 
     def sync(self) -> SyncPlan:
         """Make every worker hold the ring's newest commit; returns the plan it followed."""
-        from . import _runtime
-
         runtime = _runtime()
         self._resolve_policy(runtime)
         if not self._synced and self._holds_commit:
@@ -225,8 +222,6 @@ class State:
 
     def flush_checkpoints(self, final: bool = False) -> None:
         """Wait for the in-flight write; with ``final``, make the last commit durable."""
-        from . import _runtime
-
         runtime = _runtime()
         if self._policy is None or runtime.rank != 0:
             return
@@ -257,8 +252,6 @@ class State:
         # Created only on rank 0, and only when first needed: a new writer removes
         # stale temporary directories, which must never be a live rank 0's write.
         if self._writer is None:
-            from . import _runtime
-
             # Each write's outcome becomes an event for the agent's metrics (agent/metrics.py)
             # and the events file; the writer logs the outcome itself, so no second console line.
             events = _runtime().events
@@ -388,8 +381,6 @@ class TorchState(State):
             self.sampler.load_state_dict(copy.deepcopy(tree["sampler"]))
 
     def on_reset(self) -> None:
-        from . import _runtime
-
         if self.sampler is not None and hasattr(self.sampler, "set_rank"):
             runtime = _runtime()
             self.sampler.set_rank(runtime.rank, runtime.world_size)

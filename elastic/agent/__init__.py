@@ -2,8 +2,10 @@
 
 The agent holds the host's membership (a lease in etcd), starts and supervises its
 worker processes, serves the round's store when one of them is rank 0, watches them
-for hangs and turns what it sees into membership changes. The worker side (the
-runtime, state, recovery) lives beside this package in ``elastic/``.
+for hangs and turns what it sees into membership changes. It starts workers as
+processes (``python -m elastic.worker.bootstrap``) and never imports the worker
+runtime: what passes between the two is ``elastic/contract/``. May import the
+contract, the timeline model, ``rendezvous`` and ``checkpoint``.
 
     agent.py        the agent: its loop, following plans, what a worker's exit means, leaving
     config.py       what the agent is told, and what it tells each worker

@@ -58,9 +58,9 @@ from rendezvous import (
 from .chaos import ChaosMonkey
 from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
-from ..errors import PeersUnreachable
-from ..events import EventLog
-from ..reset_budget import ResetBudget, RoundFailures
+from ..contract.errors import PeersUnreachable
+from ..contract.events import EventLog
+from ..contract.reset_budget import ResetBudget, RoundFailures
 from .event_tail import EventTail
 from .peer_probe import PeerProbe
 from .plain_store import PlainStores, prune_round_keys
@@ -272,7 +272,7 @@ class Agent:
         proc = WorkerProcess(
             worker_id,
             # The bootstrap ties the worker's life to ours (parent-death signal).
-            [sys.executable, "-u", "-m", "elastic.bootstrap", *cfg.command],
+            [sys.executable, "-u", "-m", "elastic.worker.bootstrap", *cfg.command],
             env,
             started_round=plan.round,
             label=lambda w=worker_id: self._label(w),

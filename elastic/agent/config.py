@@ -9,8 +9,8 @@ from typing import Optional
 
 from rendezvous import RendezvousSettings
 
-from ..stragglers import StragglerOptions
-from ..worker_config import WorkerConfig
+from ..contract.straggler_policy import StragglerOptions
+from ..contract.worker_config import WorkerConfig
 from .chaos import ChaosConfig
 
 

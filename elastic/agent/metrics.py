@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ..progress import Marks
+from ..contract.progress import Marks
 
 __all__ = ["AgentMetrics", "CONTENT_TYPE_LATEST", "REFORMATION_KINDS", "round_change"]
 

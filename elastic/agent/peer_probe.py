@@ -42,8 +42,8 @@ from typing import Callable, Iterable, Optional
 from rendezvous import Etcd, Member, Participant, RendezvousError
 from rendezvous.reachability import ReachReport
 
-from ..events import EventLog
-from ..progress import Marks
+from ..contract.events import EventLog
+from ..contract.progress import Marks
 
 log = logging.getLogger(__name__)
 

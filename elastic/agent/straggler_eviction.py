@@ -1,7 +1,7 @@
 """``--evict-stragglers``: the agent of a persistently slow worker takes its host out.
 
 A worker reports itself as a straggler (``straggler_detected``, see
-``elastic/stragglers.py``) in the events file its agent reads. With
+``elastic/worker/stragglers.py``) in the events file its agent reads. With
 ``--evict-stragglers`` the agent then leaves exactly as on SIGTERM (``_on_signal``):
 its workers are withdrawn, the ring switches without them at its next commit, so
 no step is lost, and they exit 0. It does so only when the workers that stay keep
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from ..stragglers import eviction_allowed
+from ..contract.straggler_policy import eviction_allowed
 
 log = logging.getLogger(__name__)
 

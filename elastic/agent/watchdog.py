@@ -52,8 +52,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..events import EventLog
-from ..progress import Marks, ProgressBoard
+from ..contract.events import EventLog
+from ..contract.progress import Marks, ProgressBoard
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class Watchdog:
 
 
 def ask_stacks(targets: dict, grace: float, clock: Callable[[], float] = time.monotonic) -> dict:
-    """Every thread's stack of some workers, from the faulthandler that elastic/progress.py
+    """Every thread's stack of some workers, from the faulthandler that elastic/contract/progress.py
     registers for SIGUSR1 (it writes without the GIL, so a deadlocked worker answers too).
 
     ``targets`` maps a key to (pid, the worker's stacks file, whether it can answer: a

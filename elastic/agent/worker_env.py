@@ -13,7 +13,7 @@ from typing import Mapping
 
 from rendezvous import RoundPlan
 
-from ..worker_config import WorkerConfig
+from ..contract.worker_config import WorkerConfig
 from . import addressing
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from ..console import OutputRouter
+from ..contract.console import OutputRouter
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""``elastic-run``: the only place that reads argv and the agent's environment.
+"""``elastic-run [options] SCRIPT``: start (or join) a job on this host.
 
-Every option has an environment form (``--min-np`` <- ``ELASTIC_MIN_NP``), so
-a Kubernetes manifest can configure the agent with ``env:`` alone. Bad input is
-one line on stderr and exit status 2, never a traceback.
+The launcher's options become an ``AgentConfig``, and the agent runs the host's
+workers (``elastic/agent/``). Options are read as ``options.py`` says (each has an
+environment form); bad input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -30,13 +30,26 @@ from rendezvous import (
     validate_job_id,
 )
 
-from .agent import addressing
-from .agent import Agent, AgentConfig
-from .console import ConsoleFormatter
-from .stragglers import StragglerOptions
-from .agent.chaos import ChaosConfig
-
-USAGE_ERROR = 2
+from ..agent import addressing
+from .options import (
+    ETCD_OPTIONS,
+    JOB_OPTIONS,
+    USAGE_ERROR,
+    OptionParser,
+    add_option,
+    add_switch,
+    coerce_env_values,
+    etcd_config,
+    hang_timeout,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    ratio_above_one,
+)
+from ..agent import Agent, AgentConfig
+from ..contract.console import ConsoleFormatter
+from ..contract.straggler_policy import StragglerOptions
+from ..agent.chaos import ChaosConfig
 
 HELP = """\
 Start (or join) an elastic data-parallel job: run SCRIPT in --nproc-per-node worker
@@ -51,197 +64,59 @@ Without --rdzv-endpoint an embedded etcd is started and all workers run on this 
 `elastic-run timeline LOG_DIR -o FILE.png` draws what a job did."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise ConfigError(message)
-
-
-def _env_name(name: str) -> str:
-    """The environment form of option ``name`` ("min-np" -> ELASTIC_MIN_NP)."""
-    return "ELASTIC_" + name.lstrip("-").upper().replace("-", "_")
-
-
-def _env(name: str, default=None):
-    return os.environ.get(_env_name(name), default)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError
-    return value
-
-
-def _hang_timeout(text: str) -> float:
-    """Seconds (0 or "off" disables); below 1 s a heartbeat gap would already count."""
-    value = 0.0 if text.strip().lower() == "off" else float(text)
-    if value != 0 and not value >= 1:
-        raise ValueError
-    return value
-
-
-def _ratio_above_one(text: str) -> float:
-    value = float(text)
-    if not value > 1:  # at or below 1, half of any ring would be "slower than the median"
-        raise ValueError
-    return value
-
-
-def _switch(text: str) -> bool:
-    """An on/off option's environment form."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError
-
-
-_positive_int.__name__ = "positive integer"
-_ratio_above_one.__name__ = "number above 1"
-_switch.__name__ = "1/true/yes/on or 0/false/no/off"
-_hang_timeout.__name__ = "number of seconds >= 1, or 0/off"
-_non_negative_int.__name__ = "non-negative integer"
-_positive_float.__name__ = "positive number"
-
-
-def add_option(p: argparse.ArgumentParser, flag: str, kind=str, default=None, help: str = "") -> None:
-    """An option with its environment form (``--min-np`` <- ``ELASTIC_MIN_NP``)."""
-    name = flag.lstrip("-")
-    env = _env_name(name)
-    from_env = _env(name)
-    # Wrapped, so argparse leaves it alone and the check below names the variable.
-    value = _EnvValue(env, from_env) if from_env is not None else default
-    p.add_argument(flag, type=kind, default=value, metavar=name.split("-")[-1].upper(),
-                   help=f"{help} [env {env}]" + (f" (default {default})" if default is not None else ""))
-
-
-# Where the job lives and how to reach etcd: shared by the launcher and `elastic-run status`.
-JOB_OPTIONS = (
-    ("--rdzv-endpoint", "etcd v3 endpoints HOST:PORT[,HOST:PORT...]; none: start an embedded etcd"),
-    ("--job-id", "the job's name; required with --rdzv-endpoint"),
-)
-ETCD_OPTIONS = (
-    ("--etcd-ca", "CA certificate (PEM) for TLS to etcd"),
-    ("--etcd-cert", "client certificate (PEM)"),
-    ("--etcd-key", "client key (PEM)"),
-    ("--etcd-user", "etcd user name"),
-    ("--etcd-password", "etcd password"),
-)
-
-
-def etcd_config(args: argparse.Namespace) -> EtcdConfig:
-    """The EtcdConfig the options describe (endpoint, TLS files, credentials)."""
-    return EtcdConfig.from_string(
-        args.rdzv_endpoint,
-        ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
-        user=args.etcd_user, password=args.etcd_password,
-        # Only the launcher has this option (`elastic-run status` keeps the default).
-        retry_deadline=getattr(args, "etcd_retry_deadline", None),
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="elastic-run", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OptionParser(prog="elastic-run", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def opt(flag, kind=str, default=None, help=""):
         add_option(p, flag, kind, default, help)
 
-    opt("--np", _positive_int, help="workers to start with; without an endpoint, all on this host")
-    opt("--min-np", _positive_int, help="smallest world size the job runs with (default --np)")
-    opt("--max-np", _positive_int, help="largest world size; further workers wait as spares (default --np)")
-    opt("--nproc-per-node", _positive_int, help="workers this agent runs (default --np, else --min-np, without an endpoint; else 1)")
+    opt("--np", positive_int, help="workers to start with; without an endpoint, all on this host")
+    opt("--min-np", positive_int, help="smallest world size the job runs with (default --np)")
+    opt("--max-np", positive_int, help="largest world size; further workers wait as spares (default --np)")
+    opt("--nproc-per-node", positive_int, help="workers this agent runs (default --np, else --min-np, without an endpoint; else 1)")
     for flag, text in JOB_OPTIONS:
         opt(flag, help=text)
     opt("--host-id", help="this host's identity (default: the host name)")
     opt("--host-addr", help="address other hosts reach this host's workers at (default: this host's address "
                             "on the route to etcd; gloo/NCCL then use the interface holding it)")
-    opt("--rdzv-ttl", _positive_float, 10.0, "seconds after which a silent host is declared lost")
-    opt("--rdzv-timeout", _positive_float, 600.0, "seconds to wait for min-np workers before failing")
+    opt("--rdzv-ttl", positive_float, 10.0, "seconds after which a silent host is declared lost")
+    opt("--rdzv-timeout", positive_float, 600.0, "seconds to wait for min-np workers before failing")
     opt("--rdzv-settle", float, 0.5, "seconds to wait for more joiners once min-np are present")
-    opt("--collective-timeout", _positive_float, 60.0, "seconds a collective may block before it counts as failed")
-    opt("--hang-timeout", _hang_timeout, help="seconds without progress after which a worker is declared hung, "
+    opt("--collective-timeout", positive_float, 60.0, "seconds a collective may block before it counts as failed")
+    opt("--hang-timeout", hang_timeout, help="seconds without progress after which a worker is declared hung, "
         "killed (replaced within --max-restarts); 0 or off disables (default: 3x the slowest commit interval "
         "seen, at least 5)")
-    opt("--max-resets", _non_negative_int, 20, "re-formations of the ring a worker survives within --reset-window")
-    opt("--reset-window", _positive_float, 3600.0, "seconds over which --max-resets counts re-formations")
-    opt("--max-restarts", _non_negative_int, 0, "crashed workers this agent replaces")
+    opt("--max-resets", non_negative_int, 20, "re-formations of the ring a worker survives within --reset-window")
+    opt("--reset-window", positive_float, 3600.0, "seconds over which --max-resets counts re-formations")
+    opt("--max-restarts", non_negative_int, 0, "crashed workers this agent replaces")
     opt("--backend", str, "auto", "auto (nccl with CUDA, else gloo), gloo or nccl")
     opt("--log-dir", help="per-worker logs and events.jsonl")
     opt("--health-port", int, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
-    opt("--grace-period", _positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
+    opt("--grace-period", positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
     opt("--checkpoint-dir", help="durable checkpoints: written here, resumed from here")
-    opt("--checkpoint-every", _positive_int, help="write a durable checkpoint every N commits")
-    opt("--checkpoint-interval", _positive_float, help="and/or every S seconds")
-    opt("--checkpoint-keep", _positive_int, 3, "durable checkpoints to keep")
-    opt("--final-checkpoint-timeout", _positive_float, 600.0,
+    opt("--checkpoint-every", positive_int, help="write a durable checkpoint every N commits")
+    opt("--checkpoint-interval", positive_float, help="and/or every S seconds")
+    opt("--checkpoint-keep", positive_int, 3, "durable checkpoints to keep")
+    opt("--final-checkpoint-timeout", positive_float, 600.0,
         "seconds rank 0 may go on writing the final checkpoint once the job has ended")
-    opt("--straggler-ratio", _ratio_above_one, 1.5,
+    opt("--straggler-ratio", ratio_above_one, 1.5,
         "report a worker whose compute time per step (outside collectives) stays above this many times "
         "the median of the ranks, in 3 windows of 10 commits in a row")
 
-    def switch(flag, help):
-        env = _env_name(flag)
-        from_env = _env(flag)
-        p.add_argument(flag, action="store_const", const=True, default=_EnvValue(env, from_env)
-                       if from_env is not None else False, help=f"{help} [env {env}=1]")
-
-    switch("--evict-stragglers", "a reported straggler's host leaves the job gracefully (as on SIGTERM; "
+    add_switch(p, "--evict-stragglers", "a reported straggler's host leaves the job gracefully (as on SIGTERM; "
            "nothing rolled back), if the rest stays >= --min-np")
-    opt("--chaos-kill-every", _positive_float, help="test resilience: SIGKILL one of this agent's workers every "
+    opt("--chaos-kill-every", positive_float, help="test resilience: SIGKILL one of this agent's workers every "
         "SECONDS on average (uniform 0.5x-1.5x), print a recovery report at the end")
     opt("--chaos-seed", int, help="seed of --chaos-kill-every's choices (default: random)")
     for flag, text in ETCD_OPTIONS:
         opt(flag, help=text)
-    opt("--etcd-retry-deadline", _positive_float, help="seconds an etcd request is retried while etcd is "
+    opt("--etcd-retry-deadline", positive_float, help="seconds an etcd request is retried while etcd is "
         "unavailable before it counts as failed (default 30); agent and workers ride out longer outages anyway")
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script (all of them: "
                    "options after SCRIPT are never taken for ours)")
     return p
-
-
-class _EnvValue:
-    """An option's value taken from its environment variable, not yet checked."""
-
-    def __init__(self, variable: str, text: str):
-        self.variable, self.text = variable, text
-
-
-def coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Values that came from the environment arrive as strings: convert and check them,
-    naming the variable (not the option) when one is bad."""
-    for action in parser._actions:
-        value = getattr(args, action.dest, None)
-        if not isinstance(value, _EnvValue):
-            continue
-        kind = _switch if action.const is True else action.type
-        if kind in (None, str):
-            setattr(args, action.dest, value.text)
-            continue
-        try:
-            setattr(args, action.dest, kind(value.text))
-        except (TypeError, ValueError):
-            raise ConfigError(f"{value.variable}={value.text!r}: expected {_article(kind.__name__)}") from None
-
-
-def _article(kind: str) -> str:
-    return kind if kind[0].isdigit() else f"a {kind}"
 
 
 def _split_at_script(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -399,20 +274,9 @@ def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> None:
         interrupted.wait(0.5)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["checkpoints"]:
-        from checkpoint.cli import main as checkpoints_main
-
-        return checkpoints_main(argv[1:])
-    if argv[:1] == ["status"]:
-        from .status_command import main as status_main
-
-        return status_main(argv[1:])
-    if argv[:1] == ["timeline"]:
-        from .timeline.cli import main as timeline_main
-
-        return timeline_main(argv[1:])
+def main(argv: Sequence[str]) -> int:
+    """``elastic-run [options] SCRIPT [args]``: run this host's part of the job; the exit status."""
+    argv = list(argv)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(ConsoleFormatter("elastic-run: %(message)s"))  # a warning says so
     logging.basicConfig(level=logging.INFO, handlers=[console])
@@ -450,6 +314,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if embedded is not None:
             embedded.stop()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 from rendezvous import ConfigError, Etcd, JobKeys, RendezvousError, validate_job_id
 from rendezvous.job_view import JobView, job_view, read_job
 
-from .cli import ETCD_OPTIONS, JOB_OPTIONS, USAGE_ERROR, _Parser, add_option, coerce_env_values, etcd_config
+from .options import ETCD_OPTIONS, JOB_OPTIONS, USAGE_ERROR, OptionParser, add_option, coerce_env_values, etcd_config
 
 NOT_FOUND = 1
 WATCH_INTERVAL_S = 2.0
@@ -30,7 +30,7 @@ _READ_DEADLINE_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="elastic-run status", description="Show what an elastic job is doing, or how it ended, "
+    p = OptionParser(prog="elastic-run status", description="Show what an elastic job is doing, or how it ended, "
                 "from etcd alone.")
     add_option(p, "--rdzv-endpoint", help="the job's etcd v3 endpoints HOST:PORT[,HOST:PORT...]")
     for flag, text in [o for o in JOB_OPTIONS if o[0] != "--rdzv-endpoint"] + list(ETCD_OPTIONS):

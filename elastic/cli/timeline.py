@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .model import Timeline, build
+from ..timeline.model import Timeline, build
 
 EVENTS_FILE = "events.jsonl"
 
@@ -68,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"elastic-run timeline: error: {exc}", file=sys.stderr)
         return 1
     try:
-        from .draw import render
+        from ..timeline.draw import render
     except ImportError:
         print("elastic-run timeline: error: needs matplotlib (pip install 'elastic-run[timeline]')", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from .console import FILE_ONLY
 
-log = logging.getLogger("elastic.events")
+log = logging.getLogger("elastic.contract.events")
 
 # Periodic records (step_log.py): in the events file for tools, no human line a second.
 _QUIET = frozenset({"steps"})

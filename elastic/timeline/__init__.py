@@ -1,8 +1,10 @@
-"""``elastic-run timeline LOG_DIR -o FILE.png``: a picture of what a job did.
+"""What a job did, read from its events: a model (pure) and a picture of it.
 
-    model.py  the events of every host -> a Timeline (pure: lanes, failures, re-formations)
-    draw.py   a Timeline -> a PNG (matplotlib)
-    cli.py    the command: find the events files, build, draw
+    model.py  the events of every host -> a Timeline (lanes, failures, re-formations)
+    draw.py   a Timeline -> a PNG (matplotlib, the ``timeline`` extra)
+
+Not a command (``elastic-run timeline`` is ``elastic/cli/timeline.py``): the agent's
+chaos report reads the same model. Imports nothing of ``elastic`` outside this room.
 """
 
 from .model import PHASES, Failure, Lane, MemberChange, Reformation, Span, Timeline, WorkerReform, build

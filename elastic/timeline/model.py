@@ -2,7 +2,7 @@
 
 ``build(events)`` turns the events of every host (agents and workers, any order)
 into a ``Timeline``: the world size over time, one lane per worker with its spans
-of steps (``steps`` events, see ``elastic/step_log.py``), the failures, joins and
+of steps (``steps`` events, see ``elastic/worker/step_log.py``), the failures, joins and
 leaves, and each re-formation of the ring with its phases.
 
 Times are wall-clock seconds since the first event. Events of several hosts are

@@ -1,6 +1,6 @@
 """First code a worker runs: tie its life to the agent's, then run the user's script.
 
-``python -m elastic.bootstrap SCRIPT ARGS`` (or ``-m MODULE ARGS``). The parent-death
+``python -m elastic.worker.bootstrap SCRIPT ARGS`` (or ``-m MODULE ARGS``). The parent-death
 signal is set here, after exec, rather than in a ``preexec_fn``: forking a process
 that runs gRPC threads and then running Python before exec crashes the child.
 """

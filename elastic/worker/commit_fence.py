@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 from rendezvous import Etcd, JobKeys, RendezvousError, RoundPlan
 
-from .errors import LeftBehind
+from ..contract.errors import LeftBehind
 
 log = logging.getLogger(__name__)
 

@@ -32,17 +32,17 @@ from typing import Callable, Optional, TypeVar
 
 from rendezvous import RendezvousError
 
-from .errors import (
+from ..contract.errors import (
     HostsUpdatedInterrupt,
     JobStopping,
     LeftJob,
     PeersUnreachable,
     ResetLimitExceeded,
-    is_communication_error,
-    summarize,
 )
-from .console import FILE_ONLY
-from .reset_budget import ResetBudget
+from ..contract.console import FILE_ONLY
+from ..contract.reset_budget import ResetBudget
+from . import lifecycle
+from .failures import is_communication_error, summarize
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,7 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        from . import _runtime
-
-        runtime = _runtime()
+        runtime = lifecycle.current()
         budget = ResetBudget(runtime.max_resets, runtime.reset_window)
         finished_reform = None  # (interruption, times) of the re-formation being completed
         while True:

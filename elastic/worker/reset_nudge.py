@@ -7,9 +7,9 @@ import time
 
 from rendezvous import ControlChannel, Etcd, JobKeys, RendezvousError, evict_if_dead
 
-from .worker_config import WorkerConfig
+from ..contract.worker_config import WorkerConfig
 
-log = logging.getLogger("elastic.runtime")
+log = logging.getLogger("elastic.worker.runtime")
 
 # While waiting for the round after a failure: how long before we look for a dead
 # coordinator, and how often we post our reset request again if etcd refused it.

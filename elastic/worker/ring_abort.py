@@ -40,7 +40,7 @@ from typing import Dict, FrozenSet, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .console import FILE_ONLY
+from ..contract.console import FILE_ONLY
 
 log = logging.getLogger(__name__)
 

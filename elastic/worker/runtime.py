@@ -38,19 +38,20 @@ from rendezvous import (
 from rendezvous.errors import RendezvousTimeoutError
 
 from .commit_fence import CommitFence
-from .console import FILE_ONLY
+from ..contract.console import FILE_ONLY
 from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
-from .errors import LeftJob, PeersUnreachable, is_communication_error, summarize
+from ..contract.errors import LeftJob, PeersUnreachable
+from .failures import is_communication_error, summarize
 from . import fault_points, round_store
-from .events import EventLog
+from ..contract.events import EventLog
 from .joiners import JoinerWatch
-from .progress import Progress
+from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
 from .ring_abort import RingHandle, forming_ring, prepare_ring, socket_snapshot
 from .stragglers import StragglerWatch
-from .worker_config import WorkerConfig
+from ..contract.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -450,7 +451,7 @@ class Runtime:
         """A check for the checkpoint writer, asked right before it publishes a write
         of the current round: has this worker been in every round since (read afresh
         from etcd)? A host cut off and healed must never publish what it wrote before
-        the job moved on without it (elastic/durable_fence.py says why being in the
+        the job moved on without it (elastic/worker/durable_fence.py says why being in the
         newest plan is not enough)."""
         if self.config is None:
             return None

@@ -56,13 +56,13 @@ import random
 import statistics
 import threading
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .progress import WAITING, classify, main_thread_frames, stdlib_prefixes
+from ..contract.progress import WAITING, classify, main_thread_frames, stdlib_prefixes
+from ..contract.straggler_policy import remaining_after
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,6 @@ SAMPLE_INTERVAL = 0.01  # seconds between samples of the main thread (jittered +
 # Not torch.cuda (a GPU sync waits for this rank's own kernels: compute), nor
 # torch.utils.data (a slow input pipeline is this rank's own slowness).
 COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd", "elastic", "rendezvous")
-
-
-@dataclass(frozen=True)
-class StragglerOptions:
-    """``elastic-run --straggler-ratio / --evict-stragglers``."""
-
-    ratio: float = 1.5
-    evict: bool = False
 
 
 # -- the pure decision ----------------------------------------------------------------
@@ -119,17 +111,6 @@ class Persistence:
 
     def run_of(self, worker: str) -> int:
         return self._runs.get(worker, 0)
-
-
-def remaining_after(world_size: int, leaving: int) -> int:
-    """Workers left when ``leaving`` of ``world_size`` go."""
-    return world_size - leaving
-
-
-def eviction_allowed(world_size: int, leaving: int, min_np: int) -> bool:
-    """Evicting is allowed only while the rest keeps the job at or above --min-np:
-    below it the coordinator would stop the whole job instead."""
-    return leaving > 0 and remaining_after(world_size, leaving) >= min_np
 
 
 # -- measuring --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What were the workers doing? Their stacks, for the message of a test that timed out.
 
 A worker under ``elastic-run`` registers ``faulthandler`` for SIGUSR1, writing to a
-file it keeps open (``elastic/progress.py``); the agent uses it before it kills a hung
+file it keeps open (``elastic/contract/progress.py``); the agent uses it before it kills a hung
 worker. A test that waited in vain uses it the same way: the file is found through
 ``/proc/<pid>/fd``, so the test needs only the pids (from the ``worker_started``
 events), and asks as the agent does (``ask_stacks``). faulthandler writes without the

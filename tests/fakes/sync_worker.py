@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import elastic
 from elastic import state as state_module
-from elastic import state_transfer
+from elastic.worker import lifecycle, state_transfer
 
 p = argparse.ArgumentParser()
 p.add_argument("rank", type=int)
@@ -52,7 +52,7 @@ dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=ar
 # The runtime as State sees it: rank, world, round, backend; no checkpoint policy.
 runtime = types.SimpleNamespace(rank=args.rank, world_size=args.world, backend=args.backend, config=None, round=1,
                                 fence=lambda: None, note_commit=lambda number=None: None)
-elastic._current = runtime
+lifecycle.install(runtime)
 # Two dtypes: two flat buffers. Small chunks: a sync of 4 MB is many transfers.
 state_transfer.CHUNK_BYTES = state_module.CHUNK_BYTES = 256 << 10
 state = elastic.State(weights=torch.zeros(1 << 20, device=device), counts=torch.zeros(10, dtype=torch.int64, device=device),

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastic
+from elastic.worker import lifecycle
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=50)
@@ -287,7 +288,7 @@ def train(state):
         if state.step % args.commit_every == 0:
             state.commit()
             if args.break_ring_every and state.step % args.break_ring_every == 0 and rank == world - 1:
-                elastic._runtime()._ring.abort()  # the next all-reduce fails on every rank
+                lifecycle.current()._ring.abort()  # the next all-reduce fails on every rank
 
 
 train(state)

@@ -317,7 +317,7 @@ def test_cpu_overlay_runs_the_digits_example_with_gloo_and_no_gpus():
     assert mebibytes(limits["memory"]) <= 4096
 
 
-@pytest.mark.skipif(importlib.util.find_spec("elastic.cli") is None, reason="elastic/cli.py not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("elastic.cli") is None, reason="elastic/cli/ not written yet")
 def test_every_elastic_variable_in_the_manifests_is_a_cli_option():
     help_text = subprocess.run(
         [sys.executable, "-c", "import sys; from elastic.cli import main; sys.exit(main())", "--help"],

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from checkpoint import CheckpointPolicy, DurableWriter, FenceRefusal, list_checkpoints
-from elastic.runtime import Runtime
+from elastic.worker.runtime import Runtime
 from rendezvous import Etcd, EtcdConfig, JobKeys, JobStatus, RoundPlan
 from rendezvous.control import FAILED, SUCCEEDED
 from rendezvous.etcd import Delete, Put

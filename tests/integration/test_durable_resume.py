@@ -56,7 +56,7 @@ def kill_everything(job: Job) -> None:
     assert workers, "no worker started"
     agent_group = os.getpgid(job.proc.pid)
     # The workers are not in the agent's process group: only the parent-death
-    # signal that elastic.bootstrap sets can take them down with the agent.
+    # signal that elastic.worker.bootstrap sets can take them down with the agent.
     assert all(os.getpgid(pid) != agent_group for pid in workers)
     job.kill()
     wait_until(lambda: not any(_alive(pid) for pid in workers), 15, "the workers to die with their agent")

@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from elastic.progress import HEARTBEAT_INTERVAL
+from elastic.contract.progress import HEARTBEAT_INTERVAL
 from tests.fakes.jobs import Job, read_jsonl, wait_until
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from elastic.status_command import main as status_main
+from elastic.cli.status import main as status_main
 from rendezvous import RUNNING, SUCCEEDED, JobKeys, JobStatus, keep_ended_job
 from rendezvous.etcd import Etcd
 from tests.fakes.jobs import ELASTIC_RUN, REPO, Job, wait_until

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from elastic.timeline.cli import load
+from elastic.cli.timeline import load
 from tests.fakes.jobs import ELASTIC_RUN, REPO, Job, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,7 +35,7 @@ def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name):
 # A multi-line message (a traceback, gloo's text) would bring lines without the logger.
 WORKER_LINE = re.compile(r"^\[rank\d+\]: (elastic|checkpoint|rendezvous): \S")
 AGENT_LINE = re.compile(r"^elastic-run: \S")
-# A warning reaches the console labelled (elastic/console.py), a Python warning as "...Warning:".
+# A warning reaches the console labelled (elastic/contract/console.py), a Python warning as "...Warning:".
 WARNING = re.compile(r"\bWARNING\b|\w+Warning: ")
 
 
@@ -103,7 +103,7 @@ def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path):
     assert switched and switched[-1].world_size == 3
     assert [w for _, w in timeline.world][:3] == [3, 2, 3]
     assert len(timeline.lanes) == 4
-    # The victim's last second of steps dies with it (elastic/step_log.py): only the others must have steps.
+    # The victim's last second of steps dies with it (elastic/worker/step_log.py): only the others must have steps.
     assert all(lane.steps > 0 for lane in timeline.lanes if lane.worker != killed.worker)
     assert done.stdout.startswith(f"{png}: 3 workers, 1 killed at ")
     assert "1 host joined at" in done.stdout and "succeeded" in done.stdout

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from elastic.agent.chaos import ChaosConfig, ChaosMonkey, Kill, build_report, format_report
-from tests.unit.test_timeline_model import A, T0, ev, kill_and_join_events, reform, steps
+from tests.unit.timeline.test_timeline_model import A, T0, ev, kill_and_join_events, reform, steps
 
 
 def test_each_kill_gets_its_detection_phases_recovery_and_steps_rerun():
@@ -104,7 +104,7 @@ def test_with_restarts_left_a_kill_may_go_below_min_np_and_the_seed_repeats_the_
 
 
 def test_the_options_and_their_environment_form(tmp_path, monkeypatch):
-    from elastic.cli import parse
+    from elastic.cli.launch import parse
 
     script = tmp_path / "train.py"
     script.write_text("")

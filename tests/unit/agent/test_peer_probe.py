@@ -6,7 +6,7 @@ import socket
 import time
 
 from elastic.agent.peer_probe import PeerProbe, unreachable
-from elastic.progress import Marks
+from elastic.contract.progress import Marks
 from rendezvous import Member
 
 

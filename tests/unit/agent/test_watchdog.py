@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from elastic.progress import USER, WAITING, Frame, Heartbeat, Marks, ProgressBoard, classify
+from elastic.contract.progress import USER, WAITING, Frame, Heartbeat, Marks, ProgressBoard, classify
 from elastic.agent.watchdog import HangPolicy, judge
 
 NOW = 1000.0
@@ -96,7 +96,7 @@ def frames(*specs):
         (frames(("torch.nn.parallel.distributed", "/venv/site-packages/torch/nn/parallel/distributed.py")), WAITING),
         # The runtime waiting for a round (inside threading.Condition.wait).
         (frames(("threading", "/usr/lib/python3.11/threading.py"),
-                ("rendezvous.control", "/repo/rendezvous/control.py"), ("elastic.runtime", "/repo/elastic/runtime.py")),
+                ("rendezvous.control", "/repo/rendezvous/control.py"), ("elastic.worker.runtime", "/repo/elastic/runtime.py")),
          WAITING),
         # A DataLoader waiting on its worker processes (it supervises them itself).
         (frames(("queue", "/usr/lib/python3.11/queue.py"),
@@ -167,7 +167,7 @@ def test_heartbeat_sees_the_main_thread_in_user_code_and_waiting(tmp_path):
 
 @pytest.mark.parametrize("text,value", [("off", 0.0), ("OFF", 0.0), ("0", 0.0), ("1", 1.0), ("42.5", 42.5)])
 def test_hang_timeout_option(tmp_path, text, value):
-    from elastic.cli import parse
+    from elastic.cli.launch import parse
 
     script = tmp_path / "x.py"
     script.write_text("")
@@ -179,7 +179,7 @@ def test_hang_timeout_option(tmp_path, text, value):
 
 @pytest.mark.parametrize("text", ["0.5", "-3", "soon"])
 def test_hang_timeout_option_rejects_bad_values(tmp_path, text):
-    from elastic.cli import parse
+    from elastic.cli.launch import parse
     from rendezvous import ConfigError
 
     script = tmp_path / "x.py"
@@ -190,13 +190,13 @@ def test_hang_timeout_option_rejects_bad_values(tmp_path, text):
 
 def test_a_main_thread_retrying_an_etcd_call_for_the_runtime_is_waiting_not_stuck():
     # Re-forming through an etcd outage: tenacity and grpc frames under rendezvous.etcd.
-    from elastic.progress import WAITING, Frame, classify
+    from elastic.contract.progress import WAITING, Frame, classify
 
     frames = [
         Frame("grpc._channel", "/venv/site-packages/grpc/_channel.py", 1, "_blocking"),
         Frame("tenacity", "/venv/site-packages/tenacity/__init__.py", 560, "__call__"),
         Frame("rendezvous.etcd", "/repo/rendezvous/etcd.py", 310, "_call"),
-        Frame("elastic.runtime", "/repo/elastic/runtime.py", 420, "__call__"),
+        Frame("elastic.worker.runtime", "/repo/elastic/runtime.py", 420, "__call__"),
     ]
     assert classify(frames)[0] == WAITING
 
@@ -274,7 +274,7 @@ def _collections_inside_current_frames(seconds: float = 1.0) -> int:
     import sys
     import threading
 
-    from elastic import progress
+    from elastic.contract import progress
 
     import linecache
 
@@ -314,14 +314,14 @@ def _collections_inside_current_frames(seconds: float = 1.0) -> int:
 
 
 def test_no_garbage_collection_starts_inside_sys_current_frames():
-    """CPython 3.11 deadlocks when one does (python/cpython#106883; elastic/progress.py)."""
+    """CPython 3.11 deadlocks when one does (python/cpython#106883; elastic/contract/progress.py)."""
     assert _collections_inside_current_frames() == 0
 
 
 @pytest.mark.skipif(__import__("sys").version_info[:2] != (3, 11), reason="only CPython 3.11 collects inside the call")
 def test_without_the_guard_collections_do_start_inside_sys_current_frames(monkeypatch):
     """The test above can fail: unguarded, collections start inside the call on 3.11."""
-    from elastic import progress
+    from elastic.contract import progress
 
     monkeypatch.setattr(progress, "_COLLECTION_INSIDE_CURRENT_FRAMES", False)
     assert _collections_inside_current_frames() > 0

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from elastic import cli
+from elastic.cli import launch as cli
 from rendezvous import ConfigError
 from tests.fakes.jobs import ELASTIC_RUN, REPO
 

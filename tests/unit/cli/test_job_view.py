@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from elastic.status_command import render_text
+from elastic.cli.status import render_text
 from rendezvous.control import JobStatus
 from rendezvous.waiting import WaitingEcho, WaitingLine, WaitingNotice
 from rendezvous.job_view import JobSnapshot, job_view
@@ -124,7 +124,7 @@ def test_an_agent_that_does_not_lead_echoes_the_notice_on_its_own_clock():
 
 
 def test_watch_draws_each_read_and_shows_a_failed_read_as_one_line(monkeypatch):
-    from elastic import status_command
+    from elastic.cli import status as status_command
     from rendezvous import JobKeys, RendezvousConnectionError
 
     first = job_view(JobSnapshot("job", running_job(), NOW))

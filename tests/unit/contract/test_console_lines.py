@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from elastic.console import FILE_ONLY, LOG_FILE_ONLY, ConsoleFormatter, OutputRouter, WorkerFormatter, route
-from elastic.errors import summarize
-from elastic.events import EventLog
+from elastic.contract.console import FILE_ONLY, LOG_FILE_ONLY, ConsoleFormatter, OutputRouter, WorkerFormatter, route
+from elastic.worker.failures import summarize
+from elastic.contract.events import EventLog
 
 GLOO = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:48280: "
         "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the "
@@ -42,7 +42,7 @@ def test_file_only_records_are_marked_on_every_line_under_an_agent_and_routed_of
 
 def test_events_before_the_first_round_have_no_round_prefix_and_console_false_is_file_only(caplog):
     events = EventLog(None, host="h")
-    with caplog.at_level(logging.INFO, logger="elastic.events"):
+    with caplog.at_level(logging.INFO, logger="elastic.contract.events"):
         events.emit("agent_started", workers=2)
         events.round = 3
         events.emit("failure_detected", reason="x", console=False)

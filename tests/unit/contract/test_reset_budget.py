@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from elastic.agent.agent import Agent
-from elastic.reset_budget import ResetBudget, RoundFailures
+from elastic.contract.reset_budget import ResetBudget, RoundFailures
 
 
 def test_failures_far_apart_never_exhaust_the_budget():

@@ -10,7 +10,7 @@ import pytest
 from tests.fakes.stacks import stacks_on_timeout, worker_stacks
 from tests.fakes.waiting import readline_within
 
-# Registers faulthandler as elastic/progress.py does, then waits in a named function.
+# Registers faulthandler as elastic/contract/progress.py does, then waits in a named function.
 CHILD = """
 import faulthandler, signal, sys, threading
 f = open(sys.argv[1], "w")

@@ -114,8 +114,8 @@ def test_retry_deadline_option_reaches_the_agent_and_its_workers(tmp_path, monke
     """--etcd-retry-deadline (or ELASTIC_ETCD_RETRY_DEADLINE) sets the agent's client and
     travels to every worker's; without it both keep EtcdConfig's default."""
     from elastic.agent.config import config_for_worker
-    from elastic.cli import etcd_config, parse
-    from elastic.worker_config import WorkerConfig
+    from elastic.cli.launch import etcd_config, parse
+    from elastic.contract.worker_config import WorkerConfig
 
     script = tmp_path / "train.py"
     script.write_text("")

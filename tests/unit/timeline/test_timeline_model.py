@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.timeline import build
-from elastic.timeline.cli import load, main
+from elastic.cli.timeline import load, main
 
 T0 = 1_000_000.0
 A, B = "hostA-1-aaaaaa", "hostB-2-bbbbbb"

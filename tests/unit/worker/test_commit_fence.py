@@ -1,11 +1,12 @@
-"""The fence on commits (elastic/commit_fence.py), against fake clocks and a fake etcd."""
+"""The fence on commits (elastic/worker/commit_fence.py), against fake clocks and a fake etcd."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic.commit_fence import TICK_S, CommitFence
-from elastic.errors import LeftBehind, is_communication_error
+from elastic.worker.commit_fence import TICK_S, CommitFence
+from elastic.contract.errors import LeftBehind
+from elastic.worker.failures import is_communication_error
 from rendezvous import JobKeys, RendezvousConnectionError
 from rendezvous.etcd import KeyValue
 from rendezvous.rounds import RoundPlan, Slot

@@ -1,4 +1,4 @@
-"""Rank 0's look at a pending round's joiners (elastic/joiners.py), against a real TCPStore."""
+"""Rank 0's look at a pending round's joiners (elastic/worker/joiners.py), against a real TCPStore."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from elastic import joiners
-from elastic.joiners import JoinerWatch
+from elastic.worker import joiners
+from elastic.worker.joiners import JoinerWatch
 from rendezvous import RoundPlan
 from rendezvous.rounds import Slot
 
@@ -78,7 +78,7 @@ def test_joiners_that_never_arrive_are_reported_at_30_then_60_seconds(server, ca
     clock = Clock()
     pending = plan(2, ["a.w0", "b.w0", "c.w0"], f"127.0.0.1:{server.port}")
     watch = JoinerWatch(clock=clock)
-    caplog.set_level(logging.WARNING, logger="elastic.joiners")
+    caplog.set_level(logging.WARNING, logger="elastic.worker.joiners")
     for seconds in (0, 20, 31, 45, 61):
         clock.now = 100.0 + seconds
         assert not watch.ready(CURRENT, pending)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.errors import PeersUnreachable, ResetLimitExceeded
-from elastic.recovery import _Interruption, _reform
-from elastic.reset_budget import ResetBudget
+from elastic.contract.errors import PeersUnreachable, ResetLimitExceeded
+from elastic.worker.recovery import _Interruption, _reform
+from elastic.contract.reset_budget import ResetBudget
 
 
 class _FailingRuntime:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic import ring_abort
+from elastic.worker import ring_abort
 
 # Rank 1 joins the group, then stays alive without ever entering a collective: rank 0's
 # all_reduce waits on a healthy socket, which is what a non-neighbour of a dead rank sees.

@@ -16,16 +16,16 @@ import time
 import pytest
 import torch.distributed as dist
 
-from elastic import round_store
-from elastic.errors import PeersUnreachable
-from elastic.runtime import Runtime
-from elastic.worker_config import WorkerConfig
+from elastic.worker import round_store
+from elastic.contract.errors import PeersUnreachable
+from elastic.worker.runtime import Runtime
+from elastic.contract.worker_config import WorkerConfig
 from rendezvous import JobStatus, RoundPlan
 from rendezvous.rounds import Slot
 from tests.fakes.jobs import wait_until
 
 WORKER = "m.w0"
-ATTEMPT_S = 1.0  # one connect attempt (elastic/round_store.py)
+ATTEMPT_S = 1.0  # one connect attempt (elastic/worker/round_store.py)
 
 
 class FakeControl:

@@ -9,14 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from elastic.agent.straggler_eviction import on_straggler_event
-from elastic.stragglers import (
-    Persistence,
-    StragglerOptions,
-    StragglerWatch,
-    WaitClock,
-    eviction_allowed,
-    scores,
-)
+from elastic.contract.straggler_policy import StragglerOptions, eviction_allowed
+from elastic.worker.stragglers import Persistence, StragglerWatch, WaitClock, scores
 from rendezvous import RoundPlan
 from rendezvous.rounds import Slot
 
@@ -220,7 +214,7 @@ def test_slow_steps_exchange_every_k_commits_at_least():
 
 
 def test_very_short_steps_exchange_at_most_max_window_commits_apart():
-    from elastic.stragglers import MAX_WINDOW_COMMITS
+    from elastic.worker.stragglers import MAX_WINDOW_COMMITS
 
     watch, _, commit = _paced_watch(0.0001, every=10, min_window_s=1.0, target_window_s=2.0)
     for number in range(1, 2 * MAX_WINDOW_COMMITS + 20):
@@ -239,7 +233,7 @@ def script(tmp_path, monkeypatch):
 
 
 def test_the_options_and_their_environment_forms(script, monkeypatch):
-    from elastic.cli import parse
+    from elastic.cli.launch import parse
 
     assert parse(["--np", "2", script])[0].stragglers == StragglerOptions(ratio=1.5, evict=False)
     config, _ = parse(["--np", "2", "--straggler-ratio", "2.5", "--evict-stragglers", script, "--evict-stragglers"])
@@ -259,7 +253,7 @@ def test_the_options_and_their_environment_forms(script, monkeypatch):
      "ELASTIC_EVICT_STRAGGLERS='maybe': expected 1/true/yes/on or 0/false/no/off"),
 ])
 def test_bad_values_are_one_line_and_exit_2(script, monkeypatch, capsys, argv, env, message):
-    from elastic.cli import main
+    from elastic.cli.launch import main
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elastic.runtime import Runtime
+from elastic.worker.runtime import Runtime
 from rendezvous import STOPPING, JobStatus, RoundPlan
 from rendezvous.rounds import Slot
 

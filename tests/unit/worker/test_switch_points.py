@@ -3,8 +3,8 @@ change of spacing never skips a switch rank 0 scheduled."""
 
 from types import SimpleNamespace
 
-from elastic.stragglers import StragglerWatch
-from elastic.switch_points import SwitchPoints
+from elastic.worker.stragglers import StragglerWatch
+from elastic.worker.switch_points import SwitchPoints
 
 
 def test_before_a_pace_is_agreed_every_commit_is_a_point():

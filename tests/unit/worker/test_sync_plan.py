@@ -1,4 +1,4 @@
-"""The sync plan (elastic/sync_plan.py): who holds the newest commit, who sends what."""
+"""The sync plan (elastic/worker/sync_plan.py): who holds the newest commit, who sends what."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from elastic.sync_plan import ALIGN, CommitId, Holding, choose_holders, plan_sync, stripes
+from elastic.worker.sync_plan import ALIGN, CommitId, Holding, choose_holders, plan_sync, stripes
 
 
 def holdings(*commits):

@@ -1,0 +1,155 @@
+"""The options several ``elastic-run`` commands share, and how any option is read.
+
+Every option has an environment form (``--min-np`` <- ``ELASTIC_MIN_NP``), so a
+Kubernetes manifest can configure the agent with ``env:`` alone. Bad input is one
+line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from rendezvous import ConfigError, EtcdConfig
+
+USAGE_ERROR = 2
+
+
+class OptionParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise ConfigError(message)
+
+
+def env_name(name: str) -> str:
+    """The environment form of option ``name`` ("min-np" -> ELASTIC_MIN_NP)."""
+    return "ELASTIC_" + name.lstrip("-").upper().replace("-", "_")
+
+
+def env_value(name: str, default=None):
+    return os.environ.get(env_name(name), default)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError
+    return value
+
+
+def hang_timeout(text: str) -> float:
+    """Seconds (0 or "off" disables); below 1 s a heartbeat gap would already count."""
+    value = 0.0 if text.strip().lower() == "off" else float(text)
+    if value != 0 and not value >= 1:
+        raise ValueError
+    return value
+
+
+def ratio_above_one(text: str) -> float:
+    value = float(text)
+    if not value > 1:  # at or below 1, half of any ring would be "slower than the median"
+        raise ValueError
+    return value
+
+
+def on_off(text: str) -> bool:
+    """An on/off option's environment form."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError
+
+
+positive_int.__name__ = "positive integer"
+ratio_above_one.__name__ = "number above 1"
+on_off.__name__ = "1/true/yes/on or 0/false/no/off"
+hang_timeout.__name__ = "number of seconds >= 1, or 0/off"
+non_negative_int.__name__ = "non-negative integer"
+positive_float.__name__ = "positive number"
+
+
+def add_option(p: argparse.ArgumentParser, flag: str, kind=str, default=None, help: str = "") -> None:
+    """An option with its environment form (``--min-np`` <- ``ELASTIC_MIN_NP``)."""
+    name = flag.lstrip("-")
+    env = env_name(name)
+    from_env = env_value(name)
+    # Wrapped, so argparse leaves it alone and the check below names the variable.
+    value = EnvValue(env, from_env) if from_env is not None else default
+    p.add_argument(flag, type=kind, default=value, metavar=name.split("-")[-1].upper(),
+                   help=f"{help} [env {env}]" + (f" (default {default})" if default is not None else ""))
+
+
+def add_switch(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """An on/off option (``--evict-stragglers``) with its environment form (``=1``)."""
+    env = env_name(flag)
+    from_env = env_value(flag)
+    p.add_argument(flag, action="store_const", const=True, default=EnvValue(env, from_env)
+                   if from_env is not None else False, help=f"{help} [env {env}=1]")
+
+
+# Where the job lives and how to reach etcd: shared by the launcher and `elastic-run status`.
+JOB_OPTIONS = (
+    ("--rdzv-endpoint", "etcd v3 endpoints HOST:PORT[,HOST:PORT...]; none: start an embedded etcd"),
+    ("--job-id", "the job's name; required with --rdzv-endpoint"),
+)
+ETCD_OPTIONS = (
+    ("--etcd-ca", "CA certificate (PEM) for TLS to etcd"),
+    ("--etcd-cert", "client certificate (PEM)"),
+    ("--etcd-key", "client key (PEM)"),
+    ("--etcd-user", "etcd user name"),
+    ("--etcd-password", "etcd password"),
+)
+
+
+def etcd_config(args: argparse.Namespace) -> EtcdConfig:
+    """The EtcdConfig the options describe (endpoint, TLS files, credentials)."""
+    return EtcdConfig.from_string(
+        args.rdzv_endpoint,
+        ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
+        user=args.etcd_user, password=args.etcd_password,
+        # Only the launcher has this option (`elastic-run status` keeps the default).
+        retry_deadline=getattr(args, "etcd_retry_deadline", None),
+    )
+
+
+class EnvValue:
+    """An option's value taken from its environment variable, not yet checked."""
+
+    def __init__(self, variable: str, text: str):
+        self.variable, self.text = variable, text
+
+
+def coerce_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values that came from the environment arrive as strings: convert and check them,
+    naming the variable (not the option) when one is bad."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not isinstance(value, EnvValue):
+            continue
+        kind = on_off if action.const is True else action.type
+        if kind in (None, str):
+            setattr(args, action.dest, value.text)
+            continue
+        try:
+            setattr(args, action.dest, kind(value.text))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{value.variable}={value.text!r}: expected {_article(kind.__name__)}") from None
+
+
+def _article(kind: str) -> str:
+    return kind if kind[0].isdigit() else f"a {kind}"

@@ -1,0 +1,12 @@
+"""What a worker and its agent share: the files and values that pass between them.
+
+    events.py           one JSON line per thing that happened (both write, the agent reads)
+    progress.py         progress marks on a shared page, read by the agent's hang watchdog
+    worker_config.py    what the agent tells a worker through its environment
+    console.py          which lines reach the console and which stay in the log file
+    errors.py           the runtime's errors, and how a worker reports one to its agent
+    reset_budget.py     how many failures a job survives (worker and agent count alike)
+    straggler_policy.py the straggler options, and when evicting one is allowed
+
+Imported by both sides; imports nothing of ``elastic`` outside this room.
+"""

@@ -1,0 +1,11 @@
+"""The in-worker runtime: everything a training process runs besides the user's code.
+
+Rounds and process groups (``runtime.py``), the recovery path (``recovery.py``, read it
+first), ring abort, the state sync (``sync_plan.py`` decides, ``state_transfer.py``
+moves), the commit and durable fences, reset budgets and nudges, switch points,
+joiners, the round's store, stragglers, step records and test fault points.
+
+May import ``elastic.contract``, ``rendezvous`` and ``checkpoint``; never the agent,
+the commands, or the user API above it (``elastic/__init__.py``, ``state.py``, ...),
+which build on this room. The process's runtime is ``lifecycle.current()``.
+"""

@@ -1,0 +1,102 @@
+"""This process's runtime: started by ``elastic.init()``, found by the rest of the worker.
+
+The one process-wide object of the worker side lives here, below the user API that
+reads it (``elastic.rank()``, ``State.commit()``, ``@elastic.run``), so nothing in
+the worker room has to reach up into ``elastic/__init__.py`` for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+from typing import Optional
+
+from rendezvous import RendezvousError
+
+from ..contract.console import WorkerFormatter
+from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
+from ..contract.worker_config import WorkerConfig
+from .failures import is_communication_error, summarize
+from .runtime import Runtime
+
+_current: Optional[Runtime] = None
+
+
+def start() -> None:
+    """Join the job this worker was started for (a world of one without a launcher)."""
+    global _current
+    if _current is not None:
+        return
+    config = WorkerConfig.from_env()
+    _configure_logging(marks=config is not None)
+    if config is not None and config.error_file:
+        _report_errors_to(config.error_file)
+    runtime = Runtime(config)
+    try:
+        runtime.start()
+    except LeftJob as exc:
+        print(f"elastic: {exc}; nothing to do", file=sys.stderr)
+        raise SystemExit(0)
+    except RendezvousError as exc:
+        print(f"elastic: {exc}", file=sys.stderr)
+        raise SystemExit(1)
+    _current = runtime
+    atexit.register(shutdown)
+
+
+def install(runtime) -> None:
+    """Make ``runtime`` this process's (tests drive State with a stand-in)."""
+    global _current
+    _current = runtime
+
+
+def current() -> Runtime:
+    if _current is None:
+        raise ElasticError("elastic.init() has not been called")
+    return _current
+
+
+def shutdown() -> None:
+    global _current
+    if _current is not None:
+        _current.shutdown()
+        _current = None
+
+
+def _configure_logging(*, marks: bool) -> None:
+    # The runtime's packages log one line per event; user code's logging is left alone.
+    for name in ("elastic", "checkpoint", "rendezvous"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            # Under an agent, the details of a failure go to the log file only (console.py).
+            handler.setFormatter(WorkerFormatter(f"{name}: %(message)s", marks=marks))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO if name != "rendezvous" else logging.WARNING)
+            logger.propagate = False
+
+
+def _report_errors_to(path: str) -> None:
+    """An uncaught exception is a user error: leave a one-line report for the agent."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if isinstance(value, PeersUnreachable):
+            # A network fault, not a crash and not a bug: one line, and its own kind
+            # of report, so the agent neither fails the job nor drops this worker.
+            with open(path, "w") as f:
+                f.write(PeersUnreachable.REPORT_PREFIX + str(value) + "\n")
+            print(f"elastic: {value}", file=sys.stderr)
+            return
+        try:
+            # A broken ring or an unreachable etcd that escaped elastic.run is a
+            # crash, not a user error: the agent then drops this worker and the
+            # others re-form, instead of failing the whole job.
+            if not (is_communication_error(value) or isinstance(value, RendezvousError)):
+                with open(path, "w") as f:
+                    f.write(summarize(value) + "\n")
+        finally:
+            previous(kind, value, tb)
+
+    sys.excepthook = hook

@@ -1,0 +1,166 @@
+"""The rooms of the code base and the one-way imports between them, read with ``ast``.
+
+A module's room is the sub-package it lives in (``elastic/worker/`` -> worker); the
+modules directly in ``elastic/`` and its other sub-packages (the user API, and later
+the Horovod and sharded-state APIs) are the room ``api``. Every import is counted:
+at module level, inside functions and under ``if TYPE_CHECKING`` alike, since each is
+a dependency a reader has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("elastic", "rendezvous", "checkpoint")
+ROOMS = ("worker", "contract", "agent", "cli", "timeline")
+
+# Which rooms each room may import (besides itself).
+MAY_IMPORT = {
+    "rendezvous": set(),
+    "checkpoint": set(),
+    "contract": set(),
+    "timeline": {"contract"},
+    "worker": {"contract", "rendezvous", "checkpoint"},
+    "agent": {"contract", "timeline", "rendezvous", "checkpoint"},
+    "cli": {"agent", "contract", "timeline", "rendezvous", "checkpoint"},
+    "api": {"worker", "contract", "rendezvous", "checkpoint"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "elastic":
+        return parts[0]
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "api"
+
+
+def imports_of(module: str) -> set[str]:
+    """The project modules ``module`` imports (a name imported from a package that is
+    itself a module counts as that module, not as the package)."""
+    path = MODULES[module]
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            submodules = [f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in MODULES]
+            targets = submodules if len(submodules) == len(node.names) else [source, *submodules]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:  # `import a.b.c`'s attribute paths
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                found.add(target)
+    return found
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_the_reader_itself_sees_imports():
+    # If the reader broke, every rule below would pass vacuously.
+    assert "elastic.worker.runtime" in GRAPH["elastic.worker.recovery"] or \
+        "elastic.worker.lifecycle" in GRAPH["elastic.worker.recovery"]
+    assert "elastic.contract.events" in GRAPH["elastic.agent.agent"]
+    assert "rendezvous.watch" in GRAPH["rendezvous.etcd"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_two_modules_import_each_other_directly_or_through_others():
+    assert _cycles(GRAPH) == []
+
+
+@pytest.mark.parametrize("room", sorted(MAY_IMPORT))
+def test_each_room_imports_only_what_it_may(room):
+    broken = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items() if room_of(module) == room
+        for target in targets
+        if room_of(target) != room and room_of(target) not in MAY_IMPORT[room]
+    )
+    assert broken == []
+
+
+def test_every_room_has_a_docstring_saying_what_it_holds_and_may_import():
+    for room in ROOMS:
+        doc = ast.get_docstring(ast.parse((ROOT / "elastic" / room / "__init__.py").read_text())) or ""
+        assert "import" in doc.lower(), f"elastic/{room}/__init__.py does not say what it may import"
+
+
+def test_no_module_is_over_about_500_lines():
+    long = {str(path.relative_to(ROOT)): n for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > 520}
+    assert long == {}
+
+
+def test_the_public_api_keeps_its_names():
+    import elastic
+
+    for name in ("init", "run", "rank", "size", "local_rank", "round", "shutdown", "State", "ObjectState",
+                 "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "ElasticError", "ResetLimitExceeded",
+                 "accumulate"):
+        assert hasattr(elastic, name), name
+    from elastic.cli import main  # the console script's entry point (pyproject.toml)
+
+    assert callable(main)
