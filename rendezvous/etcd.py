@@ -40,6 +40,7 @@ from .errors import ConfigError, LeaseLostError, RendezvousAuthError, Rendezvous
 
 from .etcd_config import EtcdConfig, netloc
 from .kv import KeyValue
+from .tls_probe import TlsFiles, TlsVerdicts, tls_refusal
 from .watch import Watch
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,11 @@ class Etcd:
             self._credentials = MultiEndpointEtcd3Client.get_secure_creds(
                 config.ca_cert, cert_key=config.cert_key, cert_cert=config.cert_cert
             )
+        # Why a secure endpoint is unavailable is asked of the endpoint (tls_probe.py).
+        self._tls: TlsVerdicts | None = None
+        if config.secure:
+            files = TlsFiles(config.ca_cert, config.cert_cert, config.cert_key)
+            self._tls = TlsVerdicts(lambda host, port: tls_refusal(host, port, files, min(2.0, config.call_timeout)))
         self._watches: "weakref.WeakSet" = weakref.WeakSet()
 
     # -- what a watch's stream needs of the client (watch.WatchTransport)
@@ -280,8 +286,14 @@ class Etcd:
             return RendezvousAuthError(f"etcd at {where} requires authentication: configure a user and password")
         if code == grpc.StatusCode.PERMISSION_DENIED:
             return RendezvousAuthError(f"etcd at {where} denied {what} to user {self.config.user!r}: permission denied")
-        if code == grpc.StatusCode.UNAVAILABLE and any(m in lowered for m in _TLS_MESSAGES):
-            return RendezvousAuthError(f"TLS handshake with etcd at {where} failed: {_tls_problem(details)}")
+        if code == grpc.StatusCode.UNAVAILABLE and self._tls is not None:
+            # gRPC's words for a refused certificate vary with the server and the timing
+            # of its alert; the server's own answer to a handshake does not.
+            refusal = self._tls.refusal(*self.config.endpoints[index])
+            if refusal is None and any(m in lowered for m in _TLS_MESSAGES):
+                refusal = _tls_problem(details)
+            if refusal is not None:
+                return RendezvousAuthError(f"TLS handshake with etcd at {where} failed: {refusal}")
         if code in _TRANSIENT_CODES or any(m in lowered for m in _TRANSIENT_MESSAGES):
             if code == grpc.StatusCode.UNAVAILABLE:
                 self._failover(index)

@@ -9,7 +9,7 @@ import pytest
 from etcd3 import etcdrpc
 
 from rendezvous.embedded import EmbeddedEtcd
-from rendezvous.errors import RendezvousAuthError
+from rendezvous.errors import RendezvousAuthError, RendezvousConnectionError
 from rendezvous.etcd import Etcd
 from tests.fakes.pki import make_pki, tls_etcd_server
 
@@ -53,6 +53,16 @@ def test_tls_client_without_certificate_is_refused_clearly(tls_etcd):
     assert time.monotonic() - started < 4.0  # not retried until its 5 s retry deadline
     assert tls_etcd.endpoint in message and "\n" not in message
     assert "client certificate" in message, message
+
+
+def test_a_stopped_tls_etcd_is_unreachable_not_a_certificate_problem(pki, tmp_path):
+    # The probe that tells certificate refusals apart must not call an outage one.
+    server = tls_etcd_server(etcd_binary_or_skip(), pki).start()
+    config = server.config(retry_deadline=1.5)
+    server.stop()
+    with Etcd(config) as client:
+        with pytest.raises(RendezvousConnectionError, match="cannot reach etcd"):
+            client.check(timeout=1.5)
 
 
 def test_tls_client_with_the_wrong_ca_is_refused_clearly(tls_etcd, pki):
