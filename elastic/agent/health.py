@@ -207,17 +207,48 @@ class _ProbeHandler(http.server.BaseHTTPRequestHandler):
         logger.debug("health %s - %s", self.address_string(), format % args)
 
 
+class _ProbeServer(http.server.ThreadingHTTPServer):
+    """One thread per request, as daemons (a stuck prober must never keep the agent from
+    exiting), but remembered: ``stop()`` waits for them, bounded by the handler's socket
+    timeout, so nothing of the server runs once it has stopped. (With plain daemon
+    threads a request thread could still be closing its connection after ``stop()``.)"""
+
+    daemon_threads = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._requests: list[threading.Thread] = []
+        self._requests_lock = threading.Lock()
+
+    def process_request(self, request, client_address) -> None:
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                  name="health-request", daemon=True)
+        with self._requests_lock:
+            self._requests = [t for t in self._requests if t.is_alive()]
+            self._requests.append(thread)
+        thread.start()
+
+    def join_requests(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._requests_lock:
+            requests = list(self._requests)
+        for thread in requests:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 class HealthServer:
     """Tiny HTTP server (stdlib http.server in a daemon thread) for pod probes."""
 
-    def __init__(self, port: int, probe: Probe, host: str = "0.0.0.0", metrics: "Exposition | None" = None) -> None:
+    def __init__(self, port: int, probe: Probe, host: str = "0.0.0.0", metrics: "Exposition | None" = None,
+                 request_timeout: float = 5.0) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"health port must be in 0..65535, got {port!r}")
+        self._request_timeout = request_timeout  # a prober that stops talking is cut off after this
         self._requested_port = port
         self._probe = probe
         self._metrics = metrics
         self._host = host
-        self._server: http.server.ThreadingHTTPServer | None = None
+        self._server: _ProbeServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -233,10 +264,9 @@ class HealthServer:
         handler = type("HealthProbeHandler", (_ProbeHandler,), {
             "probe": staticmethod(self._probe),
             "metrics": staticmethod(self._metrics) if self._metrics is not None else None,
+            "timeout": self._request_timeout,  # the request socket's timeout (StreamRequestHandler)
         })
-        server = http.server.ThreadingHTTPServer((self._host, self._requested_port), handler)
-        # A slow or stuck prober must never keep the agent from exiting.
-        server.daemon_threads = True
+        server = _ProbeServer((self._host, self._requested_port), handler)
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.2},
@@ -256,6 +286,7 @@ class HealthServer:
         server.server_close()
         if thread is not None:
             thread.join(timeout=5)
+        server.join_requests(self._request_timeout + 1.0)
         self._server = self._thread = None
 
     def __enter__(self) -> "HealthServer":

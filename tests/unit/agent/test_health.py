@@ -174,6 +174,21 @@ def test_stop_closes_the_port_and_ends_the_thread():
     assert leaked == []
 
 
+def test_stop_waits_for_requests_in_flight_and_cuts_off_a_silent_prober():
+    threads_before = set(threading.enumerate())
+    srv = HealthServer(port=0, probe=lambda: (True, "x"), host="127.0.0.1", request_timeout=0.5).start()
+    silent = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    silent.sendall(b"GET /healthz HTTP/1.1\r\n")  # ... and never the rest of the request
+    for _ in range(20):  # answered requests' threads end as they close their connections
+        assert get(srv.port, "/healthz")[0] == 200
+    started = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - started < 3.0  # the silent prober's timeout, not forever
+    leaked = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    silent.close()
+    assert leaked == []
+
+
 def test_start_twice_is_an_error(server):
     with pytest.raises(RuntimeError, match="already started"):
         server.start()
