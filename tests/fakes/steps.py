@@ -21,3 +21,25 @@ def committed_samples(steps: list[dict]) -> list[int]:
             assert s["batch"] == kept["batch"], f"ranks disagree on step {s['step']}: {s} vs {kept}"
     assert sorted(newest) == list(range(1, max(newest) + 1)), "a step is missing from every log"
     return sorted(i for s in newest.values() for i in s["batch"])
+
+
+def step_attempts(steps: list[dict]) -> dict[int, set[int]]:
+    """Per step number, the rounds in which some rank recorded it.
+
+    Any rank's record counts, for the reason ``committed_samples`` gives: a rank 0 killed
+    between a step's all-reduce and its record leaves that step trained and committed by
+    the survivors, recorded only under their (old) ranks. A step recorded in two rounds
+    was run again after a rollback; a step recorded in none was never trained.
+    """
+    rounds: dict[int, set[int]] = {}
+    for s in steps:
+        rounds.setdefault(s["step"], set()).add(s["round"])
+    return rounds
+
+
+def missing_steps(attempts: dict[int, set[int]], last: int) -> list[int]:
+    return [step for step in range(1, last + 1) if step not in attempts]
+
+
+def steps_run_again(attempts: dict[int, set[int]]) -> int:
+    return sum(len(rounds) - 1 for rounds in attempts.values())

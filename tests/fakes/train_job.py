@@ -69,9 +69,10 @@ p.add_argument("--break-ring-every", type=int, default=None,
                     "network fault would: the whole ring takes the failure path (abort, restore, re-form, sync)")
 p.add_argument("--hold-below-world", type=int, default=None,
                help="while the ring is smaller than this, commit in lockstep without training")
-p.add_argument("--kill-at", default="", help="sampler mode: STEP:POINT,... --kill-rank SIGKILLs itself at POINT "
+p.add_argument("--kill-at", default="", help="STEP:POINT,... --kill-rank SIGKILLs itself at POINT "
                "of step STEP: before-step, mid-step (after the forward, before the all-reduce), "
-               "before-commit, after-peer-commit (once rank 0 has committed the step), after-commit")
+               "before-commit, after-peer-commit (once rank 0 has committed the step), after-commit; "
+                    "without --epochs: after-allreduce (the step trained, not yet recorded)")
 p.add_argument("--kill-rank", type=int, default=1)
 p.add_argument("--lag-rank", type=int, default=None,
                help="at the step of the after-peer-commit kill, this rank does not commit before the kill: it "
@@ -280,6 +281,7 @@ def train(state):
         if args.fail_step is not None and state.step == args.fail_step and rank == args.fail_rank:
             raise ValueError(f"bad batch at step {state.step}")
         one_step(ddp, rows)
+        maybe_die("after-allreduce", state.step + 1)  # trained by the ring, recorded by nobody yet
         state.step += 1
         record_step(None)
         time.sleep(args.step_delay + args.extra_step_delay)

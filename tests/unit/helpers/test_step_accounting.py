@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.fakes.steps import committed_samples
+from tests.fakes.steps import committed_samples, missing_steps, step_attempts, steps_run_again
 
 
 def record(step, round_, rank, batch):
@@ -41,3 +41,30 @@ def test_ranks_that_disagree_on_a_batch_fail():
 def test_a_step_no_rank_logged_fails():
     with pytest.raises(AssertionError, match="missing from every log"):
         committed_samples([record(1, 1, 0, [0]), record(3, 1, 0, [2])])
+
+
+def test_a_step_recorded_only_under_the_survivors_old_ranks_is_not_missing():
+    # The soak's rank 0 was killed after step 2's all-reduce, before its record: the
+    # survivors (ranks 1 and 2 of round 1) recorded and committed it; round 2 goes on.
+    steps = [record(1, 1, 0, None), record(1, 1, 1, None), record(1, 1, 2, None),
+             record(2, 1, 1, None), record(2, 1, 2, None),
+             record(3, 2, 0, None), record(3, 2, 1, None)]
+    attempts = step_attempts(steps)
+    assert missing_steps(attempts, 3) == []
+    assert steps_run_again(attempts) == 0
+
+
+@pytest.mark.parametrize("steps, last, missing, again", [
+    # a rollback: step 2 of round 1 run again in round 2
+    ([record(1, 1, 0, None), record(2, 1, 1, None), record(2, 2, 0, None), record(3, 2, 0, None)], 3, [], 1),
+    # a step nobody recorded
+    ([record(1, 1, 0, None), record(3, 1, 0, None)], 3, [2], 0),
+    # ranks of one round recording the same step: one attempt
+    ([record(1, 1, 0, None), record(1, 1, 1, None), record(1, 1, 2, None)], 1, [], 0),
+    # the last steps missing
+    ([record(1, 1, 0, None)], 3, [2, 3], 0),
+])
+def test_attempts_table(steps, last, missing, again):
+    attempts = step_attempts(steps)
+    assert missing_steps(attempts, last) == missing
+    assert steps_run_again(attempts) == again
