@@ -72,7 +72,7 @@ p.add_argument("--hold-below-world", type=int, default=None,
 p.add_argument("--kill-at", default="", help="STEP:POINT,... --kill-rank SIGKILLs itself at POINT "
                "of step STEP: before-step, mid-step (after the forward, before the all-reduce), "
                "before-commit, after-peer-commit (once rank 0 has committed the step), after-commit; "
-                    "without --epochs: after-allreduce (the step trained, not yet recorded)")
+               "without --epochs: after-allreduce (the step trained, not yet recorded)")
 p.add_argument("--kill-rank", type=int, default=1)
 p.add_argument("--lag-rank", type=int, default=None,
                help="at the step of the after-peer-commit kill, this rank does not commit before the kill: it "
