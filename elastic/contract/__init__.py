@@ -7,6 +7,7 @@
     errors.py           the runtime's errors, and how a worker reports one to its agent
     reset_budget.py     how many failures a job survives (worker and agent count alike)
     straggler_policy.py the straggler options, and when evicting one is allowed
+    exit_codes.py       the exit statuses of a worker and of elastic-run, and what each means
 
 Imported by both sides; imports nothing of ``elastic`` outside this room.
 """
