@@ -60,6 +60,8 @@ from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
 from ..contract.errors import PeersUnreachable
 from ..contract.events import EventLog
+from ..contract.exit_codes import WORKER_BROKEN
+from .device_slots import DeviceSlots
 from ..contract.reset_budget import ResetBudget, RoundFailures
 from .event_tail import EventTail
 from .peer_probe import PeerProbe
@@ -93,6 +95,7 @@ class Agent:
         self._workers: dict[str, WorkerProcess] = {}
         self._wanted: list[str] = []  # worker ids we offer, in local order
         self._next_worker = 0
+        self._slots = DeviceSlots(config.nproc_per_node)  # GPU index / LOCAL_RANK of each live process
         self._restarts = 0
         self._plan: Optional[RoundPlan] = None
         self._plan_started: Optional[RoundPlan] = None  # the plan before the one being acted on
@@ -201,6 +204,7 @@ class Agent:
         try:
             self._restart_plain_workers()
             self._follow_control()
+            self._start_awaiting()
         except RendezvousError as exc:
             self._plan = self._plan_started
             log.warning("cannot follow the newest plan yet (%s); retrying", exc)
@@ -250,6 +254,8 @@ class Agent:
             log.info("restarting %s for round %d (not an elastic worker)", worker_id, plan.round)
             proc.stop()
             proc.join(10) or proc.kill()
+            if proc.join(5):  # reaped: its device slot is free for its successor (else that waits)
+                self._slots.release(proc.pid)
             self._workers.pop(worker_id)
             if worker_id in mine:
                 self._start_worker(worker_id, plan)
@@ -257,16 +263,19 @@ class Agent:
     def _start_worker(self, worker_id: str, plan: RoundPlan) -> None:
         cfg = self.config
         rank = plan.rank_of(worker_id)
+        slot = self._slots.claim(worker_id)  # None: started by _start_awaiting once a holder has exited
+        if slot is None:
+            return
         progress_file, stacks_file = self._watchdog.files_for(worker_id)
         worker_config = config_for_worker(
             cfg, worker_id, plan.round, endpoints=self._endpoints, member_id=self.member_id,
             events_file=self.events.path, scratch=self._scratch, progress_file=progress_file,
-            stacks_file=stacks_file, final_checkpoint_file=self._final_checkpoint_file(worker_id),
+            stacks_file=stacks_file, final_checkpoint_file=self._final_checkpoint_file(worker_id), device_slot=slot,
         )
         env = worker_env(
             os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id, nproc_per_node=cfg.nproc_per_node,
             master=self._plain_stores.address(plan), worker_config=worker_config, socket_ifname=cfg.socket_ifname,
-            restart_count=self._restarts, max_restarts=cfg.max_restarts,
+            restart_count=self._restarts, max_restarts=cfg.max_restarts, device_slot=slot,
         )
         log_path = os.path.join(cfg.log_dir, f"worker-{worker_id}.log") if cfg.log_dir else None
         proc = WorkerProcess(
@@ -281,8 +290,16 @@ class Agent:
             error_file=worker_config.error_file,
             marker_file=worker_config.marker_file,
         )
+        self._slots.hold(slot, proc.pid, worker_id)
         self._workers[worker_id] = proc
-        self.events.emit("worker_started", worker=worker_id, pid=proc.pid, rank=rank, round=plan.round)
+        self.events.emit("worker_started", worker=worker_id, pid=proc.pid, rank=rank, round=plan.round, slot=slot)
+
+    def _start_awaiting(self) -> None:
+        """Start the workers that waited for a device slot, once one is free."""
+        mine = set(self._plan.local_ranks(self.member_id)) if self._plan is not None else set()
+        for worker_id in self._slots.awaiting(lambda w: w in mine and w in self._wanted and w not in self._workers
+                                              and self._leaving_since is None):
+            self._start_worker(worker_id, self._plan)
 
     def _label(self, worker_id: str) -> str:
         plan = self.participant.control.plan if self.participant else None
@@ -298,6 +315,7 @@ class Agent:
 
     # -- what happened to a worker --------------------------------------------------------
     def _on_exit(self, exited: Exited) -> None:
+        self._slots.release(exited.pid)  # seen to exit: its slot may go to a new process
         proc = self._workers.get(exited.worker_id)
         if proc is None or proc.pid != exited.pid:
             return  # a process we replaced ourselves
@@ -320,7 +338,8 @@ class Agent:
         if exited.error is not None and exited.error.startswith(PeersUnreachable.REPORT_PREFIX):
             self._on_network_failure(exited.worker_id, exited.error[len(PeersUnreachable.REPORT_PREFIX):])
             return
-        if exited.error is not None:
+        broken = exited.exit_code == WORKER_BROKEN  # a sticky CUDA error: replaced like a crash
+        if exited.error is not None and not broken:
             # The worker's own report: an error in user code (or a reset budget used
             # up). Re-forming would only hit it again, so the job fails, once.
             reason = f"worker {exited.worker_id} failed: {exited.error}"
@@ -328,6 +347,7 @@ class Agent:
             self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(JobStatus(FAILED, reason)))
             return
         how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
+        how = f"broken process: {exited.error or 'no report'}" if broken else how
         how = f"{proc.lost_reason}, {how}" if proc.lost_reason else how
         if not proc.elastic and exited.signal is None:
             # A torchrun script that exited with an error, most likely because a peer

@@ -42,7 +42,7 @@ class AgentConfig:
 
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,
                       events_file: str, scratch: str, progress_file: Optional[str], stacks_file: Optional[str],
-                      final_checkpoint_file: str) -> WorkerConfig:
+                      final_checkpoint_file: str, device_slot: Optional[int] = None) -> WorkerConfig:
     """The runtime's settings of one worker; the files named are the agent's ways of
     hearing from it (error report, elastic marker, progress board, stacks)."""
     return WorkerConfig(
@@ -65,6 +65,7 @@ def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, en
         progress_file=progress_file,
         stacks_file=stacks_file,
         straggler_ratio=cfg.stragglers.ratio,
+        device_slot=device_slot,
         **cfg.etcd_options,
         **cfg.checkpoint,
     )

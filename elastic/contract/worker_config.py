@@ -46,6 +46,7 @@ class WorkerConfig:
     checkpoint_interval: Optional[float] = None
     checkpoint_keep: int = 3
     straggler_ratio: float = 1.5  # --straggler-ratio: compute time over the median that counts as slow
+    device_slot: Optional[int] = None  # LOCAL_RANK and CUDA device for the life of the process (device_slots.py)
 
     def to_env(self) -> dict[str, str]:
         env = {}

@@ -39,9 +39,10 @@ from rendezvous.errors import RendezvousTimeoutError
 
 from .commit_fence import CommitFence
 from ..contract.console import FILE_ONLY
+from ..contract.devices import uses_nccl
 from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
-from ..contract.errors import LeftJob, PeersUnreachable
+from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from .failures import is_communication_error, summarize
 from . import fault_points, round_store
 from ..contract.events import EventLog
@@ -142,6 +143,11 @@ class Runtime:
         self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()
         self._commit_fence = CommitFence(self._etcd, JobKeys(cfg.job_id), cfg.worker_id, cfg.rdzv_ttl)
         self._control.add_listener(self._on_control)
+        # The device slot its agent gave this process (device_slots.py): LOCAL_RANK and the
+        # CUDA device for its whole life, set once, before any process group exists.
+        self.local_rank = cfg.device_slot if cfg.device_slot is not None else 0
+        if uses_nccl(cfg.backend):
+            torch.cuda.set_device(self.local_rank)
         plan = self._wait_for_plan(lambda p: p.round >= cfg.round)
         self._take_position(plan)
         if plan.round > 1:
@@ -390,17 +396,19 @@ class Runtime:
         return False
 
     def _take_position(self, plan: RoundPlan) -> None:
-        """Our rank, world and local rank in ``plan`` (torchrun's variables too)."""
+        """Our rank and world in ``plan`` (torchrun's variables too). The local rank is
+        the device slot ``start`` pinned: a plan never moves a worker to another GPU."""
         cfg = self.config
         rank = plan.rank_of(cfg.worker_id)
         self.rank = rank
         self.world_size = plan.world_size
         mine = plan.local_ranks(plan.slots[rank].member_id)
-        self.local_rank = mine.index(cfg.worker_id)
         self.local_world_size = len(mine)
-        if cfg.backend == "nccl":
-            # One GPU per worker: NCCL communicators and DDP use the current device.
-            torch.cuda.set_device(self.local_rank)
+        if uses_nccl(cfg.backend) and torch.cuda.current_device() != self.local_rank:
+            # Its model and optimizer are on its slot's GPU: going on elsewhere would
+            # share a GPU with a peer and drive two. A bug, never a fault to re-form for.
+            raise ElasticError(f"worker {cfg.worker_id} would move from cuda:{self.local_rank} to "
+                               f"cuda:{torch.cuda.current_device()} in round {plan.round}")
         self.events.rank, self.events.round = rank, plan.round
         # Keep torchrun's variables true for user code that reads them.
         os.environ.update(

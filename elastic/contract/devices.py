@@ -1,0 +1,39 @@
+"""Which backend a job's process groups use, and what a backend string means.
+
+``--backend auto`` picks a group that handles CPU and CUDA tensors alike
+(``cpu:gloo,cuda:nccl``) when this host can give every one of its workers a GPU
+of its own, else gloo: a CPU-only script on a GPU host still runs, and a host with
+fewer GPUs than workers never gets "invalid device ordinal" or NCCL's "Duplicate
+GPU detected". ``--backend nccl`` asks for NCCL alone: refused before anything
+starts when it cannot work. The answer is a string for
+``torch.distributed.init_process_group``; ``uses_nccl`` reads one back, because a
+combined string is never equal to "nccl".
+"""
+
+from __future__ import annotations
+
+BACKENDS = ("auto", "gloo", "nccl")
+CPU_AND_CUDA = "cpu:gloo,cuda:nccl"  # gloo for CPU tensors, NCCL for CUDA tensors, in one group
+
+
+def choose_backend(requested: str, *, cuda_available: bool, device_count: int, nproc_per_node: int) -> str:
+    """The backend string for ``init_process_group``; ValueError (one line) when
+    ``requested`` cannot work on this host."""
+    if requested not in BACKENDS:
+        raise ValueError(f"--backend must be auto, gloo or nccl (got {requested!r})")
+    if requested == "gloo":
+        return "gloo"
+    enough = cuda_available and device_count >= nproc_per_node
+    if requested == "auto":
+        return CPU_AND_CUDA if enough else "gloo"
+    if not cuda_available:
+        raise ValueError("--backend nccl needs CUDA, and torch sees no CUDA device on this host (use gloo or auto)")
+    if not enough:
+        raise ValueError(f"--backend nccl runs one worker per GPU: --nproc-per-node {nproc_per_node} but "
+                         f"{device_count} GPU(s) visible (CUDA_VISIBLE_DEVICES); use fewer workers, or gloo")
+    return "nccl"
+
+
+def uses_nccl(backend: str) -> bool:
+    """Does ``backend`` (``nccl``, ``cpu:gloo,cuda:nccl``, ...) run any of its work on NCCL?"""
+    return any(part.split(":")[-1].strip() == "nccl" for part in backend.split(","))
