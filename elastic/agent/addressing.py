@@ -8,8 +8,9 @@ interface, they advertise the address that the host *name* resolves to, which is
 * takes as the default ``--host-addr`` the local address of the route to etcd
   (every host of a job reaches etcd, so that route is the one the job's network
   uses); with the embedded etcd everything is on this host: 127.0.0.1;
-* gives its workers ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` for nccl) =
-  the interface that holds ``--host-addr``, unless the user set them already.
+* gives its workers ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` with NCCL, as
+  an exact match "=eth0") = the interface that holds ``--host-addr``, unless the user
+  set them already.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import ipaddress
 import socket
 import struct
 from typing import Mapping, Optional
+
+from ..contract.devices import uses_nccl
 
 LOOPBACK = "127.0.0.1"
 _SIOCGIFADDR = 0x8915  # linux/sockios.h: the IPv4 address of an interface
@@ -105,12 +108,17 @@ def interface_holding(addr: str) -> Optional[str]:
 
 def socket_ifname_vars(backend: str) -> tuple[str, ...]:
     """The variables that pick the interface of ``backend``'s sockets."""
-    return ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if backend == "nccl" else ("GLOO_SOCKET_IFNAME",)
+    return ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if uses_nccl(backend) else ("GLOO_SOCKET_IFNAME",)
 
 
 def socket_ifname_env(ifname: Optional[str], backend: str, environ: Mapping[str, str]) -> dict[str, str]:
     """What to add to a worker's environment: the interface for every variable the
-    user has not set himself (theirs win)."""
+    user has not set himself (theirs win). NCCL reads its variable as a list of name
+    prefixes ("eth1" would also pick "eth10"): "=eth1" asks for that interface exactly.
+    This ties NCCL's socket transport (bootstrap, and data when there is no IB/RoCE/EFA)
+    to the interface on the route to etcd; on hosts whose fast network is another
+    interface, set NCCL_SOCKET_IFNAME (and NCCL_IB_HCA) yourself."""
     if ifname is None:
         return {}
-    return {var: ifname for var in socket_ifname_vars(backend) if not environ.get(var)}
+    exact = {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": f"={ifname}"}
+    return {var: exact[var] for var in socket_ifname_vars(backend) if not environ.get(var)}

@@ -13,8 +13,32 @@ from typing import Mapping
 
 from rendezvous import RoundPlan
 
+from ..contract.devices import uses_nccl
 from ..contract.worker_config import WorkerConfig
 from . import addressing
+
+
+def nccl_env(backend: str) -> dict[str, str]:
+    """NCCL's settings for workers of ``backend`` (none without NCCL): the runtime's own
+    timers and aborts decide when a ring is broken, never NCCL's watchdog."""
+    if not uses_nccl(backend):
+        return {}
+    return {
+        # 0 = no handling. 1 (tear down) and 3 (skip clean-up) make the watchdog SIGABRT the
+        # whole process after a collective timeout or an asynchronous NCCL error: a slow step
+        # on one rank, or a lost host, would kill every survivor instead of re-forming.
+        # torch's _abort_process_group asks for 0 too: the runtime aborts the ring itself.
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+        # Before acting on a timeout the watchdog waits 4x this for a flight-recorder dump
+        # (60 s by default); a second is enough for the dump and no stall.
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+        # A sticky CUDA error seen by the watchdog still ends the process: it cannot go
+        # on, and its agent replaces it (a broken process, like a crash).
+        "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1",
+        # NVLink SHARP buffers are not given back when a communicator is aborted; rings
+        # re-formed in-process would leak them (NVIDIA's in-process restart sets 0 too).
+        "NCCL_NVLS_ENABLE": "0",
+    }
 
 
 def worker_env(
@@ -29,6 +53,7 @@ def worker_env(
     socket_ifname,
     restart_count: int,
     max_restarts: int,
+    device_slot: int,
 ) -> dict[str, str]:
     rank = plan.rank_of(worker_id)
     local = plan.local_ranks(member_id)
@@ -36,7 +61,9 @@ def worker_env(
     env = dict(base)
     env.update(
         RANK=str(rank),
-        LOCAL_RANK=str(local.index(worker_id)),
+        # The worker's device slot (device_slots.py): its GPU for the life of the process,
+        # so it may exceed LOCAL_WORLD_SIZE once a worker of this host is gone.
+        LOCAL_RANK=str(device_slot),
         WORLD_SIZE=str(plan.world_size),
         # This host's workers in the round (torchrun: --nproc-per-node; here fewer once
         # crashed workers are not replaced).
@@ -75,9 +102,8 @@ def worker_env(
     env.update(addressing.socket_ifname_env(socket_ifname, worker_config.backend, env))
     if nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
-    if worker_config.backend == "nccl":
-        # A failed NCCL collective raises instead of hanging; the ring is then aborted.
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    for name, value in nccl_env(worker_config.backend).items():
+        env.setdefault(name, value)  # the user's own settings win
     env.update(worker_config.to_env())
     env["ELASTIC_WORKER_AGENT_PID"] = str(os.getpid())
     return env

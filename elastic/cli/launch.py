@@ -48,6 +48,7 @@ from .options import (
 )
 from ..agent import Agent, AgentConfig
 from ..contract.console import ConsoleFormatter
+from ..contract.devices import BACKENDS, choose_backend
 from ..contract.straggler_policy import StragglerOptions
 from ..agent.chaos import ChaosConfig
 
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--max-resets", non_negative_int, 20, "re-formations of the ring a worker survives within --reset-window")
     opt("--reset-window", positive_float, 3600.0, "seconds over which --max-resets counts re-formations")
     opt("--max-restarts", non_negative_int, 0, "crashed workers this agent replaces")
-    opt("--backend", str, "auto", "auto (nccl with CUDA, else gloo), gloo or nccl")
+    opt("--backend", str, "auto", "auto (cpu:gloo,cuda:nccl when every worker of this host has a GPU, "
+        "else gloo), gloo or nccl (one GPU per worker, else refused)")
     opt("--log-dir", help="per-worker logs and events.jsonl")
     opt("--health-port", int, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
     opt("--grace-period", positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
@@ -165,7 +167,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     args = parser.parse_args([*launcher, "--", *script[:1]] if script else launcher)
     args.args = script[1:]
     coerce_env_values(parser, args)
-    if args.backend not in ("auto", "gloo", "nccl"):
+    if args.backend not in BACKENDS:
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
     if not args.module and not os.path.isfile(args.script):
         raise ConfigError(f"script not found: {args.script}")
@@ -186,10 +188,12 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     )
     job_id = validate_job_id(args.job_id or "local")
     backend = args.backend
-    if backend == "auto":
+    if backend != "gloo":  # auto or nccl: is there a GPU for every worker of this host? (devices.py)
         import torch
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        cuda = torch.cuda.is_available()
+        backend = choose_backend(backend, cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
+                                 nproc_per_node=nproc)
     host_id = args.host_id or socket.gethostname()
     first_endpoint = EtcdConfig.from_string(args.rdzv_endpoint).endpoints[0] if args.rdzv_endpoint else None
     host_addr = args.host_addr or addressing.default_host_addr(first_endpoint, host_id)

@@ -55,7 +55,10 @@ def test_default_host_addr_is_the_route_source_to_etcd():
 def test_user_set_variables_win_and_nccl_gets_both():
     assert addressing.socket_ifname_env("eth0", "gloo", {}) == {"GLOO_SOCKET_IFNAME": "eth0"}
     assert addressing.socket_ifname_env("eth0", "nccl", {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "eth0"}
-    assert addressing.socket_ifname_env("eth0", "nccl", {}) == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    # NCCL matches prefixes ("eth1" would pick "eth10" too): "=" asks for the exact interface.
+    assert addressing.socket_ifname_env("eth0", "nccl", {}) == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "=eth0"}
+    assert addressing.socket_ifname_env("eth1", "cpu:gloo,cuda:nccl", {}) == {
+        "GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth1"}
     assert addressing.socket_ifname_env(None, "gloo", {}) == {}
 
 

@@ -1,0 +1,54 @@
+"""A worker's environment: its device slot as LOCAL_RANK, and NCCL's settings (as tables)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic.agent.worker_env import nccl_env, worker_env
+from elastic.contract.devices import CPU_AND_CUDA
+from elastic.contract.worker_config import WorkerConfig
+from rendezvous import RoundPlan
+from rendezvous.rounds import Slot
+
+
+def _env(backend="gloo", base=None, slot=0, workers=("m.w0", "m.w1", "m.w2"), worker="m.w2"):
+    plan = RoundPlan(round=3, slots=tuple(Slot("m", w) for w in workers), hosts={"m": ("h", "10.0.0.1")},
+                     store_addr="10.0.0.1:1", created=time.time())
+    config = WorkerConfig(job_id="j", endpoints="e:1", worker_id=worker, member_id="m", host_id="h", round=3,
+                          backend=backend, device_slot=slot)
+    return worker_env(base or {}, plan=plan, worker_id=worker, member_id="m", master=("10.0.0.1", 2),
+                      worker_config=config, nproc_per_node=4, socket_ifname="eth0", restart_count=1,
+                      max_restarts=1, device_slot=slot)
+
+
+def test_local_rank_is_the_device_slot_not_the_position_in_the_plan():
+    # m.w1 (slot 1) was lost; its replacement m.w3 is third in the plan's order but on slot 1.
+    env = _env(slot=1, workers=("m.w0", "m.w2", "m.w3"), worker="m.w3")
+    assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "3" and env["RANK"] == "2"
+    assert WorkerConfig.from_env(env).device_slot == 1
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("gloo", {}),
+    ("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+              "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1", "NCCL_NVLS_ENABLE": "0"}),
+    (CPU_AND_CUDA, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+                    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1", "NCCL_NVLS_ENABLE": "0"}),
+])
+def test_nccl_settings_only_with_nccl(backend, expected):
+    assert nccl_env(backend) == expected
+    env = _env(backend)
+    assert {k: env[k] for k in expected} == expected
+    assert not any(k.startswith(("TORCH_NCCL_", "NCCL_NVLS")) for k in env) or expected
+    assert ("NCCL_SOCKET_IFNAME" in env) == bool(expected)
+    if expected:
+        assert env["NCCL_SOCKET_IFNAME"] == "=eth0" and env["GLOO_SOCKET_IFNAME"] == "eth0"
+
+
+def test_the_users_nccl_settings_win():
+    mine = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_NVLS_ENABLE": "1", "NCCL_SOCKET_IFNAME": "ib0"}
+    env = _env("nccl", base=mine)
+    assert {k: env[k] for k in mine} == mine
+    assert env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "1000"

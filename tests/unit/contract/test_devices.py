@@ -1,0 +1,41 @@
+"""--backend as a table: what each request gives on hosts with and without enough GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.contract.devices import CPU_AND_CUDA, choose_backend, uses_nccl
+
+
+@pytest.mark.parametrize("requested, cuda, devices, nproc, expected", [
+    ("auto", False, 0, 4, "gloo"),  # a CPU host
+    ("auto", True, 8, 4, CPU_AND_CUDA),  # one GPU per worker: CPU tensors still work (gloo)
+    ("auto", True, 4, 4, CPU_AND_CUDA),
+    ("auto", True, 2, 4, "gloo"),  # fewer GPUs than workers: NCCL would refuse a shared GPU
+    ("auto", True, 0, 1, "gloo"),  # a CUDA build of torch on a host without a visible GPU
+    ("gloo", True, 8, 4, "gloo"),
+    ("gloo", False, 0, 4, "gloo"),
+    ("nccl", True, 4, 4, "nccl"),
+    ("nccl", True, 8, 1, "nccl"),
+])
+def test_backend_choice(requested, cuda, devices, nproc, expected):
+    assert choose_backend(requested, cuda_available=cuda, device_count=devices, nproc_per_node=nproc) == expected
+
+
+@pytest.mark.parametrize("requested, cuda, devices, nproc, message", [
+    ("nccl", False, 0, 1, "--backend nccl needs CUDA"),
+    ("nccl", True, 2, 4, "--nproc-per-node 4 but 2 GPU(s) visible"),
+    ("mpi", True, 8, 1, "--backend must be auto, gloo or nccl"),
+])
+def test_a_backend_that_cannot_work_is_one_line(requested, cuda, devices, nproc, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        choose_backend(requested, cuda_available=cuda, device_count=devices, nproc_per_node=nproc)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("nccl", True), (CPU_AND_CUDA, True), ("cuda:nccl", True), ("gloo", False), ("cpu:gloo", False),
+    ("cpu:gloo, cuda:nccl", True), ("mpi", False),
+])
+def test_uses_nccl_reads_combined_strings(backend, expected):
+    assert uses_nccl(backend) is expected
