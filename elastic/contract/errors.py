@@ -58,5 +58,10 @@ class LeftBehind(ElasticError):
     ring is gone: a ring failure, after which it joins the job again (commit_fence.py)."""
 
 
+class BrokenProcess(ElasticError):
+    """This process cannot go on, though the ring could: its device no longer answers (a
+    health check that timed out). It exits with ``WORKER_BROKEN``; its agent replaces it."""
+
+
 class LeftJob(ElasticError):
     """This worker is no longer part of the job (graceful leave, or the job ended)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -16,8 +17,9 @@ from rendezvous import RendezvousError
 
 from ..contract.console import WorkerFormatter
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
+from ..contract.exit_codes import WORKER_BROKEN
 from ..contract.worker_config import WorkerConfig
-from .failures import is_communication_error, summarize
+from .failures import is_broken_process, is_communication_error, summarize
 from .runtime import Runtime
 
 _current: Optional[Runtime] = None
@@ -77,11 +79,27 @@ def _configure_logging(*, marks: bool) -> None:
             logger.propagate = False
 
 
+def exit_broken(path: Optional[str], line: str) -> None:
+    """This process cannot go on (failures.py: a broken process): say why in one line,
+    and exit with ``WORKER_BROKEN`` at once, so that its agent replaces it. No clean-up:
+    with a sticky CUDA error it could only hang or fail again."""
+    if path:
+        with open(path, "w") as f:
+            f.write(line + "\n")
+    print(f"elastic: broken process, its agent replaces it: {line}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(WORKER_BROKEN)
+
+
 def _report_errors_to(path: str) -> None:
     """An uncaught exception is a user error: leave a one-line report for the agent."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        if is_broken_process(value):
+            previous(kind, value, tb)  # the traceback, for the log file
+            exit_broken(path, summarize(value))
         if isinstance(value, PeersUnreachable):
             # A network fault, not a crash and not a bug: one line, and its own kind
             # of report, so the agent neither fails the job nor drops this worker.

@@ -1,9 +1,12 @@
 """The recovery path, top to bottom: ``@elastic.run``.
 
     detect    a collective raises (or a commit says the ring changes)
-    classify  a broken ring re-forms; a bug in user code fails this worker
+    classify  a broken ring re-forms; a bug in user code fails this worker; a
+              broken process (sticky CUDA error) exits for its agent to replace it
     budget    more than --max-resets failures within --reset-window fail it too
     abort     leave the except block, destroy the old group, collect its garbage
+    check     on CUDA, a bounded device sync: a device that does not answer is a
+              broken process
     restore   roll back to the last commit (only after a failure)
     re-rendezvous and re-form: wait for the next plan, build its process group;
               a failure while doing so (a peer dies during init, etcd is away, the
@@ -42,6 +45,7 @@ from ..contract.errors import (
 from ..contract.console import FILE_ONLY
 from ..contract.reset_budget import ResetBudget
 from . import lifecycle
+from .device_health import check_device
 from .failures import is_communication_error, summarize
 
 log = logging.getLogger(__name__)
@@ -84,6 +88,9 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
             # -- we are outside the except block: the old ring can be freed now.
             if interruption.failed:
                 _spend(budget, runtime, interruption.reason, unreachable=interruption.unreachable)
+                # A device that no longer answers would break the next ring too: this
+                # process exits WORKER_BROKEN instead (device_health.py, lifecycle.py).
+                check_device(runtime.backend, runtime.config.collective_timeout if runtime.config else 60.0)
                 state.restore()
             finished_reform = (interruption, _reform(runtime, interruption, budget))
 

@@ -17,6 +17,9 @@ Files written to --out (one line per event, flushed at once, so tests can watch)
   killed-<step>   written by --kill-rank right before it SIGKILLs itself (--kill-at: once per job and step)
   committed-<step> written by rank 0 after its commit of a step that --kill-at names
   lagged-<step>   written by --lag-rank (its pid) when it leaves the step uncommitted
+  slots.jsonl     with --record-slots: {"pid", "rank", "round", "local_rank", "env_local_rank",
+                  "local_world_size"} at every (re-)entry
+  accelerator-error-<step>  written (its pid) by --accelerator-error-rank right before it raises
 """
 
 import argparse
@@ -79,6 +82,12 @@ p.add_argument("--lag-rank", type=int, default=None,
                     "waits (bounded) until --kill-rank is gone, then goes on to the next step's collectives, "
                     "which fail; so at the kill rank 0 holds the step's commit and this rank one commit less")
 p.add_argument("--stop-file", default=None, help="stop (all ranks at one step) once this file exists")
+p.add_argument("--accelerator-error-rank", type=int, default=None,
+               help="this rank raises torch.AcceleratorError (a sticky CUDA error, as on an illegal address) ...")
+p.add_argument("--accelerator-error-step", type=int, default=None,
+               help="... at this step, once per job (a marker file: its replacement trains on)")
+p.add_argument("--record-slots", action="store_true", help="slots.jsonl: {pid, rank, round, local_rank, "
+               "env_local_rank, local_world_size} at every (re-)entry: a worker's device slot through rounds")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -231,6 +240,10 @@ def hold_until_the_ring_grows():
 def train(state):
     rank, world = elastic.rank(), elastic.size()
     append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world})
+    if args.record_slots:
+        append("slots.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(),
+                               "local_rank": elastic.local_rank(), "env_local_rank": int(os.environ["LOCAL_RANK"]),
+                               "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"])})
     # No initial broadcast: state.sync() made every copy equal, and a worker that went
     # on from another commit must show up as a difference, not be papered over.
     ddp = DDP(state.model, init_sync=False)
@@ -280,6 +293,12 @@ def train(state):
         rows = torch.arange(start, start + args.global_batch)[rank::world]
         if args.fail_step is not None and state.step == args.fail_step and rank == args.fail_rank:
             raise ValueError(f"bad batch at step {state.step}")
+        if state.step == args.accelerator_error_step and rank == args.accelerator_error_rank:
+            marker = os.path.join(args.out, f"accelerator-error-{state.step}")
+            if not os.path.exists(marker):
+                with open(marker, "w") as f:
+                    f.write(str(os.getpid()))
+                raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
         one_step(ddp, rows)
         maybe_die("after-allreduce", state.step + 1)  # trained by the ring, recorded by nobody yet
         state.step += 1
