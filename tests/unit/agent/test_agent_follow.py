@@ -21,6 +21,9 @@ class _StandIn:
     def _follow_control(self):
         self.followed += 1
 
+    def _start_awaiting(self):
+        pass  # workers waiting for a device slot: none here
+
 
 def test_a_failed_restart_of_a_plain_worker_leaves_the_plan_to_act_on_again():
     for failure in (RendezvousTimeoutError("round 4: no store published within 30s"),
