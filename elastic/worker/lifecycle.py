@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import sys
+import traceback
 from typing import Optional
 
 from rendezvous import RendezvousError
@@ -86,9 +87,12 @@ def exit_broken(path: Optional[str], line: str) -> None:
     if path:
         with open(path, "w") as f:
             f.write(line + "\n")
-    print(f"elastic: broken process, its agent replaces it: {line}", file=sys.stderr)
+    # The process's own stderr: torch.distributed's excepthook runs ours with sys.stderr
+    # swapped for a buffer that it prints only after we return, which we never do.
+    print(f"elastic: broken process ({line}); exiting for its agent to replace it (within --max-restarts)",
+          file=sys.__stderr__)
     sys.stdout.flush()
-    sys.stderr.flush()
+    sys.__stderr__.flush()
     os._exit(WORKER_BROKEN)
 
 
@@ -98,7 +102,7 @@ def _report_errors_to(path: str) -> None:
 
     def hook(kind, value, tb):
         if is_broken_process(value):
-            previous(kind, value, tb)  # the traceback, for the log file
+            traceback.print_exception(kind, value, tb, file=sys.__stderr__)  # for the log file
             exit_broken(path, summarize(value))
         if isinstance(value, PeersUnreachable):
             # A network fault, not a crash and not a bug: one line, and its own kind
