@@ -116,6 +116,9 @@ class State:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
         runtime = _runtime()
         runtime.fence()
+        # The snapshot is overwritten below: a step made on a broken ring must raise
+        # here, while the previous commit is intact (ring_abort.check_ring).
+        runtime.check_ring_before_commit()
         self._resolve_policy(runtime)
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_commit_round", runtime.round)

@@ -24,7 +24,12 @@ Every descriptor is re-checked by inode on a duplicate before the shutdown, so a
 number that gloo closed and the OS handed to someone else is left alone.
 
 Needs Linux or macOS (``/proc/self/fd`` or ``/dev/fd``). Other backends (NCCL)
-have a real abort, which ``abort()`` calls instead.
+have a real abort, which ``abort()`` calls as well (nccl_abort.py: every group of
+the ring, on a thread of its own with a deadline).
+
+``check_ring`` is asked by every commit before it overwrites the snapshot: NCCL
+collectives do not block the host, so after an abort the queued optimizer step
+has applied partial gradients, and only the ring's state says so.
 """
 
 from __future__ import annotations
@@ -134,6 +139,35 @@ def shutdown_connections_to(before: SocketSnapshot, port: int) -> int:
     return sum(_shutdown_if_same(fd, inode) for fd, inode in _connections_since(before) if _peer_port(fd) == port)
 
 
+class RingBroken(dist.DistBackendError):
+    """The ring this commit's collectives ran on was aborted or reported an error: the
+    step is not to be committed. A ``DistError``, hence a communication error for the
+    recovery path (failures.py), which rolls back to the previous commit, left intact."""
+
+
+def uses_nccl(backend: str) -> bool:
+    """Does ``backend`` ("nccl", "cpu:gloo,cuda:nccl") run NCCL? (A local copy: the
+    contract's own helper is another branch's.)"""
+    return backend == "nccl" or "nccl" in backend
+
+
+def check_ring(ring: Optional["RingHandle"], *, device_sync: bool) -> None:
+    """Raise RingBroken unless the collectives queued so far completed without error.
+
+    ``device_sync``: wait for the current CUDA stream first (NCCL rings), so that an
+    error or abort that hits a queued collective is visible before the caller goes on.
+    """
+    if device_sync and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+    if ring is None:
+        return
+    if ring.aborted:
+        raise RingBroken("the ring was aborted (a peer was lost): this step is not committed")
+    error = ring.error()
+    if error is not None:
+        raise RingBroken(f"the ring reported {error}: this step is not committed")
+
+
 class RingHandle:
     """Aborts one process group's ring from any thread; see the module docstring."""
 
@@ -146,6 +180,7 @@ class RingHandle:
         self._connections = connections
         self._before = before
         self._other_backend = other_backend
+        self._watched = other_backend  # asked for its error state (NCCL) until release
         self._lock = threading.Lock()
         self._aborted = False
         self._released = False
@@ -162,6 +197,20 @@ class RingHandle:
     @property
     def aborted(self) -> bool:
         return self._aborted
+
+    def error(self) -> Optional[str]:
+        """The backend's own error state, if it keeps one (NCCL's ``get_error()``), as a
+        name ("TIMEOUT", "COMM_ERROR", "REMOTE_ERROR"); None while it reports none."""
+        backend = self._watched
+        get_error = getattr(backend, "get_error", None)
+        if get_error is None:
+            return None  # gloo (torch 2.13's ProcessGroupGloo has none), or released
+        try:
+            kind = get_error()
+        except RuntimeError as exc:  # a backend torn down under us: an error too
+            return f"error state unreadable ({exc})"
+        name = getattr(kind, "name", str(kind))
+        return None if name == "SUCCESS" else name
 
     def abort(self) -> None:
         """Make every pending and future collective of the group raise now.
@@ -186,6 +235,7 @@ class RingHandle:
         with self._lock:
             self._released = True
             self._other_backend = None
+            self._watched = None
 
 
 def forming_ring(before: SocketSnapshot) -> RingHandle:

@@ -49,7 +49,7 @@ from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
-from .ring_abort import RingHandle, forming_ring, prepare_ring, socket_snapshot
+from .ring_abort import RingHandle, check_ring, forming_ring, prepare_ring, socket_snapshot, uses_nccl
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
@@ -200,6 +200,16 @@ class Runtime:
         that is over; it re-joins instead (commit_fence.py)."""
         if self._commit_fence is not None:
             self._commit_fence.check(self.round, self._control.plan)
+
+    def check_ring_before_commit(self) -> None:
+        """Called by ``commit()`` before it overwrites the snapshot: raise ``RingBroken``
+        (a ring failure; the previous commit stays the rollback target) unless the step's
+        collectives completed without error. On NCCL that takes a sync of the current
+        stream: its collectives do not block the host, and an abort lets the queued
+        optimizer step apply partial gradients. gloo's raise at once: no sync there."""
+        with self._backend_lock:
+            ring = self._ring
+        check_ring(ring, device_sync=uses_nccl(self.backend))
 
     def should_switch(self, commits: int) -> bool:
         """Called at every commit (``commits`` counts this round's commits)."""
