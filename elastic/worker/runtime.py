@@ -43,13 +43,14 @@ from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
 from ..contract.errors import LeftJob, PeersUnreachable
 from .failures import is_communication_error, summarize
-from . import fault_points, round_store
+from . import fault_points, nccl_abort, round_store
 from ..contract.events import EventLog
 from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
-from .ring_abort import RingHandle, check_ring, forming_ring, prepare_ring, socket_snapshot, uses_nccl
+from .ring_abort import (RingHandle, check_ring, forming_ring, leave_ring, prepare_ring, socket_snapshot,
+                         uses_nccl)
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
@@ -243,7 +244,7 @@ class Runtime:
         # would re-use its store namespace, which hangs.
         old_round = max(self.round, self._tried_round)
         # A planned switch leaves together: nobody is blocked, no garbage to chase.
-        self.release_group(collect=failed)
+        self.release_group(collect=failed, failed=failed)
         t1 = time.monotonic()
         nudge = None
         if failed:
@@ -280,21 +281,18 @@ class Runtime:
             log.info("round %d: aborting the ring (%s)", current.round, why, extra=FILE_ONLY)
             ring.abort()
 
-    def release_group(self, collect: bool = True) -> None:
+    def release_group(self, collect: bool = True, failed: bool = False) -> None:
+        """Leave the current ring. After a failure an NCCL ring is aborted, never
+        destroyed: ``destroy_process_group`` finalizes its communicators, which waits
+        for pending work and can block on a dead peer (gpu review F5)."""
         with self._backend_lock:
             ring, self._ring = self._ring, None
         aborted = ring is not None and ring.aborted
-        if ring is not None:
-            ring.release()
         self._store = None
         self._joiners.forget()
         self._switch_at = None
         self._switch_action = "switch"
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # a broken group may complain on the way out
-                log.debug("destroy_process_group: %s", exc)
+        leave_ring(ring, failed=failed, round_number=self.round)
         if collect and not aborted:
             # Nobody shut the old connections down: freeing the old gloo pairs now
             # is what wakes peers still blocked on them (costly under load, so
@@ -340,6 +338,9 @@ class Runtime:
             # store's host is cut off (no RST ever comes), a commit's look at the store
             # would otherwise block for the store timeout.
             before = socket_snapshot()
+            nccl = uses_nccl(cfg.backend)
+            if nccl:
+                nccl_abort.nonblocking_env()  # read when the communicator is made
             base = self._connect_store(plan)
             if base is not None:
                 store = dist.PrefixStore(f"/round/{plan.round}/", base)
@@ -350,8 +351,10 @@ class Runtime:
         # A peer that dies now leaves the others waiting in the init for its address
         # until the store's timeout: the round that names it lost aborts the init.
         self._tried_round = plan.round
+        # On pure NCCL the store's connections alone: the sockets NCCL makes are its own.
+        store_port = int(plan.store_addr.rsplit(":", 1)[1])
         with self._backend_lock:
-            self._forming = (plan, forming_ring(before))
+            self._forming = (plan, forming_ring(before, port=store_port if cfg.backend == "nccl" else None))
         self._on_control(self._control.plan, self._control.status)  # a loss announced already
         try:
             dist.init_process_group(
@@ -360,6 +363,9 @@ class Runtime:
                 rank=rank,
                 world_size=plan.world_size,
                 timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+                # NCCL: communicators made now (eager), inside the forming ring's abort
+                # and PeersUnreachable, not at the first collective (gpu review F4a).
+                **({"device_id": nccl_abort.device_of_this_worker()} if nccl else {}),
             )
         except Exception as exc:
             with self._backend_lock:
@@ -372,7 +378,7 @@ class Runtime:
             raise PeersUnreachable(plan.round, addresses, summarize(exc)) from None
         with self._backend_lock:
             self._forming = None
-            self._ring = prepare_ring(before=before)
+            self._ring = prepare_ring(before=before, store_port=store_port)
             self.plan = plan
             self.round = plan.round
         self._store = store
