@@ -302,6 +302,11 @@ class Snapshot:
             raise ValueError("snapshot is empty: nothing was captured")
         return _unflatten(self._treedef, iter(self._views), iter(self._plains))
 
+    def cuda_paths(self) -> frozenset:
+        """Paths of the tensors that were CUDA tensors when captured: the snapshot holds
+        host copies, and a restore puts these back on the device (``elastic/state.py``)."""
+        return frozenset(s.path for s in self._specs if s.kind == "cuda")
+
     def buffers(self) -> list[torch.Tensor]:
         """The flat buffers in a deterministic order (the order of first appearance in the tree)."""
         return list(self._buffers)
