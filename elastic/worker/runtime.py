@@ -43,7 +43,7 @@ from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
 from ..contract.errors import LeftJob, PeersUnreachable
 from .failures import is_communication_error, summarize
-from . import fault_points, nccl_abort, round_store
+from . import device_watch, fault_points, nccl_abort, round_store
 from ..contract.events import EventLog
 from .joiners import JoinerWatch
 from ..contract.progress import Progress
@@ -93,6 +93,7 @@ class Runtime:
         self._tried_round = 0  # the newest round whose init we began (it may have failed)
         self._backend_lock = threading.Lock()
         self._progress: Optional[Progress] = None  # marks for the agent's hang watchdog
+        self._device_watch = None  # GPU workers: device progress for the same (device_watch.py)
         self._stragglers: Optional[StragglerWatch] = None  # step times, exchanged every few commits
         self._commit_fence: Optional[CommitFence] = None
         self.steps = StepLog(self.events, config.worker_id if config else "local")  # for the timeline
@@ -189,6 +190,7 @@ class Runtime:
         if self._progress is not None:
             # The first commit of a round follows DDP's broadcast and warm-up: not a step.
             self._progress.mark(interval=self._commits > 1, commit=True)
+            self._device_watch = device_watch.commit_mark(self._device_watch, self._progress.board)
         if self._stragglers is not None:
             self._stragglers.on_commit(self._commits)  # every few commits: one small all_gather
         if not self.should_switch(self._commits):
@@ -483,6 +485,8 @@ class Runtime:
             self._commit_fence.close()
         if self._etcd is not None:
             self._etcd.close()
+        if self._device_watch is not None:
+            self._device_watch.close()
         if self._progress is not None:
             self._progress.close()
             self._progress = None
