@@ -122,10 +122,9 @@ class State:
     def commit(self) -> None:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
         runtime = _runtime()
+        # Before the snapshot is overwritten: a worker left behind, or a step made on a
+        # broken ring (runtime.check_ring_before_commit), raises here, the previous commit intact.
         runtime.fence()
-        # The snapshot is overwritten below: a step made on a broken ring must raise
-        # here, while the previous commit is intact (ring_abort.check_ring).
-        runtime.check_ring_before_commit()
         self._resolve_policy(runtime)
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_commit_round", runtime.round)

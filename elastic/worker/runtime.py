@@ -203,9 +203,10 @@ class Runtime:
         that is over; it re-joins instead (commit_fence.py)."""
         if self._commit_fence is not None:
             self._commit_fence.check(self.round, self._control.plan)
+        self.check_ring_before_commit()
 
     def check_ring_before_commit(self) -> None:
-        """Called by ``commit()`` before it overwrites the snapshot: raise ``RingBroken``
+        """Called by ``fence()``, before ``commit()`` overwrites the snapshot: raise ``RingBroken``
         (a ring failure; the previous commit stays the rollback target) unless the step's
         collectives completed without error. On NCCL that takes a sync of the current
         stream: its collectives do not block the host, and an abort lets the queued
