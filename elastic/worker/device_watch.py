@@ -3,10 +3,14 @@
 A worker hung in a kernel is invisible to the heartbeat's look at the main thread:
 CUDA's default synchronization spins, so a main thread in ``.item()`` or a stream
 sync burns CPU (busy, never stuck), or sits in a runtime frame (a victim). So each
-commit records a CUDA event on the current stream (after the step's work), and a
-thread polls the oldest event not yet completed: the board's ``device_since``
-slot says since when device work has been pending (0.0: none), and the agent's
-watchdog calls a long pending a hang (``elastic/agent/watchdog.py``, "device").
+commit records a CUDA event on the current stream as it starts (before its device
+sync: the step's work is behind it), and the watch thread records a probe event on
+the device's default stream whenever the previous probe has completed (a hang in
+the middle of a step, with the host blocked in ``.item()`` before any commit, stops
+the probes). The thread polls both: the board's ``device_since`` slot says since
+when device work has been pending (0.0: none), and the agent's watchdog calls a long
+pending a hang (``elastic/agent/watchdog.py``, "device"). A busy device completes a
+probe once the work queued before it is done: well within the watchdog's bounds.
 
 Started only once the worker uses CUDA (``torch.cuda.is_initialized()`` at a
 commit): a CPU worker never records an event nor starts the thread.
@@ -27,11 +31,14 @@ class DeviceWatch:
     """``on_commit()`` on the main thread; a daemon thread writes ``board.device_pending``."""
 
     def __init__(self, board, make_event: Optional[Callable[[], object]] = None, *,
-                 clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_S, start: bool = True):
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_S, start: bool = True,
+                 probe_stream=None):
         self._board = board
         self._make_event = make_event or _cuda_event
         self._clock = clock
         self._poll_s = poll_s
+        self._probe_stream = probe_stream  # where the thread's probes go (None: no probes)
+        self._probe: Optional[tuple] = None  # (event, recorded at) of the probe in flight
         self._pending: collections.deque = collections.deque()  # (event, queued at), oldest first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-device-watch", daemon=True)
@@ -47,17 +54,19 @@ class DeviceWatch:
         self._pending.append((event, self._clock()))
 
     def poll(self) -> float:
-        """Drop the completed events; write and return since when work is pending (0.0: none)."""
-        while self._pending:
-            event, _ = self._pending[0]
-            try:
-                done = event.query()
-            except RuntimeError:  # a broken device: pending for ever, the watchdog decides
-                done = False
-            if not done:
-                break
+        """Drop the completed events, probe again if the last probe completed; write and
+        return since when work is pending (0.0: none)."""
+        while self._pending and _done(self._pending[0][0]):
             self._pending.popleft()
-        since = self._pending[0][1] if self._pending else 0.0
+        if self._probe is not None and _done(self._probe[0]):
+            self._probe = None
+        if self._probe is None and self._probe_stream is not None:
+            event = self._make_event()
+            event.record(self._probe_stream)
+            self._probe = (event, self._clock())
+        times = [t for t in (self._pending[0][1] if self._pending else 0.0,
+                             self._probe[1] if self._probe else 0.0) if t]
+        since = min(times) if times else 0.0
         self._board.device_pending(since)
         return since
 
@@ -71,6 +80,13 @@ class DeviceWatch:
             self.poll()
 
 
+def _done(event) -> bool:
+    try:
+        return bool(event.query())
+    except RuntimeError:  # a broken device: pending for ever, the watchdog decides
+        return False
+
+
 def commit_mark(watch: Optional[DeviceWatch], board) -> Optional[DeviceWatch]:
     """At a commit: mark the device work, starting the watch once the worker uses CUDA."""
     if watch is None:
@@ -78,7 +94,7 @@ def commit_mark(watch: Optional[DeviceWatch], board) -> Optional[DeviceWatch]:
 
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return None  # a CPU worker: nothing to watch, no thread
-        watch = DeviceWatch(board)
+        watch = DeviceWatch(board, probe_stream=torch.cuda.default_stream(torch.cuda.current_device()))
     watch.on_commit()
     return watch
 

@@ -190,7 +190,6 @@ class Runtime:
         if self._progress is not None:
             # The first commit of a round follows DDP's broadcast and warm-up: not a step.
             self._progress.mark(interval=self._commits > 1, commit=True)
-            self._device_watch = device_watch.commit_mark(self._device_watch, self._progress.board)
         if self._stragglers is not None:
             self._stragglers.on_commit(self._commits)  # every few commits: one small all_gather
         if not self.should_switch(self._commits):
@@ -203,6 +202,8 @@ class Runtime:
         that is over; it re-joins instead (commit_fence.py)."""
         if self._commit_fence is not None:
             self._commit_fence.check(self.round, self._control.plan)
+        if self._progress is not None:  # GPU workers: the step's device work, before the ring check's sync
+            self._device_watch = device_watch.commit_mark(self._device_watch, self._progress.board)
         self.check_ring_before_commit()
 
     def check_ring_before_commit(self) -> None:

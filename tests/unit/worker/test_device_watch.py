@@ -15,8 +15,9 @@ class _Event:
         self.done = False
         self.recorded = False
 
-    def record(self):
+    def record(self, stream=None):
         self.recorded = True
+        self.stream = stream
 
     def query(self):
         return self.done
@@ -50,6 +51,25 @@ def test_the_oldest_incomplete_commit_says_since_when_work_is_pending(tmp_path):
     assert watch.poll() == 0.0 and agent_view.read().device_since == 0.0
     board.beat(12.0, 0.0, "train.py:3 in step")  # the where text still fits after the new slot
     assert agent_view.read().where == "train.py:3 in step"
+
+
+def test_probes_see_a_hang_before_any_commit(tmp_path):
+    path = str(tmp_path / "w.progress")
+    ProgressBoard.create(path)
+    board = ProgressBoard(path, writable=True)
+    clock, events = [5.0], []
+
+    def make():
+        events.append(_Event())
+        return events[-1]
+
+    watch = DeviceWatch(board, make, clock=lambda: clock[0], start=False, probe_stream="default")
+    assert watch.poll() == 5.0 and events[0].stream == "default"  # a probe is in flight
+    events[0].done = True
+    clock[0] = 6.0
+    assert watch.poll() == 6.0 and len(events) == 2  # completed: the next probe
+    clock[0] = 60.0
+    assert watch.poll() == 6.0 and len(events) == 2  # a kernel that never ends holds the probe
 
 
 def test_a_cpu_worker_starts_no_watch(monkeypatch):
