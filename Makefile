@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-etcd-servers venv clean
+.PHONY: demo test test-all test-etcd-servers test-gpu venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ ETCD_TESTS := tests/unit/rendezvous tests/integration/test_etcd_client.py tests/
 	tests/integration/test_coordinator_election.py tests/integration/test_coordinator_fencing.py
 test-etcd-servers: $(STAMP)
 	$(PY) -m tests.fakes.etcd_servers $(ETCD_TESTS)
+
+# The GPU tests (tests/gpu/, gpu review section 3); each skips with its reason without CUDA.
+# On a GPU machine whose CUDA build of torch is another Python's: make test-gpu GPU_PY=python3
+GPU_PY ?= $(PY)
+test-gpu:
+	$(GPU_PY) -m pytest -q -m '' -p no:cacheprovider --timeout 600 -rs tests/gpu
+	$(GPU_PY) -m tests.gpu.reform_leaks --rounds 100 --params 50e6
 
 clean:
 	rm -rf $(VENV)

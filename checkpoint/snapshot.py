@@ -8,12 +8,20 @@ of ``copy_`` calls and no allocation. Copying into reused memory is what makes
 ``commit()`` cheap: a fresh ``clone`` pays for page faults on every call.
 
 CUDA tensors are copied into pinned host memory with non-blocking copies on a side
-stream and synchronized before ``capture`` returns, so a snapshot always lives on the
-host and survives the loss of the device's process group.
+stream, so a snapshot always lives on the host and survives the loss of the device's
+process group. A tree with CUDA tensors gets two sets of buffers: ``capture`` fills
+the one not holding the last completed capture and returns without waiting for the
+copy (the training stream waits for it on the device, so the next step cannot
+overwrite what is being copied); the new capture becomes what ``tree()`` and
+``restore_into`` read once its copy has completed (an event, waited for there and at
+the next capture). Pinned buffers have exactly the layout's size: host memory is
+registered with CUDA (``cudaHostRegister``) instead of taken from the caching host
+allocator, which rounds every block up to a power of two and keeps it for ever.
 """
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -196,6 +204,23 @@ def _signature(treedef: tuple, tensors: list[torch.Tensor]) -> tuple:
     return treedef, [(t.shape, t.dtype, t.is_cuda) for t in tensors]
 
 
+class _Bank:
+    """One set of buffers for a layout, the views of the tree's tensors into them, and
+    the plain values captured with them."""
+
+    def __init__(self, specs: tuple, descs: tuple, registered: list) -> None:
+        pin = torch.cuda.is_available()
+        # zeros, not empty: alignment padding ends up in durable files; keep it deterministic.
+        self.buffers = [_host_buffer(numel, dtype, pin and kind == "cuda", registered) for dtype, kind, numel in descs]
+        self.views = [self.buffers[s.buffer].narrow(0, s.offset, _numel(s.shape)).view(s.shape) for s in specs]
+        # Per buffer: (device kind, views into it, indices of the tree's tensors that go there).
+        self.groups: list[tuple[str, list[torch.Tensor], list[int]]] = []
+        for b, (_, kind, _) in enumerate(descs):
+            idx = [i for i, s in enumerate(specs) if s.buffer == b]
+            self.groups.append((kind, [self.views[i] for i in idx], idx))
+        self.plains: list = []
+
+
 class Snapshot:
     """A copy of a tree in buffers allocated once and reused by every capture."""
 
@@ -204,33 +229,40 @@ class Snapshot:
         self._signature: tuple | None = None
         self._specs: tuple[TensorSpec, ...] = ()
         self._buffer_descs: tuple = ()
-        self._buffers: list[torch.Tensor] = []
-        self._views: list[torch.Tensor] = []
-        # Per buffer: (device kind, views into it, indices of the tree's tensors that go there).
-        self._groups: list[tuple[str, list[torch.Tensor], list[int]]] = []
-        self._plains: list = []
+        self._front: _Bank | None = None  # the last completed capture
+        self._back: _Bank | None = None  # CUDA layouts: the next capture's (in flight while _pending)
+        self._pending: list | None = None  # events of the copies into _back
         self._by_path: dict[tuple, int] = {}
         self._streams: dict[torch.device, Any] = {}
+        self._registered: list[int] = []  # host memory registered with CUDA, unregistered on release
+        weakref.finalize(self, _unregister, self._registered)
+
+    @property
+    def _buffers(self) -> list[torch.Tensor]:
+        return self._front.buffers if self._front is not None else []
+
+    @property
+    def _views(self) -> list[torch.Tensor]:
+        return self._front.views if self._front is not None else []
+
+    @property
+    def _plains(self) -> list:
+        return self._front.plains if self._front is not None else []
 
     # -- allocation ---------------------------------------------------------------------
 
     def _allocate(self, treedef: tuple, specs: tuple[TensorSpec, ...], descs: tuple) -> None:
         # Let go of the old buffers first: a layout change (an optimizer's first step
         # creates its state) must not hold two snapshots at once, hundreds of MB each.
-        self._buffers, self._views, self._groups, self._by_path = [], [], [], {}
-        pin = torch.cuda.is_available()
-        self._buffers = [
-            # zeros, not empty: alignment padding ends up in durable files; keep it deterministic.
-            torch.zeros(numel, dtype=dtype, pin_memory=(pin and kind == "cuda"))
-            for dtype, kind, numel in descs
-        ]
-        self._views = [
-            self._buffers[s.buffer].narrow(0, s.offset, _numel(s.shape)).view(s.shape) for s in specs
-        ]
-        self._groups = []
-        for b, (_, kind, _) in enumerate(descs):
-            idx = [i for i, s in enumerate(specs) if s.buffer == b]
-            self._groups.append((kind, [self._views[i] for i in idx], idx))
+        self._settle()  # no copy may still write into them
+        _unregister(self._registered)  # before the memory can be freed (views handed out stay valid)
+        self._front = self._back = None
+        self._by_path = {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # give back what the caching host allocator kept of the old layout
+        self._front = _Bank(specs, descs, self._registered)
+        if any(kind == "cuda" for _, kind, _ in descs):
+            self._back = _Bank(specs, descs, self._registered)
         self._treedef = treedef
         self._specs = specs
         self._buffer_descs = descs
@@ -250,41 +282,68 @@ class Snapshot:
             self._signature = None  # stays invalid if allocation fails half-way
             self._allocate(treedef, specs, descs)
             self._signature = signature
+        if self._back is None:  # host tensors only: copied now, nothing in flight
+            with torch.no_grad():
+                self._copy_in(self._front, tensors)
+            self._front.plains = [_copy_plain(v) for v in plains]
+            return
+        self._settle()  # the previous capture is complete: it stays readable meanwhile
+        bank = self._back
         with torch.no_grad():
-            self._copy_in(tensors)
-        self._plains = [_copy_plain(v) for v in plains]
+            self._pending = self._copy_in(bank, tensors)
+        bank.plains = [_copy_plain(v) for v in plains]
 
-    def _copy_in(self, tensors: list[torch.Tensor]) -> None:
+    def _copy_in(self, bank: _Bank, tensors: list[torch.Tensor]) -> list:
+        """Copy into ``bank``; returns the events of its device-to-host copies."""
         # Launch the device->host copies first so they overlap with the host copies.
-        used_streams = []
-        for kind, views, idx in self._groups:
+        events = []
+        for kind, views, idx in bank.groups:
             if kind == "cuda":
-                used_streams.extend(self._copy_from_cuda(views, [tensors[i] for i in idx]))
-        for kind, views, idx in self._groups:
+                events.extend(self._copy_from_cuda(views, [tensors[i] for i in idx]))
+        for kind, views, idx in bank.groups:
             if kind != "cuda" and views:
                 _copy_all(views, [tensors[i] for i in idx])
-        for stream in used_streams:
-            stream.synchronize()
+        return events
 
     def _copy_from_cuda(self, views: list[torch.Tensor], srcs: list[torch.Tensor]) -> list:
-        """Non-blocking copies into pinned memory on one side stream per device."""
+        """Non-blocking copies into pinned memory on one side stream per device; an
+        event per device that the training stream waits for (on the device, not the host)."""
         by_device: dict[torch.device, tuple[list, list]] = {}
         for dst, src in zip(views, srcs):
             pair = by_device.setdefault(src.device, ([], []))
             pair[0].append(dst)
             pair[1].append(src)
-        streams = []
+        events = []
         for device, (dsts, device_srcs) in by_device.items():
             stream = self._streams.get(device)
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device=device)
+            current = torch.cuda.current_stream(device)
             # The side stream must see every write the training stream queued before commit().
-            stream.wait_stream(torch.cuda.current_stream(device))
+            stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 for dst, src in zip(dsts, device_srcs):
                     dst.copy_(src, non_blocking=True)
-            streams.append(stream)
-        return streams
+                event = torch.cuda.Event()
+                event.record(stream)
+            # ... and the training stream writes nothing the copy still reads.
+            current.wait_event(event)
+            events.append(event)
+        return events
+
+    def _settle(self) -> None:
+        """Wait for the capture in flight, if any; it becomes the one that is read."""
+        if self._pending is None:
+            return
+        events, self._pending = self._pending, None
+        for event in events:
+            event.synchronize()
+        self._front, self._back = self._back, self._front
+
+    @property
+    def in_flight(self) -> bool:
+        """A capture's device-to-host copy has not been waited for yet."""
+        return self._pending is not None and not all(event.query() for event in self._pending)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -294,21 +353,30 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one capture (a CUDA layout keeps two such sets of buffers)."""
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
     def tree(self) -> Any:
         """The captured tree; tensors are views into the buffers (callers must not mutate)."""
         if self._treedef is None:
             raise ValueError("snapshot is empty: nothing was captured")
+        self._settle()
         return _unflatten(self._treedef, iter(self._views), iter(self._plains))
+
+    def cuda_paths(self) -> frozenset:
+        """Paths of the tensors that were CUDA tensors when captured: the snapshot holds
+        host copies, and a restore puts these back on the device (``elastic/state.py``)."""
+        return frozenset(s.path for s in self._specs if s.kind == "cuda")
 
     def buffers(self) -> list[torch.Tensor]:
         """The flat buffers in a deterministic order (the order of first appearance in the tree)."""
+        self._settle()
         return list(self._buffers)
 
     def layout(self) -> Layout:
         if self._treedef is None:
             raise ValueError("snapshot is empty: nothing was captured")
+        self._settle()
         return Layout(self._treedef, self._specs, self._buffer_descs, tuple(self._plains))
 
     @classmethod
@@ -324,11 +392,12 @@ class Snapshot:
         The buffers are kept (with whatever they hold) when their sizes and the tensor
         specs are unchanged, so a receiver that syncs again and again allocates once.
         """
-        if self._specs != layout.tensors or self._buffer_descs != layout.buffers:
+        self._settle()
+        if self._specs != layout.tensors or self._buffer_descs != layout.buffers or self._front is None:
             self._signature = None  # stays invalid if allocation fails half-way
             self._allocate(layout.treedef, layout.tensors, layout.buffers)
         self._treedef = layout.treedef
-        self._plains = [_copy_plain(v) for v in layout.plains]
+        self._front.plains = [_copy_plain(v) for v in layout.plains]
         self._signature = (layout.treedef, [(torch.Size(s.shape), s.dtype, s.kind == "cuda") for s in layout.tensors])
 
     # -- restoring ----------------------------------------------------------------------
@@ -343,6 +412,7 @@ class Snapshot:
         """
         if self._treedef is None:
             raise ValueError("snapshot is empty: nothing was captured")
+        self._settle()
         pairs = []
         for path, target in _iter_tensors(tree):
             i = self._by_path.get(path)
@@ -358,6 +428,31 @@ class Snapshot:
         with torch.no_grad():
             for target, view in pairs:
                 target.copy_(view)
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, pinned: bool, registered: list) -> torch.Tensor:
+    """A zeroed host buffer; ``pinned``: page-locked at exactly its size (registered with
+    CUDA, its address appended to ``registered``), else from the pinned allocator."""
+    buffer = torch.zeros(numel, dtype=dtype)
+    if not pinned or numel == 0:
+        return buffer
+    cudart = torch.cuda.cudart()
+    if hasattr(cudart, "cudaHostRegister"):
+        # flag 0: cudaHostRegisterDefault (the device maps it; copies run async)
+        if int(cudart.cudaHostRegister(buffer.data_ptr(), numel * buffer.element_size(), 0)) == 0:
+            registered.append(buffer.data_ptr())
+            return buffer
+    return buffer.pin_memory()  # rounded up by the caching host allocator, but pinned
+
+
+def _unregister(registered: list) -> None:
+    """Unpin host memory registered by ``_host_buffer`` (before it can be freed)."""
+    while registered:
+        pointer = registered.pop()
+        try:
+            torch.cuda.cudart().cudaHostUnregister(pointer)
+        except Exception:  # noqa: BLE001 - at exit CUDA may be gone already
+            pass
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -92,9 +92,16 @@ class State:
         return {"values": {name: getattr(self, name) for name in self._value_names}}
 
     def load_tree(self, tree: dict) -> None:
-        """Make the live state equal to ``tree`` (copying: the tree may be a snapshot)."""
+        """Make the live state equal to ``tree`` (copying: the tree may be a snapshot).
+
+        A tensor goes back into the live tensor at its place when shapes and dtypes
+        match, else to that live tensor's device, else to the device kind the commit
+        recorded: a snapshot, a sync and a durable file all hold host copies, and a
+        CUDA value must not come back as a CPU one (gpu review F7)."""
+        cuda_paths = getattr(self, "_cuda_paths", frozenset())
         for name, value in tree["values"].items():
-            object.__setattr__(self, name, copy.deepcopy(value))
+            live = getattr(self, name, None)
+            object.__setattr__(self, name, _copy_into(value, live, ("values", name), cuda_paths))
 
     # -- the API --------------------------------------------------------------
     def save(self) -> None:
@@ -103,7 +110,7 @@ class State:
         tree[_COMMIT_ROUND] = self._commit_round
         self._snapshot.capture(tree)
         # RNG state is per worker: restored on this worker, never broadcast.
-        object.__setattr__(self, "_rng", torch.get_rng_state())
+        object.__setattr__(self, "_rng", _rng_states())
         object.__setattr__(self, "_holds_commit", True)
         object.__setattr__(self, "_torn", False)
 
@@ -115,6 +122,8 @@ class State:
     def commit(self) -> None:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
         runtime = _runtime()
+        # Before the snapshot is overwritten: a worker left behind, or a step made on a
+        # broken ring (runtime.check_ring_before_commit), raises here, the previous commit intact.
         runtime.fence()
         self._resolve_policy(runtime)
         object.__setattr__(self, "_commits", self._commits + 1)
@@ -143,9 +152,9 @@ class State:
             return
         if self._snapshot.empty:
             return
-        self._load(self._snapshot.tree())
+        self._load(self._snapshot.tree(), self._snapshot.cuda_paths())
         if self._rng is not None:
-            torch.set_rng_state(self._rng)
+            _set_rng_states(self._rng)
 
     def sync(self) -> SyncPlan:
         """Make every worker hold the ring's newest commit; returns the plan it followed."""
@@ -199,9 +208,9 @@ class State:
         self._snapshot.adopt_layout(layout)
         moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)
         object.__setattr__(self, "_torn", False)
-        self._load(self._snapshot.tree())
+        self._load(self._snapshot.tree(), self._snapshot.cuda_paths())
         object.__setattr__(self, "_holds_commit", True)
-        object.__setattr__(self, "_rng", torch.get_rng_state())
+        object.__setattr__(self, "_rng", _rng_states())
         return moved
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
@@ -271,9 +280,14 @@ class State:
         ):
             object.__setattr__(self, "_durable_step", self._commits)
 
-    def _load(self, tree: dict) -> None:
-        """Make the live state ``tree``'s, commit count included."""
-        self.load_tree(tree)
+    def _load(self, tree: dict, cuda_paths: frozenset = frozenset()) -> None:
+        """Make the live state ``tree``'s, commit count included (``cuda_paths``: the
+        tree's tensors that were CUDA tensors when committed)."""
+        object.__setattr__(self, "_cuda_paths", cuda_paths)
+        try:
+            self.load_tree(tree)
+        finally:
+            object.__setattr__(self, "_cuda_paths", frozenset())
         for key, attribute in ((_COMMITS, "_commits"), (_COMMIT_ROUND, "_commit_round")):
             if isinstance(tree.get(key), int):
                 object.__setattr__(self, attribute, tree[key])
@@ -328,24 +342,65 @@ def _remove(path: str) -> None:
         pass
 
 
-def _copy_into(saved: Any, live: Any) -> Any:
+def _rng_states() -> tuple:
+    """(CPU generator state, CUDA generator state of the current device or None)."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+def _copy_into(saved: Any, live: Any, path: tuple = (), cuda_paths: frozenset = frozenset()) -> Any:
     """``saved`` as a tree whose tensors are ``live``'s own, overwritten in place, where
     ``live`` has a tensor of the same shape and dtype at the same place, and fresh
-    copies elsewhere. A rollback then allocates nothing: for a state of many GB, fresh
-    tensors cost seconds of page faults on the recovery path."""
+    copies elsewhere: on the live tensor's device if there is one at that place, else
+    on the CUDA device if ``path`` is in ``cuda_paths``. A rollback then allocates
+    nothing: for a state of many GB, fresh tensors cost seconds of page faults on the
+    recovery path."""
     if isinstance(saved, torch.Tensor):
         if isinstance(live, torch.Tensor) and live.shape == saved.shape and live.dtype == saved.dtype:
             with torch.no_grad():
                 return live.copy_(saved)
+        if isinstance(live, torch.Tensor) and live.device != saved.device:
+            return saved.detach().to(live.device, copy=True)
+        if path in cuda_paths and not saved.is_cuda:
+            return saved.detach().to(_cuda_device(), copy=True)
         return clone_tree(saved)
     if isinstance(saved, dict) and isinstance(live, dict):
-        copied = type(saved)((key, _copy_into(value, live.get(key))) for key, value in saved.items())
+        copied = type(saved)((key, _copy_into(value, live.get(key), path + (key,), cuda_paths))
+                             for key, value in saved.items())
         if hasattr(saved, "_metadata"):
             copied._metadata = copy.deepcopy(saved._metadata)
         return copied
     if type(saved) in (list, tuple) and type(live) is type(saved) and len(live) == len(saved):
-        return type(saved)(_copy_into(s, l) for s, l in zip(saved, live))
+        return type(saved)(_copy_into(s, l, path + (i,), cuda_paths) for i, (s, l) in enumerate(zip(saved, live)))
+    if cuda_paths and isinstance(saved, (dict, list, tuple)):
+        return _to_recorded(saved, path, cuda_paths)
     return clone_tree(saved)
+
+
+def _to_recorded(saved: Any, path: tuple, cuda_paths: frozenset) -> Any:
+    """A fresh copy of ``saved`` whose tensors are on the device kind they were committed from."""
+    if isinstance(saved, torch.Tensor):
+        return saved.detach().to(_cuda_device(), copy=True) if path in cuda_paths else clone_tree(saved)
+    if isinstance(saved, dict):
+        copied = type(saved)((k, _to_recorded(v, path + (k,), cuda_paths)) for k, v in saved.items())
+        if hasattr(saved, "_metadata"):
+            copied._metadata = copy.deepcopy(saved._metadata)
+        return copied
+    if type(saved) in (list, tuple):
+        return type(saved)(_to_recorded(v, path + (i,), cuda_paths) for i, v in enumerate(saved))
+    return clone_tree(saved)
+
+
+def _cuda_device() -> torch.device:
+    """The worker's CUDA device (its slot's: set once at start)."""
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class TorchState(State):

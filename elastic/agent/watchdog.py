@@ -22,6 +22,14 @@ etcd, no syscall per step) every time its loop wakes (at least every 0.5 s) and
   (``while True: sleep``, a deadlock.) Busy user code (an evaluation pass) is
   slow, not stuck, and never evicted. Judged only while the training function
   runs: set-up before it and whatever the script does after it are not steps.
+* **device**: a GPU worker's device work has not completed for longer than the
+  bound (the patient one before the first interval): a CUDA event recorded at a
+  commit that a thread of the worker polls (``elastic/worker/device_watch.py``). A
+  main thread spin-waiting on a hung kernel (``.item()``, a stream sync) looks
+  busy or waiting, so only the device's own progress shows the hang. On NCCL the
+  ranks whose collective waits for the hung one stop too: they are declared hung
+  as well if their agents judge first (nothing tells a victim's pending kernel
+  from the culprit's without the flight recorder).
 * **a victim** is never declared hung: a main thread blocked inside a collective
   (``torch.distributed``, DDP's forward or backward, a CUDA sync) or in the
   runtime's own waits is waiting for a peer. When the culprit is killed, the
@@ -81,7 +89,7 @@ class HangPolicy:
 @dataclass(frozen=True)
 class Verdict:
     hung: bool
-    kind: str = ""  # "frozen", "gil-held" or "stuck"
+    kind: str = ""  # "frozen", "gil-held", "device" or "stuck"
     stalled_s: float = 0.0  # seconds since the last progress mark
     timeout_s: float = 0.0  # the bound that was exceeded
     where: str = ""
@@ -116,6 +124,12 @@ def judge(marks: Marks, policy: HangPolicy, now: float, proc_state: str = "") ->
         bound = policy.bound(marks.slowest, stuck=True)
         if silent > bound:
             return Verdict(True, "gil-held", stalled, bound, f"no heartbeat for {silent:.1f}s{last}")
+    if marks.progress and marks.device_since:
+        bound = policy.bound(marks.slowest, stuck=True)
+        pending = now - marks.device_since
+        if pending > bound:
+            return Verdict(True, "device", stalled, bound, f"device work queued {pending:.1f}s ago has not completed"
+                           + (f"; main thread at {marks.where}" if marks.where else ""))
     if marks.progress and marks.user_since:
         bound = policy.bound(marks.slowest, stuck=True)
         if now - max(marks.user_since, marks.progress_at) > bound:
@@ -288,10 +302,11 @@ def ask_stacks(targets: dict, grace: float, clock: Callable[[], float] = time.mo
 
 def _seen_since(marks: Marks, since: float) -> Marks:
     """``marks`` judged as if the worker had shown life at ``since`` (the agent was blind before)."""
-    if marks.alive_at >= since and marks.progress_at >= since:
+    if marks.alive_at >= since and marks.progress_at >= since and (not marks.device_since or marks.device_since >= since):
         return marks
     return dataclasses.replace(marks, alive_at=max(marks.alive_at, since), progress_at=max(marks.progress_at, since),
-                               user_since=max(marks.user_since, since) if marks.user_since else 0.0)
+                               user_since=max(marks.user_since, since) if marks.user_since else 0.0,
+                               device_since=max(marks.device_since, since) if marks.device_since else 0.0)
 
 
 def _proc_state(pid: int) -> str:

@@ -52,7 +52,9 @@ BOARD_SIZE = 256
 _PROGRESS, _PROGRESS_AT, _SLOWEST, _BEATS, _ALIVE_AT, _USER_SINCE = 0, 8, 16, 24, 32, 40
 _COMMITS = 48  # then steps (56) and step_total (64): for the agent's metrics (agent/metrics.py)
 _METRICS_SLOTS = struct.Struct("<QQd")  # commits, steps, step_total
-_WHERE_LEN, _WHERE = 72, 80
+_WHERE_LEN = 72
+_DEVICE_SINCE = 80  # device work (a CUDA event recorded at a commit) pending since then; 0: none
+_WHERE = 88
 _WHERE_MAX = BOARD_SIZE - _WHERE
 
 HEARTBEAT_INTERVAL = 0.25  # seconds between heartbeats; the agent's bounds are >= 1 s
@@ -88,6 +90,7 @@ class Marks:
     commits: int = 0  # commits of this process, every round's
     steps: int = 0  # intervals recorded (commits after a round's first), and ...
     step_total: float = 0.0  # ... their total length: the agent's step time is a ratio of deltas
+    device_since: float = 0.0  # the oldest device work not yet completed was queued then; 0.0: none
 
 
 class ProgressBoard:
@@ -149,14 +152,19 @@ class ProgressBoard:
         struct.pack_into("<d", m, _ALIVE_AT, now)
         struct.pack_into("<Q", m, _BEATS, struct.unpack_from("<Q", m, _BEATS)[0] + 1)
 
+    # -- the device watch thread (GPU workers, elastic/worker/device_watch.py) ----------
+    def device_pending(self, since: float) -> None:
+        """Device work queued at ``since`` has not completed (0.0: all work completed)."""
+        struct.pack_into("<d", self._map, _DEVICE_SINCE, since)
+
     # -- the agent ----------------------------------------------------------------------
     def read(self) -> Marks:
         m = self._map
-        progress, progress_at, slowest, beats, alive_at, user_since, commits, steps, step_total, length = (
-            struct.unpack_from("<QddQddQQdQ", m, 0))
+        progress, progress_at, slowest, beats, alive_at, user_since, commits, steps, step_total, length, device = (
+            struct.unpack_from("<QddQddQQdQd", m, 0))
         length = min(length, _WHERE_MAX)
         return Marks(progress, progress_at, slowest, beats, alive_at, user_since,
-                     m[_WHERE:_WHERE + length].decode(errors="replace"), commits, steps, step_total)
+                     m[_WHERE:_WHERE + length].decode(errors="replace"), commits, steps, step_total, device)
 
 
 @dataclass(frozen=True)

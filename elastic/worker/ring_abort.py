@@ -24,7 +24,12 @@ Every descriptor is re-checked by inode on a duplicate before the shutdown, so a
 number that gloo closed and the OS handed to someone else is left alone.
 
 Needs Linux or macOS (``/proc/self/fd`` or ``/dev/fd``). Other backends (NCCL)
-have a real abort, which ``abort()`` calls instead.
+have a real abort, which ``abort()`` calls as well (nccl_abort.py: every group of
+the ring, on a thread of its own with a deadline).
+
+``check_ring`` is asked by every commit before it overwrites the snapshot: NCCL
+collectives do not block the host, so after an abort the queued optimizer step
+has applied partial gradients, and only the ring's state says so.
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ import socket
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..contract.console import FILE_ONLY
+from . import nccl_abort
 
 log = logging.getLogger(__name__)
 
@@ -134,21 +140,65 @@ def shutdown_connections_to(before: SocketSnapshot, port: int) -> int:
     return sum(_shutdown_if_same(fd, inode) for fd, inode in _connections_since(before) if _peer_port(fd) == port)
 
 
+class RingBroken(dist.DistBackendError):
+    """The ring this commit's collectives ran on was aborted or reported an error: the
+    step is not to be committed. A ``DistError``, hence a communication error for the
+    recovery path (failures.py), which rolls back to the previous commit, left intact."""
+
+
+def uses_nccl(backend: str) -> bool:
+    """Does ``backend`` ("nccl", "cpu:gloo,cuda:nccl") run NCCL? (A local copy: the
+    contract's own helper is another branch's.)"""
+    return backend == "nccl" or "nccl" in backend
+
+
+def check_ring(ring: Optional["RingHandle"], *, device_sync: bool) -> None:
+    """Raise RingBroken unless the collectives queued so far completed without error.
+
+    ``device_sync``: wait for the current CUDA stream first (NCCL rings), so that an
+    error or abort that hits a queued collective is visible before the caller goes on.
+    """
+    if device_sync and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+    if ring is None:
+        return
+    if ring.aborted:
+        raise RingBroken("the ring was aborted (a peer was lost): this step is not committed")
+    error = ring.error()
+    if error is not None:
+        raise RingBroken(f"the ring reported {error}: this step is not committed")
+
+
 class RingHandle:
     """Aborts one process group's ring from any thread; see the module docstring."""
 
     def __init__(self, connections: Optional[FrozenSet[Tuple[int, int]]], other_backend=None,
-                 before: Optional[SocketSnapshot] = None):
+                 before: Optional[SocketSnapshot] = None, *, port: Optional[int] = None,
+                 deadline_s: float = nccl_abort.ABORT_DEADLINE_S,
+                 on_overrun: Callable[[str], None] = nccl_abort.exit_broken):
         # No reference to a gloo group: holding one would keep its sockets open after
-        # destroy_process_group(). ``other_backend`` is a non-gloo backend to abort().
+        # destroy_process_group(). ``other_backend`` is a non-gloo backend (NCCL's) to
+        # abort, with every group of the process, on a thread with ``deadline_s``.
         # ``connections`` None: a ring still forming, whose sockets are those new since
-        # ``before`` at the time of the abort (see forming_ring).
+        # ``before`` at the time of the abort (see forming_ring); ``port``: only those
+        # whose peer is that port (the round's store: NCCL's own sockets are NCCL's).
         self._connections = connections
         self._before = before
+        self._port = port
         self._other_backend = other_backend
+        self._watched = other_backend  # asked for its error state (NCCL) until release
+        self._uses_backend_abort = other_backend is not None
+        self._deadline_s = deadline_s
+        self._on_overrun = on_overrun
+        self._abort_done: Optional[threading.Event] = None
         self._lock = threading.Lock()
         self._aborted = False
         self._released = False
+
+    @property
+    def backend_abort(self) -> bool:
+        """True for a ring whose backend has a real abort (NCCL), run off-thread."""
+        return self._uses_backend_abort
 
     @property
     def connections(self) -> int:
@@ -157,11 +207,30 @@ class RingHandle:
 
     def _current_connections(self) -> FrozenSet[Tuple[int, int]]:
         # A forming ring's are found at the time of asking: its mesh grows meanwhile.
-        return self._connections if self._connections is not None else _connections_since(self._before)
+        if self._connections is not None:
+            return self._connections
+        found = _connections_since(self._before)
+        if self._port is not None:
+            found = frozenset((fd, inode) for fd, inode in found if _peer_port(fd) == self._port)
+        return found
 
     @property
     def aborted(self) -> bool:
         return self._aborted
+
+    def error(self) -> Optional[str]:
+        """The backend's own error state, if it keeps one (NCCL's ``get_error()``), as a
+        name ("TIMEOUT", "COMM_ERROR", "REMOTE_ERROR"); None while it reports none."""
+        backend = self._watched
+        get_error = getattr(backend, "get_error", None)
+        if get_error is None:
+            return None  # gloo (torch 2.13's ProcessGroupGloo has none), or released
+        try:
+            kind = get_error()
+        except RuntimeError as exc:  # a backend torn down under us: an error too
+            return f"error state unreadable ({exc})"
+        name = getattr(kind, "name", str(kind))
+        return None if name == "SUCCESS" else name
 
     def abort(self) -> None:
         """Make every pending and future collective of the group raise now.
@@ -174,21 +243,52 @@ class RingHandle:
                 return
             self._aborted = True
             backend, self._other_backend = self._other_backend, None
-        if backend is not None:
-            backend.abort()
-            return
         connections = self._current_connections()
         closed = sum(_shutdown_if_same(fd, inode) for fd, inode in connections)
-        log.info("ring aborted: shut down %d of %d gloo connections", closed, len(connections), extra=FILE_ONLY)
+        if backend is None:
+            log.info("ring aborted: shut down %d of %d gloo connections", closed, len(connections), extra=FILE_ONLY)
+            return
+        # The round store's sockets first (a commit's look at the store must not block
+        # on a host cut off), then NCCL's abort, which may block: off this thread.
+        log.info("ring aborted: shut down %d store connection(s); aborting the NCCL groups", closed, extra=FILE_ONLY)
+        self._abort_done = nccl_abort.run_with_deadline(
+            lambda: nccl_abort.abort_every_group(backend), self._deadline_s, self._on_overrun, "elastic-nccl-abort")
+
+    def wait_aborted(self) -> bool:
+        """Wait (bounded by the deadline) for a backend abort under way; True once done."""
+        done = self._abort_done
+        return done is None or done.wait(self._deadline_s)
 
     def release(self) -> None:
         """Forget the group (call before destroying it); abort() becomes a no-op."""
         with self._lock:
             self._released = True
             self._other_backend = None
+            self._watched = None
 
 
-def forming_ring(before: SocketSnapshot) -> RingHandle:
+def leave_ring(ring: Optional[RingHandle], *, failed: bool, round_number: int) -> None:
+    """Forget ``ring`` and tear its process group down. After a failure a ring with a
+    real abort (NCCL) is aborted, never destroyed: ``destroy_process_group`` finalizes
+    its communicators, which waits for pending work and can block on a dead peer (gpu
+    review F5). A group that cannot be torn down makes the worker exit as broken: the
+    next init would fail as a user error ("default process group twice")."""
+    backend_abort = failed and ring is not None and ring.backend_abort
+    if backend_abort:
+        ring.abort()  # a no-op if the control thread did it already
+        ring.wait_aborted()  # bounded: past its deadline the worker exits (nccl_abort.py)
+    if ring is not None:
+        ring.release()
+    if dist.is_initialized() and not backend_abort:
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a broken group may complain on the way out
+            log.debug("destroy_process_group: %s", exc)
+    if dist.is_initialized() and not nccl_abort.leave_aborted():
+        nccl_abort.exit_broken(f"round {round_number}: the old process group could not be torn down")
+
+
+def forming_ring(before: SocketSnapshot, *, port: Optional[int] = None) -> RingHandle:
     """A handle on a ring whose ``init_process_group`` is under way: ``abort()`` shuts
     down the connections made since ``before`` (take it before connecting to the
     round's store). An init waiting in the store for a peer that died then fails at
@@ -196,28 +296,38 @@ def forming_ring(before: SocketSnapshot) -> RingHandle:
     that already connected part of gloo's mesh."""
     if not isinstance(before, SocketSnapshot):
         raise TypeError(f"before must be a SocketSnapshot from socket_snapshot(), got {type(before).__name__}")
-    return RingHandle(None, before=before)
+    return RingHandle(None, before=before, port=port)
 
 
-def prepare_ring(group=None, *, before: SocketSnapshot) -> RingHandle:
+def prepare_ring(group=None, *, before: SocketSnapshot, store_port: Optional[int] = None) -> RingHandle:
     """Call right after ``init_process_group`` / ``new_group`` built ``group``.
 
     ``before`` is the ``socket_snapshot()`` taken just before that call; the
     sockets that are new since then and are connected TCP streams are gloo's pairs
-    (gloo connects the full mesh during init).
+    (gloo connects the full mesh during init). On NCCL the handle aborts the group's
+    backend (and every other group) and shuts the connections to ``store_port``
+    (the round's store) that are new since ``before``.
     """
     if not isinstance(before, SocketSnapshot):
         raise TypeError(f"before must be a SocketSnapshot from socket_snapshot(), got {type(before).__name__}")
     group = dist.group.WORLD if group is None else group
     if group is None:
         raise RuntimeError("prepare_ring: no process group; call it after init_process_group")
-    name = dist.get_backend(group)
-    if name != "gloo":
-        return RingHandle(frozenset(), other_backend=group._get_backend(torch.device("cuda")))
+    name = str(dist.get_backend(group))
+    # NCCL's real abort for its part ("nccl", "cpu:gloo,cuda:nccl"); other backends'
+    # (mpi, ucc) own abort when they have no gloo part.
+    other = group._get_backend(torch.device("cuda")) if uses_nccl(name) or "gloo" not in name else None
+    if "gloo" not in name:
+        store = frozenset()
+        if store_port is not None:
+            store = frozenset((fd, ino) for fd, ino in _connections_since(before) if _peer_port(fd) == store_port)
+        return RingHandle(store, other_backend=other)
     new = _connections_since(before)
     peers = dist.get_world_size(group) - 1
     if len(new) < peers:  # (more is fine: the round's store client, if taken before it)
         # gloo's lazy init (TORCH_GLOO_LAZY_INIT) connects on first use; then abort
         # can only shut the connections that exist now.
         log.warning("prepare_ring: found %d gloo connections for %d peers", len(new), peers)
-    return RingHandle(new)
+    # A gloo part next to NCCL's: every new connection is shut (gloo's mesh, the store's
+    # and NCCL's bootstrap sockets: NCCL's abort needs none of them), then NCCL aborted.
+    return RingHandle(new, other_backend=other)

@@ -44,13 +44,14 @@ from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from .failures import is_communication_error, summarize
-from . import fault_points, round_store
+from . import device_watch, fault_points, nccl_abort, round_store
 from ..contract.events import EventLog
 from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
-from .ring_abort import RingHandle, forming_ring, prepare_ring, socket_snapshot
+from .ring_abort import (RingHandle, check_ring, forming_ring, leave_ring, prepare_ring, socket_snapshot,
+                         uses_nccl)
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
@@ -93,6 +94,7 @@ class Runtime:
         self._tried_round = 0  # the newest round whose init we began (it may have failed)
         self._backend_lock = threading.Lock()
         self._progress: Optional[Progress] = None  # marks for the agent's hang watchdog
+        self._device_watch = None  # GPU workers: device progress for the same (device_watch.py)
         self._stragglers: Optional[StragglerWatch] = None  # step times, exchanged every few commits
         self._commit_fence: Optional[CommitFence] = None
         self.steps = StepLog(self.events, config.worker_id if config else "local")  # for the timeline
@@ -206,6 +208,19 @@ class Runtime:
         that is over; it re-joins instead (commit_fence.py)."""
         if self._commit_fence is not None:
             self._commit_fence.check(self.round, self._control.plan)
+        if self._progress is not None:  # GPU workers: the step's device work, before the ring check's sync
+            self._device_watch = device_watch.commit_mark(self._device_watch, self._progress.board)
+        self.check_ring_before_commit()
+
+    def check_ring_before_commit(self) -> None:
+        """Called by ``fence()``, before ``commit()`` overwrites the snapshot: raise ``RingBroken``
+        (a ring failure; the previous commit stays the rollback target) unless the step's
+        collectives completed without error. On NCCL that takes a sync of the current
+        stream: its collectives do not block the host, and an abort lets the queued
+        optimizer step apply partial gradients. gloo's raise at once: no sync there."""
+        with self._backend_lock:
+            ring = self._ring
+        check_ring(ring, device_sync=uses_nccl(self.backend))
 
     def should_switch(self, commits: int) -> bool:
         """Called at every commit (``commits`` counts this round's commits)."""
@@ -239,7 +254,7 @@ class Runtime:
         # would re-use its store namespace, which hangs.
         old_round = max(self.round, self._tried_round)
         # A planned switch leaves together: nobody is blocked, no garbage to chase.
-        self.release_group(collect=failed)
+        self.release_group(collect=failed, failed=failed)
         t1 = time.monotonic()
         nudge = None
         if failed:
@@ -276,21 +291,18 @@ class Runtime:
             log.info("round %d: aborting the ring (%s)", current.round, why, extra=FILE_ONLY)
             ring.abort()
 
-    def release_group(self, collect: bool = True) -> None:
+    def release_group(self, collect: bool = True, failed: bool = False) -> None:
+        """Leave the current ring. After a failure an NCCL ring is aborted, never
+        destroyed: ``destroy_process_group`` finalizes its communicators, which waits
+        for pending work and can block on a dead peer (gpu review F5)."""
         with self._backend_lock:
             ring, self._ring = self._ring, None
         aborted = ring is not None and ring.aborted
-        if ring is not None:
-            ring.release()
         self._store = None
         self._joiners.forget()
         self._switch_at = None
         self._switch_action = "switch"
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # a broken group may complain on the way out
-                log.debug("destroy_process_group: %s", exc)
+        leave_ring(ring, failed=failed, round_number=self.round)
         if collect and not aborted:
             # Nobody shut the old connections down: freeing the old gloo pairs now
             # is what wakes peers still blocked on them (costly under load, so
@@ -336,6 +348,9 @@ class Runtime:
             # store's host is cut off (no RST ever comes), a commit's look at the store
             # would otherwise block for the store timeout.
             before = socket_snapshot()
+            nccl = uses_nccl(cfg.backend)
+            if nccl:
+                nccl_abort.nonblocking_env()  # read when the communicator is made
             base = self._connect_store(plan)
             if base is not None:
                 store = dist.PrefixStore(f"/round/{plan.round}/", base)
@@ -346,8 +361,10 @@ class Runtime:
         # A peer that dies now leaves the others waiting in the init for its address
         # until the store's timeout: the round that names it lost aborts the init.
         self._tried_round = plan.round
+        # On pure NCCL the store's connections alone: the sockets NCCL makes are its own.
+        store_port = int(plan.store_addr.rsplit(":", 1)[1])
         with self._backend_lock:
-            self._forming = (plan, forming_ring(before))
+            self._forming = (plan, forming_ring(before, port=store_port if cfg.backend == "nccl" else None))
         self._on_control(self._control.plan, self._control.status)  # a loss announced already
         try:
             dist.init_process_group(
@@ -356,6 +373,9 @@ class Runtime:
                 rank=rank,
                 world_size=plan.world_size,
                 timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+                # NCCL: communicators made now (eager), inside the forming ring's abort
+                # and PeersUnreachable, not at the first collective (gpu review F4a).
+                **({"device_id": nccl_abort.device_of_this_worker()} if nccl else {}),
             )
         except Exception as exc:
             with self._backend_lock:
@@ -368,7 +388,7 @@ class Runtime:
             raise PeersUnreachable(plan.round, addresses, summarize(exc)) from None
         with self._backend_lock:
             self._forming = None
-            self._ring = prepare_ring(before=before)
+            self._ring = prepare_ring(before=before, store_port=store_port)
             self.plan = plan
             self.round = plan.round
         self._store = store
@@ -475,6 +495,8 @@ class Runtime:
             self._commit_fence.close()
         if self._etcd is not None:
             self._etcd.close()
+        if self._device_watch is not None:
+            self._device_watch.close()
         if self._progress is not None:
             self._progress.close()
             self._progress = None

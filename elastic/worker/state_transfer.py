@@ -12,11 +12,13 @@ the other holders take it from their own snapshot, which holds the same commit.
 On gloo every transfer is posted at once (``isend``/``irecv``) straight from a holder's
 snapshot buffer into a view of the receiver's: gloo sends from and receives into host
 memory, so nothing is staged and the holders' stripes travel in parallel. NCCL only
-moves device memory: each chunk is staged through one device buffer per peer, one
-chunk at a time, so the device holds a chunk, never the state. A receiver takes its
-transfers holder by holder (the plan's order), which keeps blocking sends free of
-deadlock: a holder waits only for a receiver that is already taking that holder's
-chunks.
+moves device memory: chunks are staged through two device buffers per peer, used in
+turn, so the device holds two chunks per peer, never the state. Round k posts every
+peer's k-th chunk in one ``batch_isend_irecv`` on the ring's own communicator (eager
+init: no pair communicators), while the copies of round k+1 fill the other buffers;
+no host thread ever waits for a peer, so the order of the rounds cannot deadlock.
+Chunks travel as bytes (NCCL has no complex dtypes). A "cpu:gloo,cuda:nccl" ring
+moves the host buffers through its gloo part, like gloo.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ _LAYOUT_TAG = 1 << 30
 
 
 def _device(backend: str) -> torch.device:
+    # Only a pure NCCL ring needs device tensors; a mixed one ("cpu:gloo,cuda:nccl")
+    # sends host tensors through its gloo part.
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
@@ -110,18 +114,45 @@ def _view(buffers: list[torch.Tensor], transfer: Transfer) -> torch.Tensor:
 
 
 def _transfer_staged(transfers: list[Transfer], sending: bool, buffers: list[torch.Tensor]) -> None:
+    """Move ``transfers`` through two device buffers per peer, a batch of every peer's
+    next chunk at a time (see the module docstring)."""
     device = _device("nccl")
-    staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    by_peer: dict[int, list[torch.Tensor]] = {}
     for _, transfer in _tagged(transfers, sending):
-        view = _view(buffers, transfer)
         peer = transfer.receiver if sending else transfer.holder
-        key = (peer, view.dtype)
-        if key not in staging:
-            staging[key] = torch.empty(CHUNK_BYTES // view.element_size(), dtype=view.dtype, device=device)
-        chunk = staging[key][: transfer.length]
-        if sending:
-            chunk.copy_(view)
-            dist.send(chunk, dst=peer)
-        else:
-            dist.recv(chunk, src=peer)
-            view.copy_(chunk)
+        by_peer.setdefault(peer, []).append(_view(buffers, transfer).view(torch.uint8))
+    if not by_peer:
+        return
+    staging = {peer: [torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
+               for peer in by_peer}
+    in_flight: list = []  # the previous round's works
+    landed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host view, its staging slot) of that round
+    for k in range(max(len(chunks) for chunks in by_peer.values())):
+        ops, arriving = [], []
+        for peer, chunks in by_peer.items():
+            if k >= len(chunks):
+                continue
+            host = chunks[k]
+            slot = staging[peer][k % 2][: host.numel()]
+            if sending:
+                # On the current stream, which the batch's NCCL stream waits for; the
+                # slot's previous send (round k-2) was waited for at round k-1.
+                slot.copy_(host, non_blocking=True)
+                ops.append(dist.P2POp(dist.isend, slot, peer))
+            else:
+                ops.append(dist.P2POp(dist.irecv, slot, peer))
+                arriving.append((host, slot))
+        works = dist.batch_isend_irecv(ops)
+        _drain(in_flight, landed)  # round k-1 ends (on the device) while round k is posted
+        in_flight, landed = works, arriving
+    _drain(in_flight, landed)
+    torch.cuda.current_stream(device).synchronize()  # every chunk is on the host now
+
+
+def _drain(works: list, landed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make the current stream wait for ``works`` (no host wait on NCCL), then queue the
+    copies of what they received to the host."""
+    for work in works:
+        work.wait()
+    for host, slot in landed:
+        host.copy_(slot, non_blocking=True)

@@ -88,6 +88,9 @@ p.add_argument("--accelerator-error-step", type=int, default=None,
                help="... at this step, once per job (a marker file: its replacement trains on)")
 p.add_argument("--record-slots", action="store_true", help="slots.jsonl: {pid, rank, round, local_rank, "
                "env_local_rank, local_world_size} at every (re-)entry: a worker's device slot through rounds")
+p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+               help="where the model and batches live; cuda: the GPU of the worker's LOCAL_RANK (modulo the "
+                    "visible GPUs, so several workers can share one through gloo)")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -117,6 +120,10 @@ if os.environ.get("TRAIN_JOB_SETUP_HOLDS_GIL"):  # for one agent's workers only:
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+device = torch.device("cpu")
+if args.device == "cuda":
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    model.to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 gen = torch.Generator().manual_seed(1234)
 X = torch.randn(max(args.steps * args.global_batch, args.dataset_size), 16, generator=gen)
@@ -126,7 +133,7 @@ state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, st
 
 
 def one_step(ddp, rows):
-    loss = F.cross_entropy(ddp(X[rows]), Y[rows])
+    loss = F.cross_entropy(ddp(X[rows].to(device)), Y[rows].to(device))
     state.optimizer.zero_grad()
     loss.backward()
     state.optimizer.step()
@@ -138,7 +145,7 @@ def global_batch_step(ddp, rows):
     state.optimizer.zero_grad()
     for micro in elastic.accumulate(ddp, micro_batches):
         micro = torch.tensor(micro, dtype=torch.long)  # may be empty: a short last batch
-        loss = F.cross_entropy(ddp(X[micro]), Y[micro], reduction="sum") * state.sampler.loss_scale
+        loss = F.cross_entropy(ddp(X[micro].to(device)), Y[micro].to(device), reduction="sum") * state.sampler.loss_scale
         maybe_die("mid-step", state.step + 1)  # after the forward, before the gradients' all-reduce
         loss.backward()
     state.optimizer.step()
@@ -313,5 +320,5 @@ def train(state):
 
 
 train(state)
-torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
            os.path.join(args.out, f"final-{os.getpid()}.pt"))

@@ -1,0 +1,131 @@
+"""Aborting an NCCL ring: every group, off the caller's thread, within a deadline.
+
+``ProcessGroupNCCL::abort()`` is a real abort (pending kernels exit, later
+collectives raise), but it blocks: it waits for ``ncclCommAbort``, which can take
+as long as the group's timeout when a peer is gone. The plan-driven abort runs
+on the etcd watch thread (``Runtime._on_control``), which must go on delivering
+plans meanwhile (gpu review F4c). So the abort runs on a thread of its own, and a
+second thread waits for it with a deadline: past the deadline the process is
+broken (a driver call that does not return) and exits with ``WORKER_BROKEN``, so
+that its agent replaces it (a broken process, not a user error).
+
+Every group of the process is aborted, not only the default one (DDP and user
+code may have made sub-groups), inside one ``ncclGroupStart/End`` as torch's own
+``_abort_process_group`` does (pytorch#119797: aborts of several communicators
+one after the other can deadlock). ``_world`` is left as it is here: the main
+thread may be inside a collective, and a half-cleared ``_world`` would make its
+next call fail as a user error. The main thread clears it when it leaves the
+ring (``leave_aborted``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..contract.exit_codes import WORKER_BROKEN
+
+log = logging.getLogger(__name__)
+
+# How long an NCCL abort may take before the process counts as broken. ncclCommAbort
+# of a healthy driver returns in well under a second even with a dead peer (NCCL >= 2.25,
+# non-blocking communicators); a minute leaves room for a loaded host.
+ABORT_DEADLINE_S = 60.0
+
+
+def exit_broken(why: str) -> None:
+    """End this worker now: its agent sees WORKER_BROKEN and replaces it."""
+    log.error("worker process broken: %s; exiting with status %d so that its agent replaces it", why, WORKER_BROKEN)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep us alive
+            pass
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(WORKER_BROKEN)
+
+
+def run_with_deadline(work: Callable[[], None], deadline_s: float, on_overrun: Callable[[str], None],
+                      name: str) -> threading.Event:
+    """Run ``work`` on a thread of its own; call ``on_overrun(why)`` if it has not ended
+    within ``deadline_s``. Returns at once an event set when ``work`` has ended."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - an abort that raises has still ended
+            log.warning("%s: %s: %s", name, type(exc).__name__, exc)
+        finally:
+            done.set()
+
+    def watch() -> None:
+        if not done.wait(deadline_s):
+            on_overrun(f"{name} did not return within {deadline_s:g}s")
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=watch, name=f"{name}-deadline", daemon=True).start()
+    return done
+
+
+def _nccl_class():
+    if not dist.is_nccl_available():
+        return None
+    from torch.distributed import ProcessGroupNCCL
+
+    return ProcessGroupNCCL
+
+
+def abort_every_group(backend) -> None:
+    """Abort every process group of this process (``backend``: the default group's
+    NCCL backend); a backend that is not NCCL's (tests) is aborted alone."""
+    nccl = _nccl_class()
+    if nccl is None or not isinstance(backend, nccl):
+        backend.abort()
+        return
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    groups = sorted(list(world.pg_names.items()), key=lambda item: item[1], reverse=True)
+    backend._group_start()
+    try:
+        for group, _ in groups:
+            group.abort()
+    finally:
+        backend._group_end()
+
+
+def leave_aborted(deadline_s: float = ABORT_DEADLINE_S,
+                  on_overrun: Callable[[str], None] = exit_broken) -> bool:
+    """Forget every process group after an abort, without the shutdown that waits for
+    pending work and for peers (``destroy_process_group`` would). True if no group is
+    left; bounded by ``deadline_s`` (past it, ``on_overrun``)."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return True
+    done = run_with_deadline(distributed_c10d._abort_process_group, deadline_s, on_overrun, "elastic-leave-ring")
+    done.wait(deadline_s)
+    return not dist.is_initialized()
+
+
+def nonblocking_env(environ: Optional[dict] = None) -> None:
+    """Ask for non-blocking NCCL communicators (unless the user chose): an abort then
+    reaches a communicator whose set-up waits for a dead peer."""
+    environ = os.environ if environ is None else environ
+    environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
+
+
+def device_of_this_worker() -> torch.device:
+    """The CUDA device NCCL groups are bound to (eager init): the worker's current one."""
+    return torch.device("cuda", torch.cuda.current_device())

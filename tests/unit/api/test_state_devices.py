@@ -1,0 +1,74 @@
+"""Tensors keep their device through a rollback, a sync and a durable resume, and the
+CUDA generator rolls back with the commit (gpu review F7). On the CPU, the "meta" device
+stands in for a CUDA device: the rules follow the live tensor's device, or the device
+kind the commit recorded."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from checkpoint import Snapshot
+from elastic import state as state_module
+from elastic.state import State, _copy_into
+from elastic.worker import lifecycle
+
+
+@pytest.fixture
+def runtime():
+    stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
+                                     fence=lambda: None, check_ring_before_commit=lambda: None,
+                                     note_commit=lambda n: None)
+    lifecycle.install(stand_in)
+    yield stand_in
+    lifecycle.install(None)
+
+
+def test_a_value_of_the_same_shape_is_overwritten_in_place(runtime):
+    state = State(ema=torch.zeros(3))
+    live = state.ema
+    state.commit()
+    state.ema.add_(1.0)
+    state.restore()
+    assert state.ema is live and torch.equal(live, torch.zeros(3))
+
+
+def test_a_value_of_another_shape_follows_the_live_tensors_device():
+    saved = {"values": {"ema": torch.ones(2)}}
+    live = torch.empty(5, device="meta")
+    placed = _copy_into(saved["values"]["ema"], live, ("values", "ema"))
+    assert placed.device.type == "meta" and placed.shape == (2,)
+
+
+def test_a_value_without_a_live_tensor_goes_to_the_recorded_device(monkeypatch):
+    monkeypatch.setattr(state_module, "_cuda_device", lambda: torch.device("meta"))
+    saved = {"scaler": torch.ones(1), "history": [torch.ones(2), 3]}
+    cuda = frozenset({("values", "s", "scaler"), ("values", "s", "history", 0)})
+    placed = _copy_into(saved, None, ("values", "s"), cuda)
+    assert placed["scaler"].device.type == "meta" and placed["history"][0].device.type == "meta"
+    assert placed["history"][1] == 3
+    assert _copy_into(torch.ones(1), None, ("values", "x"), cuda).device.type == "cpu"  # not recorded
+
+
+def test_the_snapshot_names_the_paths_captured_from_cuda():
+    snapshot = Snapshot()
+    snapshot.capture({"values": {"a": torch.ones(1)}})
+    assert snapshot.cuda_paths() == frozenset()
+
+
+def test_the_cuda_generator_rolls_back_with_the_commit(runtime, monkeypatch):
+    generator = {"state": torch.tensor([1], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: generator["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda value, *a: generator.update(state=value.clone()))
+    state = State(step=0)
+    state.commit()
+    generator["state"] = torch.tensor([9], dtype=torch.uint8)  # dropout drew numbers since
+    cpu_before = torch.get_rng_state()
+    torch.rand(3)
+    state.restore()
+    assert generator["state"].tolist() == [1]
+    assert torch.equal(torch.get_rng_state(), cpu_before)
