@@ -66,6 +66,7 @@ from .common import (
     remove_process_set,
     rocm_built,
 )
+from .functions import broadcast_optimizer_state, broadcast_parameters
 from .gather_ops import (
     allgather,
     allgather_async,
@@ -97,5 +98,6 @@ from .ops import (
     poll,
     synchronize,
 )
+from .optimizer import DistributedOptimizer
 
 from . import elastic  # noqa: E402  (hvd.elastic)
