@@ -19,6 +19,7 @@ ring changes (a new round) are dropped, never waited for.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -30,7 +31,15 @@ from .common import ADASUM_REFUSED, Adasum, Average, Compression, check_process_
 from .ops import finish_reduction_, start_flat_allreduce, translated_errors
 
 FIRST_BUCKET_BYTES = 1 << 20  # small, so the first all-reduce starts early in the backward pass
-BUCKET_BYTES = 25 << 20  # DDP's default bucket size
+BUCKET_BYTES = 25 << 20  # DDP's default bucket size; HOROVOD_FUSION_THRESHOLD (bytes) overrides it
+
+
+def bucket_bytes(environ=os.environ) -> int:
+    raw = environ.get("HOROVOD_FUSION_THRESHOLD")
+    try:
+        return max(1, int(raw)) if raw else BUCKET_BYTES
+    except ValueError:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={raw!r}: expected a number of bytes") from None
 
 STEP_AFTER_SYNCHRONIZE = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
@@ -138,8 +147,9 @@ class _DistributedOptimizer:
     def _make_plan(self, groups) -> BucketPlan:
         count = len(self._hooked)
         if groups is None:
+            cap = bucket_bytes()
             return BucketPlan.by_size([p.numel() * p.element_size() for p in self._hooked],
-                                      [p.dtype for p in self._hooked])
+                                      [p.dtype for p in self._hooked], min(FIRST_BUCKET_BYTES, cap), cap)
         if isinstance(groups, int):
             return BucketPlan.by_groups(count, BucketPlan.split_evenly(count, groups))
         if not isinstance(groups, list) or any(not isinstance(g, list) for g in groups):
