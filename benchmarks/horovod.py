@@ -134,10 +134,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-horovod-") as tmp:
         workdir = Path(tmp)
         out = workdir / "figures.json"
-        passed = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json")]
-        if "--json" in passed:
-            index = passed.index("--json")
-            del passed[index:index + 2]
+        passed = [f"--rounds={args.rounds}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+                  f"--layers={args.layers}", f"--width={args.width}", f"--batch-size={args.batch_size}"]
         command = [str(harness.BIN / "elastic-run"), "--np", str(args.nproc), "--log-dir", str(workdir / "logs"),
                    "-m", "benchmarks.horovod", *passed, "--worker-out", str(out)]
         with harness.Job(command, harness.benchmark_env(), workdir / "launcher.log") as job:
