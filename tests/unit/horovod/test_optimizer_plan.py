@@ -99,3 +99,28 @@ def test_load_state_dict_forgets_a_step_under_way(hvd):
     opt.zero_grad()  # allowed again: nothing is pending
     model(torch.ones(2, 3)).sum().backward()
     opt.step()
+
+
+def _torch_optimizers():
+    import inspect
+
+    skipped = (torch.optim.Optimizer, torch.optim.LBFGS, torch.optim.SparseAdam)
+    return [cls for _, cls in inspect.getmembers(torch.optim, inspect.isclass)
+            if issubclass(cls, torch.optim.Optimizer) and cls not in skipped]
+
+
+@pytest.mark.parametrize("cls", _torch_optimizers(), ids=lambda cls: cls.__name__)
+def test_every_torch_optimizer_wraps_steps_and_broadcasts_its_state(hvd, cls):
+    model = torch.nn.Linear(3, 2)
+    try:
+        plain = cls(model.parameters())
+        plain.step()
+    except (ValueError, TypeError, RuntimeError) as exc:  # e.g. Muon takes 2-D parameters only
+        pytest.skip(f"{cls.__name__} does not take this model: {exc}")
+    opt = hvd.DistributedOptimizer(plain, named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # creates the state (one step on zero gradients)
+    assert len(opt.state) > 0 or cls is torch.optim.SGD
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
