@@ -1,0 +1,140 @@
+"""Horovod's process queries on this runtime: init, rank, size, local and cross ranks.
+
+``hvd.init()`` joins the job through ``elastic.init()``; the ranks come from the
+runtime's current round, so they follow the ring after every re-formation
+(Horovod's own ``hvd.rank()`` does the same after an elastic reset).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from ..worker import lifecycle
+
+NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+
+# Whether hvd.init() was called and hvd.shutdown() has not been since. The runtime
+# itself stays joined until the process exits (leaving the ring is a membership
+# change, not a call a script makes between two tests), so init() after shutdown()
+# returns the same rank and size, as Horovod's gloo build does.
+_initialized = False
+_environment_set = False
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Join the job (idempotent). ``comm`` and ``process_sets`` other than the whole
+    world are not supported: every collective runs on the whole ring."""
+    global _initialized
+    if comm is not None and not _is_whole_world(comm):
+        raise NotImplementedError("hvd.init(comm=...): only the whole world is supported under elastic-run")
+    if process_sets not in (None, [], ()):
+        raise NotImplementedError("hvd.init(process_sets=...): process sets are not supported under elastic-run")
+    lifecycle.start()
+    _initialized = True
+    _set_launcher_environment()
+
+
+def _is_whole_world(comm) -> bool:
+    return isinstance(comm, (list, tuple)) and len(comm) == 0
+
+
+def shutdown() -> None:
+    """Mark Horovod as shut down; ``init()`` afterwards gives the same rank and size."""
+    global _initialized
+    _initialized = False
+
+
+def is_initialized() -> bool:
+    return _initialized
+
+
+def require_initialized() -> None:
+    if not _initialized:
+        raise ValueError(NOT_INITIALIZED)
+
+
+def _runtime():
+    require_initialized()
+    return lifecycle.current()
+
+
+def rank() -> int:
+    return _runtime().rank
+
+
+def size() -> int:
+    return _runtime().world_size
+
+
+def local_rank() -> int:
+    return _runtime().local_rank
+
+
+def local_size() -> int:
+    return _runtime().local_world_size
+
+
+def _plan_of(runtime):
+    """The round this worker has its rank in: None in a world of one; a joiner's
+    round is entered only at its first sync, but its rank is known already."""
+    return getattr(runtime, "plan", None) or getattr(runtime, "_deferred", None)
+
+
+def _plan():
+    return _plan_of(_runtime())
+
+
+def cross_rank() -> int:
+    """The index of this worker's host among the hosts of the ring."""
+    runtime = _runtime()
+    plan = _plan_of(runtime)
+    if plan is None:
+        return 0
+    return plan.member_order().index(plan.slots[runtime.rank].member_id)
+
+
+def cross_size() -> int:
+    """How many hosts run a worker with this worker's local rank."""
+    runtime = _runtime()
+    plan = _plan_of(runtime)
+    if plan is None:
+        return 1
+    return sum(1 for member in plan.member_order() if len(plan.local_ranks(member)) > runtime.local_rank)
+
+
+def is_homogeneous() -> bool:
+    """Does every host run the same number of workers?"""
+    runtime = _runtime()
+    plan = _plan_of(runtime)
+    if plan is None:
+        return True
+    return len({len(plan.local_ranks(member)) for member in plan.member_order()}) == 1
+
+
+def hostname() -> str:
+    plan = _plan()
+    if plan is not None:
+        member = plan.slots[_runtime().rank].member_id
+        if member in plan.hosts:
+            return str(plan.hosts[member][0])
+    return socket.gethostname()
+
+
+def _set_launcher_environment() -> None:
+    """Set the variables horovodrun gives each worker, once, at the first init.
+
+    As under Horovod's elastic launcher they describe the start assignment and
+    are not updated after a re-formation; a variable already set is kept."""
+    global _environment_set
+    if _environment_set:
+        return
+    _environment_set = True
+    values = {
+        "HOROVOD_RANK": rank(), "HOROVOD_SIZE": size(),
+        "HOROVOD_LOCAL_RANK": local_rank(), "HOROVOD_LOCAL_SIZE": local_size(),
+        "HOROVOD_CROSS_RANK": cross_rank(), "HOROVOD_CROSS_SIZE": cross_size(),
+        "HOROVOD_HOSTNAME": hostname(),
+    }
+    for name, value in values.items():
+        os.environ.setdefault(name, str(value))
+
