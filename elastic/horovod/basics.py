@@ -48,9 +48,13 @@ def is_initialized() -> bool:
     return _initialized
 
 
-def _runtime():
+def require_initialized() -> None:
     if not _initialized:
         raise ValueError(NOT_INITIALIZED)
+
+
+def _runtime():
+    require_initialized()
     return lifecycle.current()
 
 

@@ -1,0 +1,37 @@
+"""``import elastic.horovod as hvd`` on real gloo workers under the real elastic-run.
+
+One job of three workers runs every check of tests/fakes/hvd_ops.py (collectives
+with every op and scale factor, uneven allgather, alltoall with splits, autograd,
+compression, DistributedOptimizer against one plain float64 process, the
+broadcasts); each test here asserts on one check of every rank.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.fakes import hvd_ops, hvd_optimizer_checks
+from tests.fakes.jobs import REPO, Job
+
+pytestmark = pytest.mark.timeout(300)
+WORKERS = 3
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hvd")
+    out = tmp / "out"
+    job = Job(tmp, ["--np", str(WORKERS), "--log-dir", str(tmp / "logs"),
+                    str(REPO / "tests" / "fakes" / "hvd_ops.py"), "--out", str(out)])
+    assert job.wait(240) == 0, job.text()[-4000:]
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORKERS)]
+    assert [r["size"] for r in records] == [WORKERS] * WORKERS
+    return records
+
+
+@pytest.mark.parametrize("name", [*hvd_ops.CHECKS, *hvd_optimizer_checks.CHECKS])
+def test_every_rank_passes(results, name):
+    failed = {r["rank"]: r["checks"][name]["detail"] for r in results if not r["checks"][name]["ok"]}
+    assert failed == {}, failed
