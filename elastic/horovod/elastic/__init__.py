@@ -27,12 +27,13 @@ from typing import Callable, Optional, TypeVar
 
 from ...contract.errors import HostsUpdatedInterrupt
 from ...worker import recovery
+from ..common import HorovodInternalError
 from .sampler import ElasticSampler
 from .state import ObjectState, TorchState
 
 State = ObjectState
 
-__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State",
+__all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
            "TorchState", "run"]
 
 T = TypeVar("T")
