@@ -20,8 +20,13 @@ Differences from Horovod:
 - Collectives are matched by issue order (torch.distributed), not negotiated by
   name: every rank must issue the same collectives in the same order (names are
   accepted and ignored). DistributedOptimizer keeps one canonical order itself.
-- Adasum, process sets other than the global one, ``hvd.join`` and
-  ``init(comm=...)`` raise NotImplementedError with one line.
+- Adasum, process sets other than the global one, ``hvd.join``, ``init(comm=...)``,
+  ``SyncBatchNorm`` and Horovod's timeline raise NotImplementedError with one line.
+- Sparse gradients are all-reduced dense (as with ``sparse_as_dense=True``).
+- DistributedOptimizer buckets gradients like DDP (1 MB first, then 25 MB;
+  ``HOROVOD_FUSION_THRESHOLD`` in bytes sets the size) instead of Horovod's
+  fusion cycles; ``groups=`` makes explicit buckets. It registers its hooks at
+  every size (a world of one can grow) and needs no collective at construction.
 - ``hvd.shutdown()`` only marks Horovod uninitialized; the worker stays in the ring
   until it exits, and ``hvd.init()`` afterwards gives the same rank and size.
 - ``HOROVOD_RANK`` etc. are set at the first ``init()`` if unset and, as under
@@ -52,6 +57,7 @@ from .common import (
     ProcessSet,
     Product,
     Sum,
+    SyncBatchNorm,
     add_process_set,
     ccl_built,
     cuda_built,
@@ -65,6 +71,8 @@ from .common import (
     nccl_built,
     remove_process_set,
     rocm_built,
+    start_timeline,
+    stop_timeline,
 )
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .gather_ops import (

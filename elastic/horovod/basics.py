@@ -74,14 +74,20 @@ def local_size() -> int:
     return _runtime().local_world_size
 
 
+def _plan_of(runtime):
+    """The round this worker has its rank in: None in a world of one; a joiner's
+    round is entered only at its first sync, but its rank is known already."""
+    return getattr(runtime, "plan", None) or getattr(runtime, "_deferred", None)
+
+
 def _plan():
-    return getattr(_runtime(), "plan", None)  # None in a world of one
+    return _plan_of(_runtime())
 
 
 def cross_rank() -> int:
     """The index of this worker's host among the hosts of the ring."""
     runtime = _runtime()
-    plan = getattr(runtime, "plan", None)
+    plan = _plan_of(runtime)
     if plan is None:
         return 0
     return plan.member_order().index(plan.slots[runtime.rank].member_id)
@@ -90,7 +96,7 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """How many hosts run a worker with this worker's local rank."""
     runtime = _runtime()
-    plan = getattr(runtime, "plan", None)
+    plan = _plan_of(runtime)
     if plan is None:
         return 1
     return sum(1 for member in plan.member_order() if len(plan.local_ranks(member)) > runtime.local_rank)
@@ -99,7 +105,7 @@ def cross_size() -> int:
 def is_homogeneous() -> bool:
     """Does every host run the same number of workers?"""
     runtime = _runtime()
-    plan = getattr(runtime, "plan", None)
+    plan = _plan_of(runtime)
     if plan is None:
         return True
     return len({len(plan.local_ranks(member)) for member in plan.member_order()}) == 1

@@ -162,3 +162,22 @@ class FP16Compressor(Compressor):
 class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
+
+
+# -- what has no counterpart here -------------------------------------------------
+def start_timeline(file_path, mark_cycles=False):
+    raise NotImplementedError("hvd.start_timeline: Horovod's timeline is not supported; elastic-run records "
+                              "its own (`elastic-run timeline`)")
+
+
+def stop_timeline():
+    raise NotImplementedError("hvd.stop_timeline: Horovod's timeline is not supported; elastic-run records "
+                              "its own (`elastic-run timeline`)")
+
+
+class SyncBatchNorm:
+    """Horovod's SyncBatchNorm needs GPU input; use torch.nn.SyncBatchNorm under the NCCL backend."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("hvd.SyncBatchNorm is not supported under elastic-run: "
+                                  "use torch.nn.SyncBatchNorm (NCCL backend)")

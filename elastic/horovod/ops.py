@@ -138,26 +138,42 @@ def _check_dense(tensor: torch.Tensor) -> None:
         raise ValueError("sparse tensors: use DistributedOptimizer(sparse_as_dense=True) or densify first")
 
 
-def start_allreduce(buffers: list, op, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Pending:
-    """All-reduce ``buffers`` in place, one fused operation per run of equal dtypes."""
+def finish_reduction_(flat: torch.Tensor, op, postscale_factor: float, size: int) -> None:
+    """After the SUM: Average's division and the postscale, in one pass for floats."""
+    if op == Average and (flat.dtype.is_floating_point or flat.dtype.is_complex):
+        flat.mul_(postscale_factor / size)
+        return
+    if op == Average:
+        divide_(flat, size)
+    scale_(flat, postscale_factor)
+
+
+def start_flat_allreduce(flat: torch.Tensor, op, prescale_factor: float = 1.0):
+    """Start the all-reduce of one contiguous tensor in place; returns (work, ring size)."""
     reduce_op = torch_op(op)
     size = ring_size()
-    works, flats = [], []
+    _check_dense(flat)
+    scale_(flat, prescale_factor)
     with translated_errors():
-        for dtype, members in itertools.groupby(buffers, key=lambda t: t.dtype):
-            members = list(members)
-            for tensor in members:
-                _check_dense(tensor)
-                scale_(tensor, prescale_factor)
-            flat = members[0] if len(members) == 1 else torch.cat([t.reshape(-1) for t in members])
-            works.append(dist.all_reduce(flat, op=reduce_op, async_op=True))
-            flats.append((flat, members))
+        return dist.all_reduce(flat, op=reduce_op, async_op=True), size
+
+
+def start_allreduce(buffers: list, op, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Pending:
+    """All-reduce ``buffers`` in place, one fused operation per run of equal dtypes."""
+    torch_op(op)
+    works, flats = [], []
+    for dtype, members in itertools.groupby(buffers, key=lambda t: t.dtype):
+        members = list(members)
+        for tensor in members:
+            _check_dense(tensor)
+        flat = members[0] if len(members) == 1 else torch.cat([t.reshape(-1) for t in members])
+        work, size = start_flat_allreduce(flat, op, prescale_factor)
+        works.append(work)
+        flats.append((flat, members))
 
     def finish():
         for flat, members in flats:
-            if op == Average:
-                divide_(flat, size)
-            scale_(flat, postscale_factor)
+            finish_reduction_(flat, op, postscale_factor, size)
             if len(members) > 1:
                 offset = 0
                 for tensor in members:

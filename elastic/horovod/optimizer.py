@@ -19,6 +19,7 @@ ring changes (a new round) are dropped, never waited for.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -27,10 +28,18 @@ import torch
 
 from ..worker import lifecycle
 from .common import ADASUM_REFUSED, Adasum, Average, Compression, check_process_set, global_process_set
-from .ops import start_allreduce, wait
+from .ops import finish_reduction_, start_flat_allreduce, translated_errors
 
 FIRST_BUCKET_BYTES = 1 << 20  # small, so the first all-reduce starts early in the backward pass
-BUCKET_BYTES = 25 << 20  # DDP's default bucket size
+BUCKET_BYTES = 25 << 20  # DDP's default bucket size; HOROVOD_FUSION_THRESHOLD (bytes) overrides it
+
+
+def bucket_bytes(environ=os.environ) -> int:
+    raw = environ.get("HOROVOD_FUSION_THRESHOLD")
+    try:
+        return max(1, int(raw)) if raw else BUCKET_BYTES
+    except ValueError:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={raw!r}: expected a number of bytes") from None
 
 STEP_AFTER_SYNCHRONIZE = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
@@ -128,6 +137,7 @@ class _DistributedOptimizer:
         self._index = {p: i for i, p in enumerate(self._hooked)}
         self._plan = self._make_plan(groups)
         self._bucket_of = {i: b for b, bucket in enumerate(self._plan.buckets) for i in bucket}
+        self._flats = {}  # bucket index -> its flat buffer, reused every step
         self._should_synchronize = True
         self._synchronized = False
         self.set_backward_passes_per_step(backward_passes_per_step)
@@ -137,8 +147,9 @@ class _DistributedOptimizer:
     def _make_plan(self, groups) -> BucketPlan:
         count = len(self._hooked)
         if groups is None:
+            cap = bucket_bytes()
             return BucketPlan.by_size([p.numel() * p.element_size() for p in self._hooked],
-                                      [p.dtype for p in self._hooked])
+                                      [p.dtype for p in self._hooked], min(FIRST_BUCKET_BYTES, cap), cap)
         if isinstance(groups, int):
             return BucketPlan.by_groups(count, BucketPlan.split_evenly(count, groups))
         if not isinstance(groups, list) or any(not isinstance(g, list) for g in groups):
@@ -162,7 +173,7 @@ class _DistributedOptimizer:
         self._ready_in_bucket = [0] * len(self._plan.buckets)
         self._ready = [False] * len(self._hooked)
         self._next_bucket = 0
-        self._in_flight = []  # (Pending, params, compressed, contexts) in issue order
+        self._in_flight = []  # (work, ring size, flat buffer, params, compressed) in issue order
         self._touched = False  # a hook fired since the last synchronize
         self._round = self._current_round()
 
@@ -176,6 +187,7 @@ class _DistributedOptimizer:
     def _follow_the_ring(self) -> None:
         """Work started on a ring that is gone is dropped with its buffers."""
         if self._touched and self._current_round() != self._round:
+            self._flats = {}
             self._reset_step()
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
@@ -199,20 +211,46 @@ class _DistributedOptimizer:
         buckets = self._plan.buckets
         while self._next_bucket < len(buckets) and \
                 self._ready_in_bucket[self._next_bucket] == len(buckets[self._next_bucket]):
-            self._start_bucket(buckets[self._next_bucket])
+            self._start_bucket(self._next_bucket)
             self._next_bucket += 1
 
-    def _start_bucket(self, bucket: tuple) -> None:
-        params = [self._hooked[i] for i in bucket]
+    def _start_bucket(self, bucket_index: int) -> None:
+        params = [self._hooked[i] for i in self._plan.buckets[bucket_index]]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
                 p.grad = p.grad.to_dense()  # travels dense (sparse_as_dense or not)
         compressed = [self._compression.compress(p.grad) for p in params]
-        buffers = [c if c.is_contiguous() else c.contiguous() for c, _ in compressed]
-        pending = start_allreduce(buffers, self._op, self._prescale, self._postscale)
-        self._in_flight.append((pending, params, buffers, [ctx for _, ctx in compressed]))
+        if len(compressed) == 1 and compressed[0][0].is_contiguous():
+            flat = compressed[0][0]
+        else:
+            # One flat buffer per bucket, kept across steps (a fresh one per step
+            # costs page faults comparable to the copy itself).
+            total = sum(c.numel() for c, _ in compressed)
+            flat = self._flats.get(bucket_index)
+            if flat is None or flat.numel() != total or flat.dtype != compressed[0][0].dtype \
+                    or flat.device != compressed[0][0].device:
+                flat = self._flats[bucket_index] = compressed[0][0].new_empty(total)
+            torch.cat([c.reshape(-1) for c, _ in compressed], out=flat)
+        work, size = start_flat_allreduce(flat, self._op, self._prescale)
+        self._in_flight.append((work, size, flat, params, compressed))
+
+    def _finish_bucket(self, work, size, flat, params, compressed) -> None:
+        with translated_errors():
+            work.wait()
+        finish_reduction_(flat, self._op, self._postscale, size)
+        offset = 0
+        with torch.no_grad():
+            for p, (c, ctx) in zip(params, compressed):
+                if flat is c:
+                    reduced = c
+                else:
+                    reduced = flat[offset:offset + c.numel()].view_as(c)
+                    offset += c.numel()
+                result = self._compression.decompress(reduced, ctx)
+                if result.data_ptr() != p.grad.data_ptr():
+                    p.grad.copy_(result.view_as(p.grad))
 
     # -- the Horovod interface -----------------------------------------------------
     def synchronize(self) -> None:
@@ -225,13 +263,8 @@ class _DistributedOptimizer:
                 self._mark_ready(index)
         self._start_ready_buckets()
         in_flight, self._in_flight = self._in_flight, []
-        for pending, params, buffers, contexts in in_flight:
-            wait(pending)
-            with torch.no_grad():
-                for p, buffer, ctx in zip(params, buffers, contexts):
-                    result = self._compression.decompress(buffer, ctx)
-                    if result.data_ptr() != p.grad.data_ptr():
-                        p.grad.copy_(result.view_as(p.grad))
+        for started in in_flight:
+            self._finish_bucket(*started)
         self._reset_step()
         self._synchronized = True
 

@@ -35,3 +35,21 @@ def results(tmp_path_factory):
 def test_every_rank_passes(results, name):
     failed = {r["rank"]: r["checks"][name]["detail"] for r in results if not r["checks"][name]["ok"]}
     assert failed == {}, failed
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_through_a_sigkill_ends_equal_to_one_plain_process(tmp_path):
+    """tests/fakes/hvd_kill.py: float64 training with hvd.DistributedOptimizer on 3 workers;
+    the last rank SIGKILLs itself right after a backward pass (its all-reduces under way).
+    The others fail with HorovodInternalError, roll back to the last commit, go on as 2."""
+    out = tmp_path / "out"
+    job = Job(tmp_path, ["--np", "3", "--min-np", "2", "--collective-timeout", "10", "--log-dir", str(tmp_path / "logs"),
+                         str(REPO / "tests" / "fakes" / "hvd_kill.py"), "--out", str(out),
+                         "--steps", "20", "--kill-step", "8"])
+    assert job.wait(240) == 0, job.text()[-4000:]
+    assert (out / "killed").exists()
+    result = json.loads((out / "result.json").read_text())
+    assert result["step"] == 20 and result["sizes"][0] == 3 and result["sizes"][-1] == 2, result
+    assert result["max_difference"] <= 1e-9, result
+    failures = [e for e in job.events() if e["event"] == "reform_done" and e.get("failed")]
+    assert failures and all("HorovodInternalError" in e["reason"] for e in failures), failures
