@@ -31,6 +31,7 @@ from rendezvous import (
 )
 
 from ..agent import addressing
+from . import horovodrun
 from .options import (
     ETCD_OPTIONS,
     JOB_OPTIONS,
@@ -162,6 +163,7 @@ def _check_writable_dir(path: str) -> None:
 
 def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     parser = build_parser()
+    argv = horovodrun.accept(argv, parser)  # horovodrun's spellings (-np, --reset-limit, python ...)
     launcher, script = _split_at_script(parser, argv)
     # "--" ends the options, so a SCRIPT such as "-x.py" is not taken for one.
     args = parser.parse_args([*launcher, "--", *script[:1]] if script else launcher)

@@ -244,6 +244,14 @@ class Runtime:
                 self._switch_at, self._switch_action = int(at), action
         return self._switch_at is not None and commits >= self._switch_at
 
+    def ring_change_ready(self) -> bool:
+        """Rank 0's view, asked between commits (``hvd.elastic``'s ``check_host_updates``):
+        would the ring switch to a newer round at a commit now (its joiners have arrived)?"""
+        if self._store is None or self._control.status.state == STOPPING:
+            return False
+        newest = self._control.plan
+        return newest is not None and newest.round > self.round and self._joiners.ready(self.plan, newest)
+
     # -- moving to the next round ----------------------------------------------
     def reform(self, reason: str, *, failed: bool) -> ReformTimes:
         """Leave the current ring and join the next round's. Call outside any

@@ -1,0 +1,156 @@
+"""``hvd.elastic``'s states: Horovod's ``ObjectState`` and ``TorchState`` on this runtime's State.
+
+Everything a Horovod state does is kept: plain values and any number of models,
+optimizers and samplers under any names, ``commit()``, ``restore()``, ``sync()``,
+``check_host_updates()``, ``register_reset_callbacks``, and ``state.model = other``
+swapping a handled object. Underneath it is ``elastic.State``: a commit copies into
+buffers allocated once (no deep copy per commit), a sync moves nothing between workers
+that already hold the ring's newest commit, and a failure rolls back to the last commit.
+
+Differences from Horovod, each deliberate:
+
+* Reset callbacks run after the new ring has synced, so they see the synced state
+  (Horovod runs them before its sync: its issue 2844). They run after every
+  re-formation, on every worker of the new ring (a joiner or a replacement too), and
+  not when the job first starts, as in Horovod.
+* Every re-formation syncs; Horovod skips the sync after a removal (issue 3494, a
+  deadlock when joiners then arrive; issue 3399, repeated samples).
+* ``check_host_updates()`` takes a pending membership change there and then with
+  nothing rolled back: if rank 0 sees a newer ring ready, every worker commits and
+  raises ``HostsUpdatedInterrupt`` at the same call. (Horovod raises without a commit,
+  then mixes rolled-back plain values with live model and optimizer state.) It costs
+  one broadcast of one integer, as Horovod's costs a ``broadcast_object``.
+* Plain values are committed by value, not by reference (an in-place
+  ``state.img_secs.append`` after a commit is undone by a rollback).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...contract.errors import HostsUpdatedInterrupt
+from ...state import State, _copy_into
+from ...worker import lifecycle
+from .sampler import ElasticSampler
+
+MODEL, OPTIMIZER, SAMPLER = "model", "optimizer", "sampler"
+
+
+def handled_kind(value: Any) -> Optional[str]:
+    """What a TorchState does with ``value``: a model, an optimizer, a sampler, or None (a plain value)."""
+    if isinstance(value, torch.nn.Module):
+        return MODEL
+    if isinstance(value, torch.optim.Optimizer):
+        return OPTIMIZER
+    if isinstance(value, ElasticSampler):
+        return SAMPLER
+    return None
+
+
+class ObjectState(State):
+    """Plain values committed, restored and synced as a unit (Horovod's ``ObjectState``).
+
+    Horovod's ``ObjectState(bcast_object, get_rank, **kwargs)`` takes two functions this
+    runtime does not need; they are accepted and ignored."""
+
+    def __init__(self, bcast_object=None, get_rank=None, **kwargs: Any):
+        super().__init__(**kwargs)
+        object.__setattr__(self, "_entered", False)  # the training function ran in this process
+
+    def check_host_updates(self) -> None:
+        """Take a pending membership change here: commit, then raise HostsUpdatedInterrupt
+        on every worker at this same call. Nothing happens when none is pending."""
+        runtime = lifecycle.current()
+        if not _ring_change_ready(runtime):
+            return
+        self.commit()  # raises HostsUpdatedInterrupt itself when this commit is a switch point
+        raise HostsUpdatedInterrupt(f"ring changes at check_host_updates (commit {self._commits})")
+
+    def on_reset(self) -> None:
+        """After the sync of every (re-)entry: user callbacks, except at the job's start."""
+        first_entry = not self._entered
+        object.__setattr__(self, "_entered", True)
+        if first_entry and lifecycle.current().round <= 1:
+            return  # the job's first ring: no reset happened (Horovod runs none either)
+        super().on_reset()
+
+
+def _ring_change_ready(runtime) -> bool:
+    """Rank 0's answer, the same on every worker: does the ring switch now?"""
+    ask = getattr(runtime, "ring_change_ready", None)  # a world of one without a launcher has none
+    mine = bool(ask()) if ask is not None and runtime.rank == 0 else False
+    if runtime.world_size <= 1:
+        return mine
+    device = torch.device("cuda", torch.cuda.current_device()) if runtime.backend == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+class TorchState(ObjectState):
+    """Models, optimizers, ``ElasticSampler``s and plain values (Horovod's ``TorchState``).
+
+    ``TorchState(model, optimizer, train_sampler=s, val_sampler=v, epoch=0)``: each value
+    is handled by its type (``nn.Module``, ``optim.Optimizer``, ``hvd.elastic.ElasticSampler``),
+    under its name; anything else is a plain value. ``model``/``optimizer`` left ``None``
+    are plain ``None`` attributes that a later assignment can fill."""
+
+    def __init__(self, model=None, optimizer=None, **kwargs: Any):
+        everything = dict(kwargs)
+        if model is not None:
+            everything["model"] = model
+        if optimizer is not None:
+            everything["optimizer"] = optimizer
+        handled = {name: kind for name, value in everything.items() if (kind := handled_kind(value)) is not None}
+        super().__init__(**{name: value for name, value in everything.items() if name not in handled})
+        object.__setattr__(self, "_handled", handled)
+        for name in handled:
+            object.__setattr__(self, name, everything[name])
+        for name in ("model", "optimizer"):
+            if name not in everything:
+                object.__setattr__(self, name, None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        kind = handled_kind(value)
+        if name.startswith("_") or (kind is None and name not in self._handled):
+            object.__setattr__(self, name, value)  # a plain value (committed if named at construction)
+            return
+        if kind is None:
+            raise TypeError(f"state.{name} holds a {self._handled[name]}; got a {type(value).__name__}")
+        # Swap the handled object (a new model, a new optimizer ...) and save it at once, as
+        # Horovod does, so that a rollback does not bring the old one's state back.
+        self._handled[name] = kind
+        if name in self._value_names:
+            object.__setattr__(self, "_value_names", tuple(n for n in self._value_names if n != name))
+        object.__setattr__(self, name, value)
+        if self._holds_commit:
+            self.save()
+
+    def state_tree(self) -> dict:
+        tree = super().state_tree()
+        tree["handled"] = {name: getattr(self, name).state_dict() for name in self._handled}
+        return tree
+
+    def load_tree(self, tree: dict) -> None:
+        super().load_tree(tree)
+        for name, saved in tree["handled"].items():
+            target, kind = getattr(self, name), self._handled.get(name)
+            if kind == MODEL:
+                target.load_state_dict(saved)  # copies into the live parameters
+            elif kind == OPTIMIZER:
+                # Copies into the live state's tensors, never the snapshot's buffers.
+                target.load_state_dict(_copy_into(saved, target.state_dict()))
+            elif kind == SAMPLER:
+                target.load_state_dict(copy.deepcopy(saved))
+
+    def on_reset(self) -> None:
+        # Every sampler is partitioned among the ring it will iterate on, before any callback.
+        runtime = lifecycle.current()
+        for name, kind in self._handled.items():
+            if kind == SAMPLER:
+                getattr(self, name).set_rank(runtime.rank, runtime.world_size)
+        super().on_reset()
