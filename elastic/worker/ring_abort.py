@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..contract.console import FILE_ONLY
+from ..contract.devices import uses_nccl
 from . import nccl_abort
 
 log = logging.getLogger(__name__)
@@ -144,12 +145,6 @@ class RingBroken(dist.DistBackendError):
     """The ring this commit's collectives ran on was aborted or reported an error: the
     step is not to be committed. A ``DistError``, hence a communication error for the
     recovery path (failures.py), which rolls back to the previous commit, left intact."""
-
-
-def uses_nccl(backend: str) -> bool:
-    """Does ``backend`` ("nccl", "cpu:gloo,cuda:nccl") run NCCL? (A local copy: the
-    contract's own helper is another branch's.)"""
-    return backend == "nccl" or "nccl" in backend
 
 
 def check_ring(ring: Optional["RingHandle"], *, device_sync: bool) -> None:

@@ -18,6 +18,7 @@ handshake and ends the thread (the same lever as ring_abort.py).
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 import time
 from typing import Callable
@@ -26,8 +27,13 @@ import torch.distributed as dist
 
 from rendezvous.errors import RendezvousTimeoutError
 
+from ..contract.console import FILE_ONLY
 from .ring_abort import shutdown_connections_to, socket_snapshot
 
+log = logging.getLogger(__name__)
+
+_ARRIVAL_POLL = 0.005  # seconds between looks at the arrival counter
+_ARRIVAL_REPORT_S = 30.0  # a wait at the round's store this long is logged (then 60 s, 120 s, ...)
 ATTEMPT_S = 1.0  # one connect attempt; between two, the caller looks at the plan again
 _MIN_ATTEMPT_S = 0.1  # an attempt that fails at once (no route) is spaced out this much
 
@@ -85,3 +91,37 @@ def connect(store_addr: str, *, round_number: int, overall_s: float, op_timeout_
             continue
         base.set_timeout(datetime.timedelta(seconds=op_timeout_s))
         return base
+
+
+def arrive(store, plan, *, timeout_s: float, superseded: Callable[[], bool]) -> bool:
+    """Wait until every worker of ``plan`` has arrived at its store; False if superseded.
+
+    Whether the round forms or is abandoned for a newer one is decided once, for
+    everybody, by a compare-and-set on the round's store: a worker that saw every
+    arrival and one that saw a newer plan can race (a loss round is often followed
+    at once by the round that admits a replacement), and a round that some join
+    while others leave would block its joiners until the collective timeout.
+    """
+    store.add("arrived", 1)
+    started = time.monotonic()
+    deadline, report_after = started + timeout_s, _ARRIVAL_REPORT_S
+    while True:
+        arrived = store.add("arrived", 0)
+        if arrived >= plan.world_size:
+            return _settle_round(store, "formed") == "formed"
+        if superseded():
+            return _settle_round(store, "abandoned") == "formed"
+        now = time.monotonic()
+        if now - started > report_after:  # a long wait, in the log file: who is here, since when
+            report_after *= 2
+            log.info("round %d: %d of %d workers at the store after %.0fs; waiting for the rest", plan.round,
+                     arrived, plan.world_size, now - started, extra=FILE_ONLY)
+        if now > deadline:
+            raise RendezvousTimeoutError(f"round {plan.round}: not every worker arrived within {timeout_s:g}s")
+        time.sleep(_ARRIVAL_POLL)
+
+
+def _settle_round(store, outcome: str) -> str:
+    """The round's outcome: ours if nobody settled it yet, else the one already set."""
+    value = store.compare_set("outcome", "", outcome)
+    return value.decode() if isinstance(value, bytes) else str(value)

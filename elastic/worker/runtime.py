@@ -50,15 +50,12 @@ from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
-from .ring_abort import (RingHandle, check_ring, forming_ring, leave_ring, prepare_ring, socket_snapshot,
-                         uses_nccl)
+from .ring_abort import RingHandle, check_ring, forming_ring, leave_ring, prepare_ring, socket_snapshot
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
-_ARRIVAL_POLL = 0.005  # seconds between looks at the arrival counter
-_ARRIVAL_REPORT_S = 30.0  # a wait at the round's store this long is logged (then 60 s, 120 s, ...)
 
 
 @dataclass(frozen=True)
@@ -362,7 +359,8 @@ class Runtime:
             base = self._connect_store(plan)
             if base is not None:
                 store = dist.PrefixStore(f"/round/{plan.round}/", base)
-                if self._arrive(store, plan):
+                if round_store.arrive(store, plan, timeout_s=cfg.rdzv_timeout,
+                                      superseded=lambda p=plan: self._superseded(p)):
                     break
             plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
         fault_points.entering_round(plan.round, rank)  # tests only (ELASTIC_TEST_*)
@@ -372,7 +370,7 @@ class Runtime:
         # On pure NCCL the store's connections alone: the sockets NCCL makes are its own.
         store_port = int(plan.store_addr.rsplit(":", 1)[1])
         with self._backend_lock:
-            self._forming = (plan, forming_ring(before, port=store_port if cfg.backend == "nccl" else None))
+            self._forming = (plan, forming_ring(before, port=store_port if "gloo" not in cfg.backend else None))
         self._on_control(self._control.plan, self._control.status)  # a loss announced already
         try:
             dist.init_process_group(
@@ -446,41 +444,6 @@ class Runtime:
             LOCAL_WORLD_SIZE=str(self.local_world_size),
             GROUP_RANK=str(plan.member_order().index(plan.slots[rank].member_id)),
         )
-
-    def _arrive(self, store, plan: RoundPlan) -> bool:
-        """Wait until every worker of ``plan`` has arrived; False if superseded.
-
-        Whether the round forms or is abandoned for a newer one is decided once, for
-        everybody, by a compare-and-set on the round's store: a worker that saw every
-        arrival and one that saw a newer plan can race (a loss round is often followed
-        at once by the round that admits a replacement), and a round that some join
-        while others leave would block its joiners until the collective timeout.
-        """
-        store.add("arrived", 1)
-        started = time.monotonic()
-        deadline, report_after = started + self.config.rdzv_timeout, _ARRIVAL_REPORT_S
-        while True:
-            arrived = store.add("arrived", 0)
-            if arrived >= plan.world_size:
-                return self._settle_round(store, "formed") == "formed"
-            if self._superseded(plan):
-                return self._settle_round(store, "abandoned") == "formed"
-            now = time.monotonic()
-            if now - started > report_after:  # a long wait, in the log file: who is here, since when
-                report_after *= 2
-                log.info("round %d: %d of %d workers at the store after %.0fs; waiting for the rest", plan.round,
-                         arrived, plan.world_size, now - started, extra=FILE_ONLY)
-            if now > deadline:
-                raise RendezvousTimeoutError(
-                    f"round {plan.round}: not every worker arrived within {self.config.rdzv_timeout:g}s"
-                )
-            time.sleep(_ARRIVAL_POLL)
-
-    @staticmethod
-    def _settle_round(store, outcome: str) -> str:
-        """The round's outcome: ours if nobody settled it yet, else the one already set."""
-        value = store.compare_set("outcome", "", outcome)
-        return value.decode() if isinstance(value, bytes) else str(value)
 
     # -- fencing durable writes ---------------------------------------------------
     def durable_fence(self):
