@@ -12,7 +12,8 @@ import os
 
 from rendezvous import ConfigError, EtcdConfig
 
-USAGE_ERROR = 2
+# The commands import it from here; its value is the contract's (exit_codes.py).
+from ..contract.exit_codes import USAGE_ERROR  # noqa: F401
 
 
 class OptionParser(argparse.ArgumentParser):
