@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from rendezvous import (
     FAILED,
+    RUNNING,
     STOPPING,
     SUCCEEDED,
     Etcd,
@@ -403,8 +404,10 @@ class Agent:
         if self._leaving_since is None or self._outcome is not None:
             return
         if not any(p.alive for p in self._workers.values()):
-            self._outcome = 0
             stopping = self._job_status()
+            # Left a job that goes on: --leave-exit-code (0 by default) lets a scheduler
+            # tell this from the job's end (a Kubernetes Job then recreates the pod).
+            self._outcome = self.config.leave_exit_code if stopping.state == RUNNING else 0
             if stopping.state == STOPPING:
                 self.events.emit("job_finished", status=STOPPING, reason=stopping.reason)
             else:

@@ -51,6 +51,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def exit_code(text: str) -> int:
+    """A process exit status a parent can read: 0..255."""
+    value = int(text)
+    if not 0 <= value <= 255:
+        raise ValueError
+    return value
+
+
 def hang_timeout(text: str) -> float:
     """Seconds (0 or "off" disables); below 1 s a heartbeat gap would already count."""
     value = 0.0 if text.strip().lower() == "off" else float(text)
