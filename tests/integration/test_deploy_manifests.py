@@ -35,6 +35,7 @@ from tests.fakes.pods import (
     is_indexed_job,
     manifest_env,
     pod_command,
+    pod_failure_action,
     render_kustomization,
     worker_container,
 )
@@ -365,6 +366,22 @@ def test_pod_failure_policy_fails_on_a_user_error_and_ignores_disruptions_and_le
         ("Ignore", [{"type": "DisruptionTarget", "status": "True"}])]
     # A user error is matched first: it fails the Job even when a disruption came with it.
     assert rules.index(disruption[0]) > next(i for i, r in enumerate(rules) if r["action"] == "FailJob")
+
+
+@pytest.mark.parametrize("exit_code, conditions, action", [
+    (0, [], "Succeeded"),                           # training over (or stopped at a commit)
+    (exit_codes.USER_ERROR, [], "FailJob"),         # the script raised, on any host
+    (exit_codes.USER_ERROR, ["DisruptionTarget"], "FailJob"),
+    (143, [], "Ignore"),                            # a graceful leave: kubectl delete pod, scale-down
+    (143, ["DisruptionTarget"], "Ignore"),          # preempted or evicted, left gracefully
+    (137, ["DisruptionTarget"], "Ignore"),          # ... killed at the end of the grace period
+    (137, [], "Count"),                             # a crash: SIGKILL, OOM kill
+    (exit_codes.JOB_FAILED, [], "Count"),           # etcd unreachable, the job failed outside user code
+    (exit_codes.USAGE_ERROR, [], "Count"),
+])
+def test_the_job_takes_each_ending_of_a_pod_as_planned(exit_code, conditions, action):
+    job, _, container = worker(render(DEPLOY_DIR))
+    assert pod_failure_action(job, exit_code, container=container["name"], conditions=conditions) == action
 
 
 def test_the_readme_shows_the_one_scale_command_and_the_oldest_kubernetes():

@@ -51,6 +51,17 @@ def test_the_cli_exits_2_on_bad_options_from_the_contract():
     assert USAGE_ERROR == exit_codes.USAGE_ERROR == 2
 
 
+@pytest.mark.parametrize("text, value", [("0", 0), ("143", 143), ("255", 255), ("256", None), ("-1", None)])
+def test_leave_exit_code_is_a_status_a_parent_can_read(text, value):
+    from elastic.cli.options import exit_code
+
+    if value is None:
+        with pytest.raises(ValueError):
+            exit_code(text)
+    else:
+        assert exit_code(text) == value
+
+
 def test_the_cause_round_trips_and_is_absent_unless_said():
     failed = JobStatus(FAILED, "worker a.w1 failed: ValueError: x", since=5.0, cause=CAUSE_USER_CODE)
     assert JobStatus.from_json(failed.to_json()) == failed
