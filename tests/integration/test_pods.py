@@ -62,7 +62,7 @@ def jobs():
         job.kill_all()
 
 
-@pytest.mark.slow  # about 60 s: five pod starts
+@pytest.mark.slow  # about 60 s: five pod starts (on a loaded 2-core machine, imports alone take minutes)
 def test_job_pods_scale_up_get_preempted_scale_down_crash_and_complete(tmp_path, etcd_server, jobs):
     docs = render_kustomization(DEPLOY_DIR / "cpu")
     progress, result, stop = tmp_path / "progress.jsonl", tmp_path / "result.json", tmp_path / "stop"
@@ -89,6 +89,14 @@ def test_job_pods_scale_up_get_preempted_scale_down_crash_and_complete(tmp_path,
     def last_step() -> int:
         return max((s["step"] for s in steps()), default=0)
 
+    def trains_in(pod: LocalPod, world: int, more: int = 3):
+        """Wait until `pod`'s worker has run `more` steps in a ring of `world` workers."""
+        def mine() -> int:
+            pids = {e["pid"] for e in events(pod) if e["event"] == "worker_started"}
+            return sum(1 for s in steps() if s["pid"] in pids and s["world"] == world)
+
+        wait_until(lambda: mine() >= more, 90, f"{more} steps of pod {pod.name} at world size {world}")
+
     job.scale(2)
     trains_at(2)
     job.scale(3)  # up: index 2 joins at a commit
@@ -97,14 +105,11 @@ def test_job_pods_scale_up_get_preempted_scale_down_crash_and_complete(tmp_path,
     # Preemption of index 1: SIGTERM, a graceful leave; the pod carries DisruptionTarget.
     # The policy ignores it and a pod with the same index replaces it, as the same host.
     preempted = job.pods[1]
-    at_preemption = last_step()
     assert job.end_pod(1, signal.SIGTERM, conditions=["DisruptionTarget"]) == "Ignore"
     replacement = job.pods[1]
     assert replacement is not preempted
     assert replacement.env["ELASTIC_HOST_ID"] == preempted.env["ELASTIC_HOST_ID"] == "elastic-worker-1"
-    wait_until(lambda: any(e["event"] == "worker_started" for e in events(replacement)), 90,
-               "the replacement of index 1 to get a rank")
-    trains_at(3, after_step=at_preemption)
+    trains_in(replacement, 3)  # it joined at a commit
 
     # Scale down: the highest index is deleted (SIGTERM) and leaves gracefully.
     at_scale_down = last_step()
@@ -117,7 +122,9 @@ def test_job_pods_scale_up_get_preempted_scale_down_crash_and_complete(tmp_path,
     at_crash = last_step()
     assert job.end_pod(0, signal.SIGKILL) == "Count"
     assert job.failures == {0: 1}
-    trains_at(2, after_step=at_crash)
+    # The survivor goes on (alone, or with the replacement of index 0 once it joins);
+    # training ends meanwhile: a replacement arriving after the end exits 0 at once.
+    wait_until(lambda: last_step() >= at_crash + 3, 90, "training to go on after the crash")
 
     stop.touch()
     ended = job.wait_all(120)
@@ -139,8 +146,8 @@ def test_job_pods_scale_up_get_preempted_scale_down_crash_and_complete(tmp_path,
     rank0 = sorted(s["step"] for s in records if s["rank"] == 0)
     assert rank0[-1] == final["step"] and set(rank0) == set(range(1, final["step"] + 1))
     assert len(rank0) - len(set(rank0)) <= 1
-    assert not [s for s in records if s["rank"] == 0 and s["step"] <= at_crash and rank0.count(s["step"]) > 1]
-    assert final["world_size"] == 2 and final["test_accuracy"] > 0.5
+    assert not [s for s in records if s["rank"] == 0 and s["step"] < at_crash and rank0.count(s["step"]) > 1]
+    assert final["world_size"] in (1, 2) and final["test_accuracy"] > 0.5
     # Graceful leaves: no worker declared lost, no ring broken before the crash.
     before_crash = [e for e in all_events if e["time"] <= graceful_until]
     assert not [e for e in before_crash if e["event"] == "failure_detected"], before_crash
@@ -149,10 +156,10 @@ def test_job_pods_scale_up_get_preempted_scale_down_crash_and_complete(tmp_path,
         names = [e["event"] for e in events(pod)]
         assert "graceful_leave" in names and names[-1] == "member_left", names
         assert [e["exit_code"] for e in events(pod) if e["event"] == "worker_exited"] == [0]
-    # Each arrival formed a round of the expected size: 2, 3, (2,) 3, 2, (1,) 2.
+    # Each arrival and departure formed a round of the expected size: 2, 3, (2,) 3, 2, 1 ...
     formed = [e["world_size"] for e in sorted((e for e in all_events if e["event"] == "round_formed"),
                                               key=lambda e: e["round"])]
-    assert is_subsequence([2, 3, 3, 2, 2], formed), formed
+    assert is_subsequence([2, 3, 3, 2, 1], formed), formed
 
 
 @pytest.mark.slow  # about 15 s
