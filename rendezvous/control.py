@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 RUNNING, STOPPING, SUCCEEDED, FAILED = "running", "stopping", "succeeded", "failed"
 
+# Why a job failed, where it matters to whoever started it: an error in the user's
+# training script (every agent then exits with the same distinct status, and a
+# Kubernetes Job fails at once instead of retrying). Anything else leaves it empty.
+CAUSE_USER_CODE = "user_code"
+
 
 @dataclass(frozen=True)
 class JobStatus:
@@ -31,6 +36,8 @@ class JobStatus:
     reason: str = ""
     # Wall-clock time the status was written (0: unknown), for people reading it later.
     since: float = field(default=0.0, compare=False)
+    # CAUSE_USER_CODE or "" (not said: infrastructure, or a writer older than the field).
+    cause: str = ""
 
     @property
     def over(self) -> bool:
@@ -38,12 +45,15 @@ class JobStatus:
         return self.state in (SUCCEEDED, FAILED)
 
     def to_json(self) -> bytes:
-        return json.dumps({"state": self.state, "reason": self.reason, "since": self.since or time.time()}).encode()
+        obj = {"state": self.state, "reason": self.reason, "since": self.since or time.time()}
+        if self.cause:  # written only when said: older readers ignore it, older writers omit it
+            obj["cause"] = self.cause
+        return json.dumps(obj).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "JobStatus":
         obj = json.loads(data)
-        return cls(obj["state"], obj.get("reason", ""), float(obj.get("since", 0.0)))
+        return cls(obj["state"], obj.get("reason", ""), float(obj.get("since", 0.0)), str(obj.get("cause", "")))
 
 
 Listener = Callable[[Optional[RoundPlan], JobStatus], None]

@@ -8,6 +8,7 @@ runtime: what passes between the two is ``elastic/contract/``. May import the
 contract, the timeline model, ``rendezvous`` and ``checkpoint``.
 
     agent.py        the agent: its loop, following plans, what a worker's exit means, leaving
+    outcome.py      the job's final status -> elastic-run's exit status (a user error is 3)
     config.py       what the agent is told, and what it tells each worker
     worker_env.py   the environment a worker starts with (torchrun's variables, ours)
     event_tail.py   the workers' events, read from the events file they append to

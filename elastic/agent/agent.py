@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from rendezvous import (
     FAILED,
+    RUNNING,
     STOPPING,
     SUCCEEDED,
     Etcd,
@@ -71,6 +72,7 @@ from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor
 from .metrics import AgentMetrics, round_change
+from .outcome import exit_status, failure_cause
 from .worker_env import worker_env
 from .workers import Exited, WorkerProcess
 
@@ -342,9 +344,10 @@ class Agent:
         if exited.error is not None and not broken:
             # The worker's own report: an error in user code (or a reset budget used
             # up). Re-forming would only hit it again, so the job fails, once.
-            reason = f"worker {exited.worker_id} failed: {exited.error}"
-            self.events.emit("failure_detected", reason=reason, user_error=True)
-            self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(JobStatus(FAILED, reason)))
+            reason, cause = f"worker {exited.worker_id} failed: {exited.error}", failure_cause(exited.error)
+            self.events.emit("failure_detected", reason=reason, user_error=bool(cause))
+            failed = JobStatus(FAILED, reason, cause=cause)  # the cause sets every agent's exit status
+            self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
             return
         how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
         how = f"broken process: {exited.error or 'no report'}" if broken else how
@@ -421,8 +424,10 @@ class Agent:
         if self._leaving_since is None or self._outcome is not None:
             return
         if not any(p.alive for p in self._workers.values()):
-            self._outcome = 0
             stopping = self._job_status()
+            # Left a job that goes on: --leave-exit-code (0 by default) lets a scheduler
+            # tell this from the job's end (a Kubernetes Job then recreates the pod).
+            self._outcome = self.config.leave_exit_code if stopping.state == RUNNING else 0
             if stopping.state == STOPPING:
                 self.events.emit("job_finished", status=STOPPING, reason=stopping.reason)
             else:
@@ -467,7 +472,7 @@ class Agent:
             label=self._label, on_exit=self._report_exit, is_signal=lambda item: isinstance(item, _Signal),
         )
         self.events.emit("job_finished", status=status.state, reason=status.reason)
-        self._outcome = 0 if status.state == SUCCEEDED else 1
+        self._outcome = exit_status(status)
         if status.state != SUCCEEDED:
             print(f"elastic-run: job {self.config.job_id} failed: {status.reason}", file=sys.stderr)
 

@@ -38,6 +38,7 @@ class AgentConfig:
     hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
     stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers
     chaos: Optional[ChaosConfig] = None  # --chaos-kill-every: kill our own workers (chaos.py)
+    leave_exit_code: int = 0  # --leave-exit-code: our status after leaving a job that goes on
 
 
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,

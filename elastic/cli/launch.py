@@ -41,6 +41,7 @@ from .options import (
     add_switch,
     coerce_env_values,
     etcd_config,
+    exit_code,
     hang_timeout,
     non_negative_int,
     positive_float,
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--log-dir", help="per-worker logs and events.jsonl")
     opt("--health-port", int, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
     opt("--grace-period", positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
+    opt("--leave-exit-code", exit_code, 0, "exit status after leaving a job that goes on (SIGTERM/SIGINT); "
+        "a Kubernetes Job sets one its podFailurePolicy ignores, so that a preempted pod is recreated")
     opt("--checkpoint-dir", help="durable checkpoints: written here, resumed from here")
     opt("--checkpoint-every", positive_int, help="write a durable checkpoint every N commits")
     opt("--checkpoint-interval", positive_float, help="and/or every S seconds")
@@ -243,6 +246,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         hang_timeout=args.hang_timeout,
         stragglers=StragglerOptions(ratio=args.straggler_ratio, evict=bool(args.evict_stragglers)),
         chaos=ChaosConfig(args.chaos_kill_every, args.chaos_seed) if args.chaos_kill_every else None,
+        leave_exit_code=args.leave_exit_code,
     )
     return config, args
 

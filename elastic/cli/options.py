@@ -12,7 +12,8 @@ import os
 
 from rendezvous import ConfigError, EtcdConfig
 
-USAGE_ERROR = 2
+# The commands import it from here; its value is the contract's (exit_codes.py).
+from ..contract.exit_codes import USAGE_ERROR  # noqa: F401
 
 
 class OptionParser(argparse.ArgumentParser):
@@ -46,6 +47,14 @@ def non_negative_int(text: str) -> int:
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
+        raise ValueError
+    return value
+
+
+def exit_code(text: str) -> int:
+    """A process exit status a parent can read: 0..255."""
+    value = int(text)
+    if not 0 <= value <= 255:
         raise ValueError
     return value
 

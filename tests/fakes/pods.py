@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import signal
 import shutil
 import socket
 import subprocess
@@ -35,6 +36,11 @@ DEPLOY_DIR = REPO_ROOT / "deploy"
 IMAGE_APP_DIR = "/app"
 LAUNCHER = "elastic-run"
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "Job", "ReplicaSet"})
+
+# Where an Indexed Job's controller puts a pod's index (annotation, and label since
+# 1.28), and the variable it adds to every container for it.
+COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+COMPLETION_INDEX_VAR = "JOB_COMPLETION_INDEX"
 
 # Kubernetes' dependent-variable syntax: $(NAME) expands, $$ escapes a dollar.
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
@@ -141,10 +147,11 @@ def _object_data(docs: Sequence[Mapping[str, Any]], kind: str, name: str) -> dic
     return data
 
 
-def _field_ref(path: str, fields: Mapping[str, str], labels: Mapping[str, str]) -> str:
-    label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
+def _field_ref(path: str, fields: Mapping[str, str], labels: Mapping[str, str],
+               annotations: Mapping[str, str]) -> str:
+    label = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
     if label:
-        return str(labels.get(label.group(1), ""))
+        return str((labels if label.group(1) == "labels" else annotations).get(label.group(2), ""))
     if path not in fields:
         raise ManifestError(f"downward-API field {path!r} is not supported locally (known: {sorted(fields)})")
     return fields[path]
@@ -159,13 +166,29 @@ def _key_ref(docs: Sequence[Mapping[str, Any]], kind: str, ref: Mapping[str, Any
     return data[ref["key"]]
 
 
+def is_indexed_job(workload: Mapping[str, Any]) -> bool:
+    return workload.get("kind") == "Job" and workload["spec"].get("completionMode") == "Indexed"
+
+
 def manifest_env(
     docs: Sequence[Mapping[str, Any]], *, pod_name: str, pod_ip: str = "127.0.0.1",
-    namespace: str = "default", node_name: str = "localhost",
+    namespace: str = "default", node_name: str = "localhost", completion_index: int | None = None,
 ) -> dict[str, str]:
-    """The worker container's environment as the kubelet would set it for one pod."""
+    """The worker container's environment as the kubelet would set it for one pod.
+
+    An Indexed Job's pod needs its `completion_index`: the Job controller writes it
+    into the pod's annotations and labels and appends JOB_COMPLETION_INDEX to the
+    container's env (after the manifest's own variables, unless already defined).
+    """
     workload, container = worker_container(docs)
-    labels = workload["spec"]["template"].get("metadata", {}).get("labels", {})
+    metadata = workload["spec"]["template"].get("metadata", {})
+    labels, annotations = dict(metadata.get("labels", {})), dict(metadata.get("annotations", {}))
+    indexed = is_indexed_job(workload)
+    if indexed != (completion_index is not None):
+        raise ManifestError(f"{workload['kind']}/{workload['metadata']['name']}: completion_index="
+                            f"{completion_index} for {'an' if indexed else 'no'} Indexed Job")
+    if indexed:
+        labels[COMPLETION_INDEX_KEY] = annotations[COMPLETION_INDEX_KEY] = str(completion_index)
     fields = {
         "metadata.name": pod_name, "metadata.namespace": namespace,
         "status.podIP": pod_ip, "status.podIPs": pod_ip, "status.hostIP": pod_ip,
@@ -184,7 +207,7 @@ def manifest_env(
         if value_from is None:
             env[name] = expand_refs(str(var.get("value", "")), env)
         elif "fieldRef" in value_from:
-            env[name] = _field_ref(value_from["fieldRef"]["fieldPath"], fields, labels)
+            env[name] = _field_ref(value_from["fieldRef"]["fieldPath"], fields, labels, annotations)
         elif "configMapKeyRef" in value_from or "secretKeyRef" in value_from:
             kind = "ConfigMap" if "configMapKeyRef" in value_from else "Secret"
             value = _key_ref(docs, kind, value_from["configMapKeyRef" if kind == "ConfigMap" else "secretKeyRef"])
@@ -192,6 +215,8 @@ def manifest_env(
                 env[name] = value
         else:
             raise ManifestError(f"env {name}: valueFrom {sorted(value_from)} is not supported locally")
+    if indexed:
+        env.setdefault(COMPLETION_INDEX_VAR, str(completion_index))
     return env
 
 
@@ -258,6 +283,7 @@ def pod_command(
     launcher: Sequence[str] | None = None,
     extra_args: Sequence[str] = (),
     base_env: Mapping[str, str] | None = None,
+    completion_index: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """argv and env that run the manifest's worker pod `pod_name` as a local process.
 
@@ -267,12 +293,13 @@ def pod_command(
     - ELASTIC_HEALTH_PORT -> `health_port`, by default a free port, so that several
       pods can run side by side; read it back from env to probe the agent.
     - status.podIP -> `host_addr`; paths under the image's /app -> `app_dir`.
+    - `completion_index`: an Indexed Job pod's index (required for one, see manifest_env).
     - `elastic-run` -> `launcher` (default: this environment's console script);
       `extra_args` are appended (the script's argparse lets a later option win).
     - env = `base_env` (default os.environ, less any ELASTIC_* of the caller) +
       the manifest's env + `extra_env`.
     """
-    pod_env = manifest_env(rendered_docs, pod_name=pod_name, pod_ip=host_addr)
+    pod_env = manifest_env(rendered_docs, pod_name=pod_name, pod_ip=host_addr, completion_index=completion_index)
     argv = manifest_argv(rendered_docs, pod_env)
 
     port = free_port(host_addr) if health_port is None else health_port
@@ -300,3 +327,155 @@ def pod_command(
     env.update(pod_env)
     env.update(extra_env or {})
     return argv, env
+
+
+# --- an Indexed Job's pods as local processes ------------------------------------------
+
+
+def container_exit_code(returncode: int) -> int:
+    """The exit code the kubelet reports for a container whose process ended so: a death
+    by signal N reads 128 + N (tini, PID 1 in the image, reports its child's that way)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _rule_matches(rule: Mapping[str, Any], container: str, exit_code: int, conditions: frozenset[str]) -> bool:
+    if "onExitCodes" in rule:
+        codes = rule["onExitCodes"]
+        if codes.get("containerName", container) != container or exit_code == 0:
+            return False
+        inside = exit_code in codes["values"]
+        return inside if codes["operator"] == "In" else not inside
+    return any(c["type"] in conditions and c.get("status", "True") == "True" for c in rule.get("onPodConditions", []))
+
+
+def pod_failure_action(job: Mapping[str, Any], exit_code: int, *, container: str = "worker",
+                       conditions: Sequence[str] = ()) -> str:
+    """What the Job controller makes of a pod whose `container` ended with `exit_code`
+    (pod `conditions` such as DisruptionTarget): "Succeeded" for 0, else the action of
+    the first podFailurePolicy rule that matches (FailJob, Ignore, FailIndex, Count),
+    and "Count" (against the back-off limit) when none does."""
+    if exit_code == 0:  # the policy applies to failed pods only
+        return "Succeeded"
+    for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
+        if _rule_matches(rule, container, exit_code, frozenset(conditions)):
+            return rule["action"]
+    return "Count"
+
+
+class LocalPod:
+    """One pod of the rendered workload run as a local process group (its own session)."""
+
+    def __init__(self, docs: Sequence[Mapping[str, Any]], name: str, tmp: Path, *, etcd_endpoint: str,
+                 completion_index: int | None = None, extra_env: Mapping[str, str] | None = None,
+                 extra_args: Sequence[str] = (), launcher: Sequence[str] | None = None):
+        self.name, self.index = name, completion_index
+        self.log_dir = tmp / "logs" / name
+        argv, env = pod_command(
+            docs, pod_name=name, etcd_endpoint=etcd_endpoint, checkpoint_dir=tmp / "ckpt", log_dir=self.log_dir,
+            launcher=launcher, extra_args=extra_args, extra_env=extra_env, completion_index=completion_index,
+        )
+        self.env = env
+        self.health_port = int(env[_HEALTH_VAR])
+        self.output = tmp / f"{name}.txt"
+        self._file = open(self.output, "wb")
+        self.proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=self._file, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signum)
+
+    def wait(self, timeout: float) -> int:
+        """The container's exit code (128 + N for a death by signal N)."""
+        try:
+            return container_exit_code(self.proc.wait(timeout))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"pod {self.name} did not exit within {timeout:g}s:\n{self.text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._file.close()
+
+
+class LocalIndexedJob:
+    """The Job controller's part for an Indexed Job whose pods are LocalPods: it keeps
+    one pod per index below `completions` (== parallelism), deletes the pods of removed
+    indexes (SIGTERM), and replaces an ended pod per the manifest's podFailurePolicy,
+    with the same index, once the old one has terminated (podReplacementPolicy Failed).
+
+    `start(index, name)` makes a pod; every pod that ever ran stays in `history` as
+    (pod, exit code or None while it runs, action)."""
+
+    def __init__(self, job: Mapping[str, Any], start, container: str = "worker"):
+        self.job, self._start, self.container = job, start, container
+        self.pods: dict[int, LocalPod] = {}
+        self.history: list[list] = []  # [pod, exit code, action]
+        self.failures: dict[int, int] = {}  # index -> failures counted against backoffLimitPerIndex
+        self.size = 0
+        self._serial = 0
+
+    def _run(self, index: int) -> LocalPod:
+        self._serial += 1
+        pod = self._start(index, f"{self.job['metadata']['name']}-{index}-p{self._serial}")
+        self.pods[index] = pod
+        self.history.append([pod, None, None])
+        return pod
+
+    def _record(self, pod: LocalPod, code: int, conditions: Sequence[str] = ()) -> str:
+        action = pod_failure_action(self.job, code, container=self.container, conditions=conditions)
+        for entry in self.history:
+            if entry[0] is pod:
+                entry[1:] = [code, action]
+        return action
+
+    def scale(self, size: int, timeout: float = 120) -> list[LocalPod]:
+        """`kubectl patch` of parallelism and completions to `size`: the pods of new indexes
+        start; those of removed indexes get SIGTERM (they are waited for). Returns the removed."""
+        removed = [self.pods.pop(index) for index in sorted(self.pods) if index >= size]
+        for pod in removed:
+            pod.signal(signal.SIGTERM)
+        for pod in removed:
+            self._record(pod, pod.wait(timeout))
+        for index in range(self.size, size):
+            self._run(index)
+        self.size = size
+        return removed
+
+    def end_pod(self, index: int, signum: int, *, conditions: Sequence[str] = (), timeout: float = 120) -> str:
+        """Deliver `signum` to the pod of `index` (SIGTERM: `kubectl delete pod`, or an eviction
+        with conditions=["DisruptionTarget"]; SIGKILL: a crash), then act as the controller
+        would: the action taken, and a replacement with the same index unless the Job fails."""
+        pod = self.pods[index]
+        pod.signal(signum)
+        action = self._record(pod, pod.wait(timeout), conditions)
+        if action == "Count":
+            self.failures[index] = self.failures.get(index, 0) + 1
+        if action in ("Ignore", "Count") and self.failures.get(index, 0) <= self.job["spec"]["backoffLimitPerIndex"]:
+            self._run(index)
+        return action
+
+    def wait_all(self, timeout: float) -> dict[int, tuple[int, str]]:
+        """Wait for every current pod to end: index -> (exit code, action)."""
+        done = {}
+        for index, pod in sorted(self.pods.items()):
+            code = pod.wait(timeout)
+            done[index] = (code, self._record(pod, code))
+        return done
+
+    def condition(self) -> str:
+        """"Complete" when every index below completions has a pod that succeeded,
+        "Failed" when a pod's ending was FailJob, else "Running"."""
+        if any(action == "FailJob" for _, _, action in self.history):
+            return "Failed"
+        succeeded = {entry[0].index for entry in self.history if entry[2] == "Succeeded"}
+        return "Complete" if succeeded >= set(range(self.size)) else "Running"
+
+    def kill_all(self) -> None:
+        for pod, _, _ in self.history:
+            pod.kill()

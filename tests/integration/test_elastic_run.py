@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from elastic.contract.exit_codes import USER_ERROR
 from tests.fakes.jobs import ELASTIC_RUN, REPO, TRAIN_JOB, Job
 
 pytestmark = pytest.mark.timeout(240)
@@ -105,7 +106,7 @@ def test_a_second_agent_joins_and_gets_rank0_state(tmp_path, etcd_server):
 def test_user_error_fails_the_job_without_reform_loop(tmp_path):
     job = start(tmp_path, ["--np", "3"], ["--steps", "100", "--fail-rank", "1", "--fail-step", "5"])
     code = job.wait()
-    assert code == 1
+    assert code == USER_ERROR  # 3: distinct from the infrastructure's 1 (exit_codes.py)
     text = job.text()
     assert "ValueError: bad batch at step 5" in text
     assert "failed" in text.splitlines()[-2] + text.splitlines()[-1] or "job local failed" in text

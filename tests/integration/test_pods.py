@@ -1,16 +1,17 @@
-"""The worker pods of deploy/cpu as local processes: scale 3 -> 5 -> 3, and the health probe.
+"""The worker pods of deploy/'s Indexed Job as local processes: scale, preempt, crash, complete.
 
 Each "pod" is the worker container's own command line and environment (rendered with
-kustomize, downward API filled by `pod_command`), pointed at a local embedded etcd.
-Scaling up is starting more pods; scaling down is what the kubelet does: SIGTERM.
+kustomize, downward API and JOB_COMPLETION_INDEX filled as Kubernetes would by
+`pod_command`), pointed at a local embedded etcd. tests/fakes/pods.py's
+LocalIndexedJob plays the Job controller: it starts a pod per index, SIGTERMs the
+removed indexes on a scale-down, and replaces an ended pod as the manifest's
+podFailurePolicy says, reading the decisions from the rendered Job itself.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -20,149 +21,165 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes.jobs import Job, read_jsonl, wait_until
-from tests.fakes.pods import DEPLOY_DIR, REPO_ROOT, free_port, pod_command, render_kustomization
+from elastic.contract.exit_codes import USER_ERROR
+from tests.fakes.jobs import TRAIN_JOB, Job, read_jsonl, wait_until
+from tests.fakes.pods import (
+    DEPLOY_DIR,
+    REPO_ROOT,
+    LocalIndexedJob,
+    LocalPod,
+    free_port,
+    render_kustomization,
+    worker_container,
+)
 from tests.fakes.stacks import stacks_on_timeout
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 
 LAUNCHER = [sys.executable, "-m", "elastic.cli"]
+# A wait that includes a pod's start: on a loaded 2-core machine importing torch alone
+# takes long (the bound of tests/fakes/jobs.py's wait_for_step).
+START_S = 120
 
 
-class Pod:
-    """One worker pod of the rendered Deployment, run as a local process group."""
+def events(pod: LocalPod) -> list[dict]:
+    return read_jsonl(pod.log_dir / "events.jsonl")
 
-    def __init__(self, docs, name: str, tmp: Path, etcd_endpoint: str, job_id: str, script_args: list[str]):
-        self.name = name
-        self.log_dir = tmp / "logs" / name
-        argv, env = pod_command(
-            docs, pod_name=name, etcd_endpoint=etcd_endpoint, checkpoint_dir=tmp / "ckpt",
-            log_dir=self.log_dir, launcher=LAUNCHER, extra_args=script_args,
-            # Five pods need room above the overlay's max of 4; a job id of this test's own.
-            extra_env={"PYTHONPATH": str(REPO_ROOT), "ELASTIC_MAX_NP": "5", "ELASTIC_JOB_ID": job_id},
-        )
-        self.health_port = int(env["ELASTIC_HEALTH_PORT"])
-        self.output = tmp / f"{name}.txt"
-        self._file = open(self.output, "wb")
-        self.proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=self._file, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
 
-    def events(self) -> list[dict]:
-        return read_jsonl(self.log_dir / "events.jsonl")
+def local_job(docs, tmp: Path, etcd_endpoint: str, script_args: list[str], **env) -> LocalIndexedJob:
+    job_id = f"pods-{uuid.uuid4().hex[:12]}"  # a job of this test's own in the shared etcd
 
-    def text(self) -> str:
-        return self.output.read_text(errors="replace")
+    def start(index: int, name: str) -> LocalPod:
+        return LocalPod(docs, name, tmp, etcd_endpoint=etcd_endpoint, completion_index=index, launcher=LAUNCHER,
+                        extra_args=script_args,
+                        extra_env={"PYTHONPATH": str(REPO_ROOT), "ELASTIC_JOB_ID": job_id, **env})
 
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"pod {self.name} did not exit within {timeout:g}s:\n{self.text()[-3000:]}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self._file.close()
+    return LocalIndexedJob(worker_container(docs)[0], start)
 
 
 @pytest.fixture
-def pods():
-    started: list[Pod] = []
+def jobs():
+    started: list[LocalIndexedJob] = []
     yield started
-    for pod in started:
-        pod.kill()
+    for job in started:
+        job.kill_all()
 
 
-@pytest.mark.slow  # 35 s; the default run starts the pod's command line in the health test below
-def test_cpu_pods_scale_3_to_5_to_3_without_losing_a_step(tmp_path, etcd_server, pods):
+@pytest.mark.slow  # about 60 s: five pod starts (on a loaded 2-core machine, imports alone take minutes)
+def test_job_pods_scale_up_get_preempted_scale_down_crash_and_complete(tmp_path, etcd_server, jobs):
     docs = render_kustomization(DEPLOY_DIR / "cpu")
-    progress, result = tmp_path / "progress.jsonl", tmp_path / "result.json"
-    stop = tmp_path / "stop"
-    # Many epochs: the test ends training with --stop-file once the scale-down is done.
+    progress, result, stop = tmp_path / "progress.jsonl", tmp_path / "result.json", tmp_path / "stop"
+    # Many epochs: the test ends training with --stop-file once the pods have done it all.
     script_args = ["--epochs", "1000", "--step-delay", "0.1", "--progress", str(progress), "--out", str(result),
                    "--stop-file", str(stop)]
-    job_id = f"pods-{uuid.uuid4().hex[:12]}"
-
-    def start(index: int) -> Pod:
-        pod = Pod(docs, f"elastic-worker-{index}", tmp_path, etcd_server.endpoint, job_id, script_args)
-        pods.append(pod)
-        return pod
+    # min-np 1: the crash below leaves one pod training until its replacement joins.
+    job = local_job(docs, tmp_path, etcd_server.endpoint, script_args, ELASTIC_MIN_NP="1")
+    jobs.append(job)
 
     def steps() -> list[dict]:
         return read_jsonl(progress)
 
-    def trains_at(world: int, more: int = 3):
-        """Wait until `more` steps have run in a ring of `world` workers."""
+    def trains_at(world: int, after_step: int = 0, more: int = 3):
+        """Wait until `more` steps past `after_step` have run in a ring of `world` workers."""
         def worker_pids():
-            return [e["pid"] for pod in pods for e in pod.events() if e["event"] == "worker_started"]
+            return [e["pid"] for pod, _, _ in job.history for e in events(pod) if e["event"] == "worker_started"]
 
         with stacks_on_timeout(worker_pids):
-            wait_until(lambda: sum(1 for s in steps() if s["world"] == world and s["rank"] == 0) >= more,
-                       90, f"{more} steps at world size {world}")
+            wait_until(lambda: sum(1 for s in steps() if s["world"] == world and s["rank"] == 0
+                                   and s["step"] > after_step) >= more, START_S, f"{more} steps at world size {world}")
+        return max(s["step"] for s in steps())
 
-    for i in range(3):
-        start(i)
+    def last_step() -> int:
+        return max((s["step"] for s in steps()), default=0)
+
+    def trains_in(pod: LocalPod, world: int, more: int = 3):
+        """Wait until `pod`'s worker has run `more` steps in a ring of `world` workers."""
+        def mine() -> int:
+            pids = {e["pid"] for e in events(pod) if e["event"] == "worker_started"}
+            return sum(1 for s in steps() if s["pid"] in pids and s["world"] == world)
+
+        wait_until(lambda: mine() >= more, START_S, f"{more} steps of pod {pod.name} at world size {world}")
+
+    job.scale(2)
+    trains_at(2)
+    job.scale(3)  # up: index 2 joins at a commit
     trains_at(3)
-    start(3)
-    start(4)
-    trains_at(5)
-    # Scale down: the kubelet SIGTERMs two pods, one of them the pod holding rank 0 (and
-    # the round's store). Which pod that is depends on start order: read it from the steps.
-    rank0_pid = [s["pid"] for s in steps() if s["world"] == 5 and s["rank"] == 0][-1]
-    holder = [pod for pod in pods if any(e["event"] == "worker_started" and e["pid"] == rank0_pid
-                                         for e in pod.events())]
-    assert len(holder) == 1, (rank0_pid, [pod.events() for pod in pods])
-    removed = [holder[0], next(pod for pod in (pods[3], pods[0]) if pod is not holder[0])]
-    at_signal = max(s["step"] for s in steps())
-    for pod in removed:
-        pod.proc.send_signal(signal.SIGTERM)
-    for pod in removed:
-        assert pod.wait(60) == 0, pod.text()[-3000:]
-    wait_until(lambda: any(s["world"] == 3 and s["step"] >= at_signal + 5 for s in steps()), 60,
-               "5 more steps on the 3 remaining pods")
+
+    # Preemption of index 1: SIGTERM, a graceful leave; the pod carries DisruptionTarget.
+    # The policy ignores it and a pod with the same index replaces it, as the same host.
+    preempted = job.pods[1]
+    assert job.end_pod(1, signal.SIGTERM, conditions=["DisruptionTarget"]) == "Ignore"
+    replacement = job.pods[1]
+    assert replacement is not preempted
+    assert replacement.env["ELASTIC_HOST_ID"] == preempted.env["ELASTIC_HOST_ID"] == "elastic-worker-1"
+    trains_in(replacement, 3)  # it joined at a commit
+
+    # Scale down: the highest index is deleted (SIGTERM) and leaves gracefully.
+    at_scale_down = last_step()
+    (removed,) = job.scale(2)
+    assert removed.index == 2
+    trains_at(2, after_step=at_scale_down)
+    graceful_until = time.time()  # no failure before here: every departure so far was a graceful leave
+
+    # A crash: index 0's agent SIGKILLed (as an OOM kill); counted against its back-off.
+    at_crash = last_step()
+    assert job.end_pod(0, signal.SIGKILL) == "Count"
+    assert job.failures == {0: 1}
+    # The survivor goes on (alone, or with the replacement of index 0 once it joins);
+    # training ends meanwhile: a replacement arriving after the end exits 0 at once.
+    wait_until(lambda: last_step() >= at_crash + 3, 90, "training to go on after the crash")
+
     stop.touch()
-    remaining = [pod for pod in pods if pod not in removed]
-    for pod in remaining:
-        assert pod.wait(120) == 0, pod.text()[-3000:]
+    ended = job.wait_all(120)
+    # Training over: every pod exits 0 and the Job is Complete.
+    assert ended == {0: (0, "Succeeded"), 1: (0, "Succeeded")}, [pod.text()[-2000:] for pod in job.pods.values()]
+    assert job.condition() == "Complete"
+    codes = [(pod.name, code, action) for pod, code, action in job.history]
+    # The crash counted, the two graceful leaves (143) ignored, the two last pods succeeded.
+    assert sorted(action for _, _, action in codes) == ["Count", "Ignore", "Ignore", "Succeeded", "Succeeded"], codes
+    for pod in (preempted, removed):
+        assert next((code, action) for p, code, action in job.history if p is pod) == (143, "Ignore"), codes
+    assert next(code for _, code, action in job.history if action == "Count") == 128 + signal.SIGKILL, codes
 
     records = steps()
-    rank0 = [s["step"] for s in records if s["rank"] == 0]
     final = json.loads(result.read_text())
-    all_events = [e for pod in pods for e in pod.events()]
-    formed = sorted((e for e in all_events if e["event"] == "round_formed"), key=lambda e: e["round"])
-    # Each scale step forms one round, or one per pod when their registrations (or their
-    # SIGTERMs) land in different settle windows (a slow start: 2 3 4 5 4 3): the sizes
-    # only grow up to 5, then only shrink, down to 3.
-    formed_worlds = [e["world_size"] for e in formed]
-    peak = formed_worlds.index(5)
-    growing, shrinking = formed_worlds[: peak + 1], formed_worlds[peak:]
-    assert growing == sorted(set(growing)) and 3 in growing, formed
-    assert shrinking == sorted(set(shrinking), reverse=True) and shrinking[-1] == 3, formed
-    # Training went on throughout, through every size (a round replaced before the ring
-    # switched to it may have run no step), and no committed step ran twice.
-    worlds = [s["world"] for s in sorted(records, key=lambda s: s["step"]) if s["rank"] == 0]
-    changes = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
-    assert is_subsequence([3, 5, 3], changes) and changes[-1] == 3, changes
-    assert is_subsequence(changes, formed_worlds), (changes, formed_worlds)
-    assert sorted(rank0) == list(range(1, final["step"] + 1))
-    assert max(s["step"] for s in records if s["world"] == 3 and s["round"] > 1) > at_signal
-    assert final["world_size"] == 3 and final["test_accuracy"] > 0.5
-    # The old rank 0 left: the survivors' rank 0 is another process.
-    assert max((s for s in records if s["rank"] == 0), key=lambda s: s["step"])["pid"] != rank0_pid
-
-    # A graceful scale-down: no worker declared lost, no ring broken, no rollback.
-    assert not [e for e in all_events if e["event"] == "failure_detected"], all_events
-    assert not [e for e in all_events if e["event"] == "reform_done" and e["failed"]]
-    assert not [e for e in formed if "lost" in e["reason"]], formed
-    for pod in removed:
-        names = [e["event"] for e in pod.events()]
+    all_events = [e for pod, _, _ in job.history for e in events(pod)]
+    # Training went on throughout; no committed step ran twice until the crash (a crash
+    # rolls back to the last commit, at most one step).
+    rank0 = sorted(s["step"] for s in records if s["rank"] == 0)
+    assert rank0[-1] == final["step"] and set(rank0) == set(range(1, final["step"] + 1))
+    assert len(rank0) - len(set(rank0)) <= 1
+    assert not [s for s in records if s["rank"] == 0 and s["step"] < at_crash and rank0.count(s["step"]) > 1]
+    assert final["world_size"] in (1, 2) and final["test_accuracy"] > 0.5
+    # Graceful leaves: no worker declared lost, no ring broken before the crash.
+    before_crash = [e for e in all_events if e["time"] <= graceful_until]
+    assert not [e for e in before_crash if e["event"] == "failure_detected"], before_crash
+    assert not [e for e in before_crash if e["event"] == "reform_done" and e["failed"]]
+    for pod in (preempted, removed):
+        names = [e["event"] for e in events(pod)]
         assert "graceful_leave" in names and names[-1] == "member_left", names
-        assert [e["exit_code"] for e in pod.events() if e["event"] == "worker_exited"] == [0]
-    # One round per SIGTERM ("1 left" twice) or both in one ("2 left").
-    left = [int(e["reason"].split(" left")[0].split()[-1]) for e in formed if e["reason"].endswith(" left")]
-    assert sum(left) == 2, formed
+        assert [e["exit_code"] for e in events(pod) if e["event"] == "worker_exited"] == [0]
+    # Each arrival and departure formed a round of the expected size: 2, 3, (2,) 3, 2, 1 ...
+    formed = [e["world_size"] for e in sorted((e for e in all_events if e["event"] == "round_formed"),
+                                              key=lambda e: e["round"])]
+    assert is_subsequence([2, 3, 3, 2, 1], formed), formed
+
+
+@pytest.mark.slow  # about 15 s
+def test_job_pods_all_exit_with_the_user_error_status_and_the_job_fails(tmp_path, etcd_server, jobs):
+    docs = render_kustomization(DEPLOY_DIR / "cpu")
+    # The user's script, as an overlay would set it: rank 1 raises at step 3.
+    worker_container(docs)[1]["args"] = ["elastic-run", str(TRAIN_JOB), "--out", str(tmp_path / "out"),
+                                         "--steps", "100", "--fail-rank", "1", "--fail-step", "3"]
+    job = local_job(docs, tmp_path, etcd_server.endpoint, [], ELASTIC_MIN_NP="2")
+    jobs.append(job)
+    job.scale(2)
+    ended = job.wait_all(120)
+    # Every pod, not only the one whose worker raised, ends with elastic-run's user-error
+    # status, and the manifest's podFailurePolicy fails the Job on it at once.
+    assert ended == {0: (USER_ERROR, "FailJob"), 1: (USER_ERROR, "FailJob")}, \
+        [pod.text()[-2000:] for pod in job.pods.values()]
+    assert job.condition() == "Failed"
 
 
 def is_subsequence(items: list, sequence: list) -> bool:
