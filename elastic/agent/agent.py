@@ -70,7 +70,7 @@ from .plain_store import PlainStores, prune_round_keys
 from .straggler_eviction import on_straggler_event
 from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
-from .health import HealthServer, HealthState, SessionMonitor
+from .health import HealthServer, HealthState, SessionMonitor, SessionWatch
 from .metrics import AgentMetrics, round_change
 from .outcome import exit_status, failure_cause
 from .worker_env import worker_env
@@ -105,7 +105,6 @@ class Agent:
         self._network_failures = RoundFailures(ResetBudget(config.max_resets, config.reset_window))  # could not connect
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
-        self._session_lost = False
         self._etcd_writes = EtcdWrites()  # reports queued while etcd is away
         self._scratch = tempfile.mkdtemp(prefix="elastic-agent-")
         # Without a log directory the events still go to a file: the agent reads its
@@ -116,6 +115,7 @@ class Agent:
         self._event_tail = EventTail(self.events.path)
         self.health = HealthState(ttl=config.ttl)
         self.member_id = new_member_id(config.host_id)
+        self._session_watch = SessionWatch(self.health, self.events.emit, self.member_id)
         self.metrics = AgentMetrics(config.host_id, self.member_id)  # fed by _on_event and the watchdog's reads
         self._watchdog = Watchdog(HangPolicy(timeout=config.hang_timeout), self._scratch, self.events, config.log_dir,
                                   on_marks=self.metrics.observe_marks)
@@ -173,7 +173,7 @@ class Agent:
 
     def _loop(self) -> int:
         while self._outcome is None:
-            self._watch_session()
+            self._session_watch.check(self.participant.session)
             try:
                 item = self._inbox.get(timeout=0.5)
             except queue.Empty:
@@ -481,21 +481,6 @@ class Agent:
             "worker_exited", worker=item.worker_id, exit_code=item.exit_code, signal=item.signal,
             rank=self._plan.rank_of(item.worker_id) if self._plan else None,
         )
-
-    def _watch_session(self) -> None:
-        session = self.participant.session
-        if session is None:
-            return
-        if session.lost.is_set() and not self._session_lost:
-            self._session_lost = True
-            self.health.mark_session_dead(session.lost_reason or "lease lost")
-            self.events.emit("session_lost", reason=session.lost_reason or "lease lost")
-        elif not session.lost.is_set() and self._session_lost:
-            # The link came back: the session registered us again on a new lease, so
-            # our workers join the job at its next commit as new members.
-            self._session_lost = False
-            self.health.mark_revived()
-            self.events.emit("member_joined", member=self.member_id, rejoined=True)
 
     def _lease_alive(self) -> bool:
         """Health check (monitor thread): is our member's lease alive in etcd?"""

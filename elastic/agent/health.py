@@ -161,6 +161,28 @@ class SessionMonitor:
                 self._state.mark_session_ok()
 
 
+class SessionWatch:
+    """The agent's etcd session as health marks and events: lost (a partition outlasted
+    the lease), and back (the session registered us again on a new lease, so our
+    workers join the job at its next commit as new members). Called each agent turn."""
+
+    def __init__(self, health: HealthState, emit: Callable[..., None], member_id: str) -> None:
+        self._health, self._emit, self._member_id = health, emit, member_id
+        self._lost = False
+
+    def check(self, session) -> None:
+        if session is None:
+            return
+        if session.lost.is_set() and not self._lost:
+            self._lost = True
+            self._health.mark_session_dead(session.lost_reason or "lease lost")
+            self._emit("session_lost", reason=session.lost_reason or "lease lost")
+        elif not session.lost.is_set() and self._lost:
+            self._lost = False
+            self._health.mark_revived()
+            self._emit("member_joined", member=self._member_id, rejoined=True)
+
+
 class _ProbeHandler(http.server.BaseHTTPRequestHandler):
     # Set per server class in HealthServer.start (one handler class per server).
     probe: Probe

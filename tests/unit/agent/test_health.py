@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from elastic.agent.health import HealthServer, HealthState
+from elastic.agent.health import HealthServer, HealthState, SessionWatch
 
 
 class FakeClock:
@@ -198,3 +198,24 @@ def test_start_twice_is_an_error(server):
 def test_server_rejects_an_invalid_port(port):
     with pytest.raises(ValueError, match="health port"):
         HealthServer(port=port, probe=lambda: (True, ""))
+
+
+def test_session_watch_reports_a_loss_once_and_the_return_once():
+    class Session:
+        def __init__(self):
+            self.lost, self.lost_reason = threading.Event(), "lease expired"
+
+    state, events, session = HealthState(ttl=10), [], Session()
+    state.mark_registered()
+    watch = SessionWatch(state, lambda name, **fields: events.append((name, fields)), "m1")
+    watch.check(None)  # not registered yet: nothing to say
+    watch.check(session)
+    assert events == [] and state.probe()[0]
+    session.lost.set()
+    watch.check(session)
+    watch.check(session)
+    assert events == [("session_lost", {"reason": "lease expired"})] and not state.probe()[0]
+    session.lost.clear()
+    watch.check(session)
+    watch.check(session)
+    assert events[1:] == [("member_joined", {"member": "m1", "rejoined": True})] and state.probe()[0]
