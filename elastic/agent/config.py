@@ -38,6 +38,7 @@ class AgentConfig:
     hang_timeout: Optional[float] = None  # None: derived from commit intervals; 0: off
     stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers
     chaos: Optional[ChaosConfig] = None  # --chaos-kill-every: kill our own workers (chaos.py)
+    shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
 
 
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,
@@ -65,6 +66,7 @@ def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, en
         progress_file=progress_file,
         stacks_file=stacks_file,
         straggler_ratio=cfg.stragglers.ratio,
+        shard_replicas=cfg.shard_replicas,
         **cfg.etcd_options,
         **cfg.checkpoint,
     )

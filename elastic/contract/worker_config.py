@@ -46,6 +46,7 @@ class WorkerConfig:
     checkpoint_interval: Optional[float] = None
     checkpoint_keep: int = 3
     straggler_ratio: float = 1.5  # --straggler-ratio: compute time over the median that counts as slow
+    shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
 
     def to_env(self) -> dict[str, str]:
         env = {}
