@@ -22,22 +22,16 @@ def replica_holders(members: Sequence[str], replicas: int) -> tuple[tuple[int, .
     chosen: list[tuple[int, ...]] = []
     for rank in range(world):
         around = [(rank + k) % world for k in range(1, world)]
-        other_hosts = [r for r in around if members[r] != members[rank]]
-        same_host = [r for r in around if members[r] == members[rank]]
         mine: list[int] = []
-        hosts_used: set[str] = set()
-        for pool in (other_hosts, same_host):
-            while len(mine) < replicas:
-                # A second copy on a host that already has one buys nothing against losing it:
-                # take new hosts first.
-                fresh = [r for r in pool if r not in mine and members[r] not in hosts_used]
-                left = fresh or [r for r in pool if r not in mine]
-                if not left:
-                    break
-                best = min(left, key=lambda r: (load[r], around.index(r)))
-                mine.append(best)
-                hosts_used.add(members[best])
-                load[best] += 1
+        hosts_used = {members[rank]}  # the owner's host has the owner's copy
+        while len(mine) < min(replicas, world - 1):
+            left = [r for r in around if r not in mine]
+            # A second copy on a host that already has one buys nothing against losing
+            # that host: new hosts first, then the least loaded, then the nearest.
+            best = min(left, key=lambda r: (members[r] in hosts_used, load[r], around.index(r)))
+            mine.append(best)
+            hosts_used.add(members[best])
+            load[best] += 1
         chosen.append(tuple(mine))
     return tuple(chosen)
 
