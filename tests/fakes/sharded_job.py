@@ -29,7 +29,8 @@ p.add_argument("--step-delay", type=float, default=0.0)
 p.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself (once per job) ...")
 p.add_argument("--kill-step", type=int, default=None, help="... after training this step, before committing it")
 p.add_argument("--kill-agent", action="store_true", help="... and takes its agent (its parent) with it: a host dies")
-p.add_argument("--hold-below-world", type=int, default=None, help="commit without training while the ring is smaller")
+p.add_argument("--hold-below-world", type=int, default=None,
+               help="before the first step, commit without training while the ring is smaller")
 p.add_argument("--reference", action="store_true", help="one process, plain module and optimizer")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -98,7 +99,7 @@ def train(state):
     append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world})
     model, optimizer = state.model, state.optimizer
     while state.step < args.steps:
-        if args.hold_below_world and world < args.hold_below_world:
+        if args.hold_below_world and world < args.hold_below_world and state.step == 0:
             dist.barrier()
             time.sleep(0.05)
             state.commit()
