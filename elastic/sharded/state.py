@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from ..contract.errors import ElasticError, HostsUpdatedInterrupt, JobStopping
-from ..state import State
+from ..state import State, checkpoint_policy
 from ..worker.lifecycle import current as _runtime
 from ..worker.sync_plan import CommitId, SyncPlan
-from . import modules
+from . import durable, modules
 from .mesh import device_mesh, device_type
 from .placement import replica_holders, replicas_of
 from .reshard_plan import Piece, newest_covered, plan_reshard
@@ -64,7 +64,9 @@ class ShardedState(State):
         if not callable(model):
             raise TypeError("ShardedState(model=...) takes a factory of the unsharded module, e.g. lambda: Net()")
         super().__init__(**values)
-        object.__setattr__(self, "_policy_resolved", True)  # durable checkpoints: not (yet) for sharded state
+        object.__setattr__(self, "_policy_resolved", True)  # State's rank-0 writer is not used: see durable.py
+        object.__setattr__(self, "_durable", None)  # ShardedCheckpoints with --checkpoint-dir
+        object.__setattr__(self, "_durable_resolved", False)
         for name, value in (("_model_factory", model), ("_optimizer_factory", optimizer),
                             ("_shard", shard or modules.default_shard), ("_init", init),
                             ("model", None), ("optimizer", None), ("sampler", sampler),
@@ -82,6 +84,8 @@ class ShardedState(State):
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_commit_round", runtime.round)
         self._snapshot_and_replicate(runtime, wait=False)
+        if self._durable is not None and self._durable.due(self._commits):
+            self._write_durable(runtime)
         action = runtime.note_commit(self._commits)
         if action in ("stop", "switch"):
             self._finish_replication(None, raise_errors=True)
@@ -171,6 +175,10 @@ class ShardedState(State):
             raise ElasticError("ShardedState needs a process group: run the script with elastic-run")
         mesh = device_mesh()
         rank, world = runtime.rank, runtime.world_size
+        checkpoints, group = self._checkpoints(runtime), None
+        if checkpoints is not None:
+            checkpoints.abandon()  # a write of the broken ring is never waited for
+            group = checkpoints.group(runtime.round)
         slots = self._held_slots()
         report = ([(s.commit.round, s.commit.count, s.world, s.shard) for s in slots],
                   [(c.round, c.count) for c in self._metas])
@@ -181,10 +189,19 @@ class ShardedState(State):
         chosen = newest_covered(held, worlds)
         newest = chosen[0] if chosen is not None else None
         first_start = newest is None and not worlds
-        if newest is None and not first_start:
-            lost = max(worlds)[0]
-            raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (more hosts than "
-                               f"--shard-replicas covers); no durable checkpoint to resume from")
+        if newest is None:
+            found = _broadcast(durable.newest_valid(checkpoints.policy.directory)
+                               if checkpoints is not None and rank == 0 else None, 0)
+            if not first_start:
+                lost = max(worlds)[0]
+                if found is None:
+                    raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (more hosts than "
+                                       f"--shard-replicas covers) and there is no durable checkpoint")
+                log.warning("round %d: every copy of a shard of commit %d is lost (more hosts than "
+                            "--shard-replicas %d covers): resuming from durable checkpoint step %s in %s",
+                            runtime.round, lost.count, self._replica_count(runtime), found[1]["step"], found[0])
+            if found is not None:
+                return self._resume_from_disk(runtime, mesh, group, found, started)
         sources: dict[int, ShardSlot] = {}
         if first_start:
             newest, meta = CommitId(0, 0), None
@@ -234,6 +251,51 @@ class ShardedState(State):
         holding_ranks = tuple(sorted({r for ranks in holders.values() for r in ranks}))
         return SyncPlan(newest, holding_ranks, tuple(r for r in range(world) if r not in holding_ranks), ())
 
+    def _resume_from_disk(self, runtime, mesh, group, found, started: float) -> SyncPlan:
+        """Every rank loads its new shards of a durable checkpoint (any world size reads it)."""
+        path, manifest = found
+        model = modules.build_sharded(self._model_factory, self._shard, mesh, torch.device(device_type(runtime.backend)))
+        optimizer = self._optimizer_factory(model)
+        saved = durable.load_into(path, model, optimizer, group)
+        for name, value in saved["values"].items():
+            object.__setattr__(self, name, value)
+        if self.sampler is not None and saved.get("sampler") is not None:
+            self.sampler.load_state_dict(saved["sampler"])
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", optimizer)
+        for name in ("_own", "_own_previous"):
+            object.__setattr__(self, name, None)
+        object.__setattr__(self, "_legacy", [])
+        self._replicas.clear()
+        self._spares.clear()
+        object.__setattr__(self, "_commits", int(saved["commits"]))
+        object.__setattr__(self, "_commit_round", runtime.round)  # newer than any commit a survivor may hold
+        self._snapshot_and_replicate(runtime, wait=True)
+        object.__setattr__(self, "_synced", True)
+        log.info("round %d: resumed from durable checkpoint step %s (world %s -> %d) in %.3fs", runtime.round,
+                 manifest["step"], manifest.get("world_size"), runtime.world_size, time.monotonic() - started)
+        return SyncPlan(self.commit_id, (), tuple(range(runtime.world_size)), ())
+
+    # -- durable checkpoints ----------------------------------------------------------
+    def _checkpoints(self, runtime) -> Optional[durable.ShardedCheckpoints]:
+        if not self._durable_resolved:
+            object.__setattr__(self, "_durable_resolved", True)
+            policy = checkpoint_policy(runtime.config)
+            if policy is not None:
+                if self._optimizer_factory is None:
+                    raise ElasticError("ShardedState writes durable checkpoints of a model and its optimizer: "
+                                       "give optimizer=")
+                object.__setattr__(self, "_durable", durable.ShardedCheckpoints(policy))
+        return self._durable
+
+    def _write_durable(self, runtime) -> None:
+        values = {"values": {name: getattr(self, name) for name in self._value_names},
+                  "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+                  "commits": self._commits}
+        self._durable.submit(self.model, self.optimizer, values, step=self._commits,
+                             round_number=runtime.round, world=runtime.world_size)
+        object.__setattr__(self, "_durable_step", self._commits)
+
     def _held_slots(self) -> list[ShardSlot]:
         slots = [s for s in (self._own, self._own_previous) if s is not None and s.commit is not None]
         slots += [s for s in self._replicas.values() if s.commit is not None]
@@ -273,7 +335,15 @@ class ShardedState(State):
         super().on_reset()
 
     def flush_checkpoints(self, final: bool = False) -> None:
+        """Every rank: wait for the copies and the write in flight; with ``final``, make the
+        last commit durable (the live state is the last commit at the end of training)."""
         self._finish_replication(None)
+        if self._durable is None:
+            return
+        self._durable.flush()
+        if final and self._durable_step != self._commits and self.model is not None:
+            self._write_durable(_runtime())
+            self._durable.flush()
 
 
 def _broadcast(value, src: int):

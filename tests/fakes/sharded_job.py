@@ -31,6 +31,8 @@ p.add_argument("--kill-step", type=int, default=None, help="... after training t
 p.add_argument("--kill-agent", action="store_true", help="... and takes its agent (its parent) with it: a host dies")
 p.add_argument("--hold-below-world", type=int, default=None,
                help="before the first step, commit without training while the ring is smaller")
+p.add_argument("--grow-back", action="store_true",
+               help="after --kill-step's kill, commit without training until the ring is --hold-below-world again")
 p.add_argument("--reference", action="store_true", help="one process, plain module and optimizer")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -38,8 +40,9 @@ args = p.parse_args()
 torch.set_default_dtype(torch.float64)
 os.makedirs(args.out, exist_ok=True)
 gen = torch.Generator().manual_seed(1234)
-X = torch.randn(args.steps * args.global_batch, 7, generator=gen)
-Y = torch.randn(args.steps * args.global_batch, 3, generator=gen)
+ROWS = max(args.steps, 100) * args.global_batch  # the same data whatever --steps says (a resumed run)
+X = torch.randn(ROWS, 7, generator=gen)
+Y = torch.randn(ROWS, 3, generator=gen)
 
 
 def build() -> nn.Module:
@@ -99,7 +102,8 @@ def train(state):
     append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world})
     model, optimizer = state.model, state.optimizer
     while state.step < args.steps:
-        if args.hold_below_world and world < args.hold_below_world and state.step == 0:
+        killed = os.path.exists(os.path.join(args.out, f"killed-{args.kill_step}"))
+        if args.hold_below_world and world < args.hold_below_world and (state.step == 0 or args.grow_back and killed):
             dist.barrier()
             time.sleep(0.05)
             state.commit()

@@ -73,7 +73,7 @@ def test_rank0_killed_mid_step_survivors_reshard_in_memory_and_match_a_single_pr
 def test_a_plain_worker_lost_and_replaced_worlds_4_3_4(tmp_path):
     steps = 14
     job = start(tmp_path, ["--np", "4", "--min-np", "2", "--max-restarts", "1", "--collective-timeout", "20"],
-                ["--steps", str(steps), "--kill-rank", "2", "--kill-step", "4", "--step-delay", "0.2"])
+                ["--steps", str(steps), "--kill-rank", "2", "--kill-step", "4", "--hold-below-world", "4", "--grow-back"])
     assert job.wait(280) == 0, job.text()[-3000:]
     assert worlds(job)[:2] == [4, 3] and worlds(job)[-1] == 4, worlds(job)
     lines = reshards(job)
