@@ -33,7 +33,8 @@ from .worker.recovery import run
 
 __all__ = [
     "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "ResetLimitExceeded",
-    "ShardedState", "State", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "round", "run", "shutdown", "size",
+    "ShardedState", "State", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "round", "run",
+    "shutdown", "size",
 ]
 
 

@@ -30,12 +30,15 @@ shards it, and ``fn(module)`` initialises the local shards (e.g. with DTensor-aw
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..contract.console import FILE_ONLY
 from ..contract.errors import ElasticError, HostsUpdatedInterrupt, JobStopping
 from ..state import State, checkpoint_policy
 from ..worker.lifecycle import current as _runtime
@@ -50,6 +53,10 @@ log = logging.getLogger(__name__)
 
 _RESERVED = ("model", "optimizer", "sampler", "shard", "init")
 _KEEP_METAS = 3  # commits whose meta a worker keeps: a rollback goes back at most one
+# Tests only: ``POINT:RANK:FILE`` makes RANK SIGKILL itself once per job (FILE created
+# exclusively first) at POINT: "replicating" (commit 5's copies posted, not arrived) or
+# "resharding" (a re-shard after the first round, its transfers posted, not complete).
+DIE_AT = "ELASTIC_TEST_SHARDED_DIE"
 
 
 class ShardedState(State):
@@ -70,7 +77,8 @@ class ShardedState(State):
         for name, value in (("_model_factory", model), ("_optimizer_factory", optimizer),
                             ("_shard", shard or modules.default_shard), ("_init", init),
                             ("model", None), ("optimizer", None), ("sampler", sampler),
-                            ("_own", None), ("_own_previous", None), ("_legacy", []), ("_replicas", {}), ("_spares", {}), ("_metas", {}),
+                            ("_own", None), ("_own_previous", None), ("_legacy", []),
+                            ("_replicas", {}), ("_spares", {}), ("_metas", {}),
                             ("_replication", None), ("_holders", ()), ("_last_reshard_bytes", 0)):
             object.__setattr__(self, name, value)
 
@@ -84,6 +92,8 @@ class ShardedState(State):
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_commit_round", runtime.round)
         self._snapshot_and_replicate(runtime, wait=False)
+        if self._commits >= 5:
+            _maybe_die("replicating", runtime)
         if self._durable is not None and self._durable.due(self._commits):
             self._write_durable(runtime)
         action = runtime.note_commit(self._commits)
@@ -194,6 +204,8 @@ class ShardedState(State):
                                if checkpoints is not None and rank == 0 else None, 0)
             if not first_start:
                 lost = max(worlds)[0]
+                log.info("round %d: shards held (rank: (round, count, world, shard) ...): %s", runtime.round,
+                         {r: rep[0] for r, rep in enumerate(reports)}, extra=FILE_ONLY)
                 if found is None:
                     raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (more hosts than "
                                        f"--shard-replicas covers) and there is no durable checkpoint")
@@ -218,7 +230,7 @@ class ShardedState(State):
                     if key == chosen:
                         holders.setdefault(shard, []).append(r)
             sources = {s.shard: s for s in slots if (s.commit, s.world) == chosen}
-        model = modules.build_sharded(self._model_factory, self._shard, mesh, torch.device(device_type(runtime.backend)))
+        model = self._build(runtime, mesh)
         if first_start and self._init is not None:
             self._init(model)
             pieces: list[Piece] = []
@@ -228,7 +240,8 @@ class ShardedState(State):
         states = modules.empty_optimizer_state(model, meta) if not first_start else {}
         targets = {f"model.{fqn}": p for fqn, p in model.named_parameters()}
         targets.update(states)
-        moved = _run_pieces(pieces, rank, sources, {k: modules.local(t) for k, t in targets.items()})
+        moved = _run_pieces(pieces, rank, sources, {k: modules.local(t) for k, t in targets.items()},
+                            lambda: runtime.round > 1 and _maybe_die("resharding", runtime))
         self._load_meta(model, optimizer, meta, states, first_start)
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
@@ -254,7 +267,7 @@ class ShardedState(State):
     def _resume_from_disk(self, runtime, mesh, group, found, started: float) -> SyncPlan:
         """Every rank loads its new shards of a durable checkpoint (any world size reads it)."""
         path, manifest = found
-        model = modules.build_sharded(self._model_factory, self._shard, mesh, torch.device(device_type(runtime.backend)))
+        model = self._build(runtime, mesh)
         optimizer = self._optimizer_factory(model)
         saved = durable.load_into(path, model, optimizer, group)
         for name, value in saved["values"].items():
@@ -296,9 +309,17 @@ class ShardedState(State):
                              round_number=runtime.round, world=runtime.world_size)
         object.__setattr__(self, "_durable_step", self._commits)
 
+    def _build(self, runtime, mesh):
+        device = torch.device(device_type(runtime.backend))
+        return modules.build_sharded(self._model_factory, self._shard, mesh, device)
+
     def _held_slots(self) -> list[ShardSlot]:
         slots = [s for s in (self._own, self._own_previous) if s is not None and s.commit is not None]
         slots += [s for s in self._replicas.values() if s.commit is not None]
+        # A spare with a commit is the replica an arrival just displaced, intact until the next
+        # commit receives into it. It counts: a newer copy of one owner's shard does not make
+        # the ring able to go on from the newer commit if another owner's never arrived.
+        slots += [s for s in self._spares.values() if s.commit is not None]
         return slots + list(self._legacy)
 
     def _whole_model_on_rank0(self, commit: CommitId):
@@ -352,7 +373,22 @@ def _broadcast(value, src: int):
     return box[0]
 
 
-def _run_pieces(pieces: list[Piece], rank: int, sources: dict[int, ShardSlot], targets: dict[str, torch.Tensor]) -> int:
+def _maybe_die(point: str, runtime) -> None:
+    spec = os.environ.get(DIE_AT)
+    if not spec:
+        return
+    wanted, rank, marker = spec.split(":", 2)
+    if wanted != point or int(rank) != runtime.rank:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run_pieces(pieces: list[Piece], rank: int, sources: dict[int, ShardSlot], targets: dict[str, torch.Tensor],
+                posted: Callable[[], object] = lambda: None) -> int:
     """Move this rank's pieces: local copies, then every send and receive posted at once.
     Tags count per (holder, receiver) pair in the plan's order, the same on both ends."""
     works, moved, counts = [], 0, {}
@@ -373,6 +409,7 @@ def _run_pieces(pieces: list[Piece], rank: int, sources: dict[int, ShardSlot], t
             else:
                 works.append(dist.irecv(target, src=piece.holder, tag=tag))
                 moved += target.numel() * target.element_size()
+        posted()
         for work in works:
             work.wait()
     return moved

@@ -26,13 +26,15 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=30)
 p.add_argument("--global-batch", type=int, default=12)
 p.add_argument("--step-delay", type=float, default=0.0)
-p.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself (once per job) ...")
+p.add_argument("--kill-rank", default=None, help="these ranks (comma-separated) SIGKILL themselves (once per job) ...")
 p.add_argument("--kill-step", type=int, default=None, help="... after training this step, before committing it")
 p.add_argument("--kill-agent", action="store_true", help="... and takes its agent (its parent) with it: a host dies")
 p.add_argument("--hold-below-world", type=int, default=None,
                help="before the first step, commit without training while the ring is smaller")
 p.add_argument("--grow-back", action="store_true",
                help="after --kill-step's kill, commit without training until the ring is --hold-below-world again")
+p.add_argument("--load-dcp", default=None, help="a plain FSDP2 script (torchrun): load this DCP checkpoint, "
+               "write the full parameters to final.pt")
 p.add_argument("--reference", action="store_true", help="one process, plain module and optimizer")
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -78,6 +80,30 @@ if args.reference:
 
 import torch.distributed as dist  # noqa: E402
 
+if args.load_dcp:  # what a user does elsewhere with a checkpoint of elastic-run: nothing of elastic
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = make_optimizer(model)
+    msd, osd = get_state_dict(model, optimizer)
+    loaded = {"model": msd, "optim": osd}
+    dcp.load(loaded, checkpoint_id=args.load_dcp)
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    full = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    if dist.get_rank() == 0:
+        torch.save(full, os.path.join(args.out, "final.pt"))
+    dist.destroy_process_group()
+    raise SystemExit(0)
+
 import elastic  # noqa: E402
 
 elastic.init()
@@ -85,12 +111,13 @@ state = elastic.ShardedState(model=build, optimizer=make_optimizer, step=0)
 
 
 def maybe_die(step):
-    if step != args.kill_step or elastic.rank() != args.kill_rank:
+    if args.kill_rank is None or step != args.kill_step or str(elastic.rank()) not in args.kill_rank.split(","):
         return
     marker = os.path.join(args.out, f"killed-{step}")
-    if os.path.exists(marker):
+    if os.path.exists(marker) and elastic.round() != int(open(marker).read() or 0):
         return
-    open(marker, "w").close()
+    with open(marker, "w") as f:  # several ranks of one round may die at this step
+        f.write(str(elastic.round()))
     if args.kill_agent:
         os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

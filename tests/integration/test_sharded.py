@@ -22,10 +22,10 @@ pytestmark = pytest.mark.timeout(300)
 SHARDED_JOB = REPO / "tests" / "fakes" / "sharded_job.py"
 
 
-def start(tmp_path, launcher, script_args, *, name="job"):
+def start(tmp_path, launcher, script_args, *, name="job", env=None):
     out, logs = tmp_path / "out", tmp_path / "logs"
     return Job(tmp_path, [*launcher, "--log-dir", str(logs), str(SHARDED_JOB), "--out", str(out), *script_args],
-               name=name)
+               name=name, env=env)
 
 
 def reference(tmp_path, steps: int) -> dict:
@@ -73,7 +73,8 @@ def test_rank0_killed_mid_step_survivors_reshard_in_memory_and_match_a_single_pr
 def test_a_plain_worker_lost_and_replaced_worlds_4_3_4(tmp_path):
     steps = 14
     job = start(tmp_path, ["--np", "4", "--min-np", "2", "--max-restarts", "1", "--collective-timeout", "20"],
-                ["--steps", str(steps), "--kill-rank", "2", "--kill-step", "4", "--hold-below-world", "4", "--grow-back"])
+                ["--steps", str(steps), "--kill-rank", "2", "--kill-step", "4", "--hold-below-world", "4",
+                 "--grow-back"])
     assert job.wait(280) == 0, job.text()[-3000:]
     assert worlds(job)[:2] == [4, 3] and worlds(job)[-1] == 4, worlds(job)
     lines = reshards(job)
@@ -105,4 +106,73 @@ def test_a_whole_host_lost_with_one_replica_nothing_read_from_disk(tmp_path, etc
     assert any("(world 4 -> 2)" in line for line in reshards(a)), a.text()[-3000:]
     pids = read_jsonl(tmp_path / "out" / "pids.jsonl")
     assert {p["world"] for p in pids} >= {4, 2}
+    assert_equals_reference(tmp_path, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_two_of_three_hosts_lost_resume_from_the_durable_checkpoint_which_plain_fsdp2_loads(tmp_path, etcd_server):
+    """--shard-replicas 1 covers one lost host; two lost at once take every copy of a shard:
+    the survivor resumes in-process from the newest durable (DCP) checkpoint. That checkpoint
+    format is torch's: a plain FSDP2 script under torchrun loads it at another world size."""
+    steps = 12
+    job_id = f"sharded-{uuid.uuid4().hex[:8]}"
+    checkpoints = tmp_path / "ck"
+    common = ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-addr", "127.0.0.1",
+              "--nproc-per-node", "1", "--min-np", "1", "--max-np", "3", "--collective-timeout", "20",
+              "--shard-replicas", "1", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3"]
+    script = ["--steps", str(steps), "--kill-rank", "1,2", "--kill-step", "8", "--kill-agent",
+              "--hold-below-world", "3"]
+    a = start(tmp_path, [*common, "--host-id", "host-a"], script, name="a")
+    wait_until(lambda: any(e["event"] == "member_joined" for e in a.events()), 60, "a to register")
+    others = [start(tmp_path, [*common, "--host-id", f"host-{n}"], script, name=n) for n in "bc"]
+    assert a.wait(280) == 0, a.text()[-3000:]
+    for other in others:
+        other.proc.wait(30)
+    text = a.text()
+    assert "is lost (more hosts than --shard-replicas 1 covers): resuming from durable checkpoint step 6" in text, \
+        text[-3000:]
+    assert worlds(a)[-1] == 1
+    assert_equals_reference(tmp_path, steps)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_", "MASTER_", "RANK", "WORLD_"))}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(SHARDED_JOB), "--load-dcp", str(checkpoints / "step-000000012"), "--out", str(plain)],
+                   env=env, check=True, timeout=120, capture_output=True)
+    loaded = torch.load(plain / "final.pt", weights_only=True)
+    expected = reference(tmp_path, steps)
+    for name, value in expected.items():
+        assert torch.allclose(loaded[name], value, rtol=0, atol=1e-9), name
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_its_commit_replicates_the_previous_commit_survives(tmp_path):
+    """Rank 1 dies right after posting commit 5's copies: its shard of 5 may never have
+    arrived anywhere, so the ring goes on from a commit every shard of which survived."""
+    steps = 10
+    marker = tmp_path / "died-replicating"
+    job = start(tmp_path, ["--np", "3", "--min-np", "2", "--collective-timeout", "20"], ["--steps", str(steps)],
+                env={"ELASTIC_TEST_SHARDED_DIE": f"replicating:1:{marker}"})
+    assert job.wait(240) == 0, job.text()[-3000:]
+    assert marker.exists() and worlds(job) == [3, 2]
+    assert any("(world 3 -> 2)" in line for line in reshards(job)), job.text()[-3000:]
+    assert_equals_reference(tmp_path, steps)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_inside_a_reshard_with_two_replicas_nothing_is_lost(tmp_path):
+    """Worlds 4 -> 3 -> 2: rank 1 dies mid-step, then rank 2 of the new ring dies while the
+    re-shard's transfers are in flight. With --shard-replicas 2 the old ring's copies,
+    kept until the new ring is replicated, still cover every shard."""
+    steps = 10
+    marker = tmp_path / "died-resharding"
+    job = start(tmp_path, ["--np", "4", "--min-np", "2", "--collective-timeout", "20", "--shard-replicas", "2"],
+                ["--steps", str(steps), "--kill-rank", "1", "--kill-step", "4"],
+                env={"ELASTIC_TEST_SHARDED_DIE": f"resharding:2:{marker}"})
+    assert job.wait(280) == 0, job.text()[-3000:]
+    assert marker.exists()
+    assert worlds(job)[:2] == [4, 3] and worlds(job)[-1] == 2, worlds(job)
+    assert any("(world 4 -> 2)" in line for line in reshards(job)), job.text()[-3000:]
     assert_equals_reference(tmp_path, steps)

@@ -36,7 +36,8 @@ def _apply(layout, old_world, holders, new_world, pieces):
     new = {(t.key, r): torch.full((t.shard_elements(new_world, r),), -1.0) for t in layout for r in range(new_world)}
     for p in pieces:
         assert p.holder in holders[p.shard]
-        new[p.key, p.receiver][p.dst_start:p.dst_start + p.length] = old[p.key, p.shard][p.src_start:p.src_start + p.length]
+        source = old[p.key, p.shard][p.src_start:p.src_start + p.length]
+        new[p.key, p.receiver][p.dst_start:p.dst_start + p.length] = source
     for t in layout:
         for r in range(new_world):
             assert torch.equal(new[t.key, r], full[t.key][slice(*shard_rows(t.rows, new_world, r))].reshape(-1))
