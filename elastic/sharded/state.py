@@ -52,7 +52,7 @@ from .slots import Replication, ShardSlot
 log = logging.getLogger(__name__)
 
 _RESERVED = ("model", "optimizer", "sampler", "shard", "init")
-_KEEP_METAS = 3  # commits whose meta a worker keeps: a rollback goes back at most one
+_KEEP_METAS = 4  # (commit, world) metas kept: a rollback goes back one, a re-shard adds a layout
 # Tests only: ``POINT:RANK:FILE`` makes RANK SIGKILL itself once per job (FILE created
 # exclusively first) at POINT: "replicating" (commit 5's copies posted, not arrived) or
 # "resharding" (a re-shard after the first round, its transfers posted, not complete).
@@ -131,7 +131,7 @@ class ShardedState(State):
         own.commit = commit
         object.__setattr__(self, "_own_previous", self._own)
         object.__setattr__(self, "_own", own)
-        self._metas[commit] = meta
+        self._metas[(commit, runtime.world_size)] = meta  # one commit, two layouts while a re-shard settles
         for old in sorted(self._metas)[:-_KEEP_METAS]:
             del self._metas[old]
         if runtime.world_size == 1:
@@ -191,7 +191,7 @@ class ShardedState(State):
             group = checkpoints.group(runtime.round)
         slots = self._held_slots()
         report = ([(s.commit.round, s.commit.count, s.world, s.shard) for s in slots],
-                  [(c.round, c.count) for c in self._metas])
+                  [(c.round, c.count, w) for c, w in self._metas])
         reports: list = [None] * world
         dist.all_gather_object(reports, report)
         held = {r: [((CommitId(a, b), w), s) for a, b, w, s in rep[0]] for r, rep in enumerate(reports)}
@@ -222,8 +222,9 @@ class ShardedState(State):
             holders = {0: [0]}
             meta = _broadcast(meta, 0)
         else:
-            source_rank = min(r for r, rep in enumerate(reports) if (newest.round, newest.count) in rep[1])
-            meta = _broadcast(self._metas.get(newest) if rank == source_rank else None, source_rank)
+            wanted = (newest.round, newest.count, chosen[1])
+            source_rank = min(r for r, rep in enumerate(reports) if wanted in rep[1])
+            meta = _broadcast(self._metas.get(chosen) if rank == source_rank else None, source_rank)
             holders: dict[int, list[int]] = {}
             for r, pairs in held.items():
                 for key, shard in pairs:
