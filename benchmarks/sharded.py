@@ -82,7 +82,7 @@ def worker(args) -> None:
             # The floor: one copy_ of the same local shards into a buffer kept across steps.
             tensors = [t.to_local() for t in model.parameters()] + [
                 v.to_local() for s in opt.state.values() for v in s.values() if hasattr(v, "to_local")]
-            if "floor" not in state.__dict__ or len(state.__dict__["floor"]) != len(tensors):
+            if [f.shape for f in state.__dict__.get("floor", [])] != [t.shape for t in tensors]:
                 state.__dict__["floor"] = [torch.empty_like(t) for t in tensors]
             copy_started = time.monotonic()
             with torch.no_grad():
