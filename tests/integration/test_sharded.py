@@ -8,6 +8,7 @@ the memory of the workers (their own shards and the replicas they keep)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -138,9 +139,17 @@ def test_two_of_three_hosts_lost_resume_from_the_durable_checkpoint_which_plain_
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_", "MASTER_", "RANK", "WORLD_"))}
     plain = tmp_path / "plain"
     plain.mkdir()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(SHARDED_JOB), "--load-dcp", str(checkpoints / "step-000000012"), "--out", str(plain)],
-                   env=env, check=True, timeout=120, capture_output=True)
+    # Its own session: on a timeout the whole group goes (torchrun's workers outlive a killed torchrun).
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", str(SHARDED_JOB), "--load-dcp", str(checkpoints / "step-000000012"),
+                                 "--out", str(plain)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        assert torchrun.wait(150) == 0
+    finally:
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            torchrun.wait(10)
     loaded = torch.load(plain / "final.pt", weights_only=True)
     expected = reference(tmp_path, steps)
     for name, value in expected.items():
