@@ -26,13 +26,15 @@ from __future__ import annotations
 from .contract.errors import ElasticError, HostsUpdatedInterrupt, ResetLimitExceeded
 from .global_batch import accumulate
 from .sampler import ElasticSampler
+from .sharded import ShardedState, device_mesh
 from .state import ObjectState, State, TorchState
 from .worker import lifecycle
 from .worker.recovery import run
 
 __all__ = [
     "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "ResetLimitExceeded",
-    "State", "TorchState", "accumulate", "init", "local_rank", "rank", "round", "run", "shutdown", "size",
+    "ShardedState", "State", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "round", "run",
+    "shutdown", "size",
 ]
 
 

@@ -39,6 +39,7 @@ class AgentConfig:
     stragglers: StragglerOptions = StragglerOptions()  # --straggler-ratio, --evict-stragglers
     chaos: Optional[ChaosConfig] = None  # --chaos-kill-every: kill our own workers (chaos.py)
     leave_exit_code: int = 0  # --leave-exit-code: our status after leaving a job that goes on
+    shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
 
 
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,
@@ -67,6 +68,7 @@ def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, en
         stacks_file=stacks_file,
         straggler_ratio=cfg.stragglers.ratio,
         device_slot=device_slot,
+        shard_replicas=cfg.shard_replicas,
         **cfg.etcd_options,
         **cfg.checkpoint,
     )

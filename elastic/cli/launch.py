@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--checkpoint-keep", positive_int, 3, "durable checkpoints to keep")
     opt("--final-checkpoint-timeout", positive_float, 600.0,
         "seconds rank 0 may go on writing the final checkpoint once the job has ended")
+    opt("--shard-replicas", non_negative_int, 1,
+        "ShardedState: other workers (on other hosts where there are) keeping a copy of each committed shard")
     opt("--straggler-ratio", ratio_above_one, 1.5,
         "report a worker whose compute time per step (outside collectives) stays above this many times "
         "the median of the ranks, in 3 windows of 10 commits in a row")
@@ -247,6 +249,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         stragglers=StragglerOptions(ratio=args.straggler_ratio, evict=bool(args.evict_stragglers)),
         chaos=ChaosConfig(args.chaos_kill_every, args.chaos_seed) if args.chaos_kill_every else None,
         leave_exit_code=args.leave_exit_code,
+        shard_replicas=args.shard_replicas,
     )
     return config, args
 

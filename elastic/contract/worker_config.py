@@ -47,6 +47,7 @@ class WorkerConfig:
     checkpoint_keep: int = 3
     straggler_ratio: float = 1.5  # --straggler-ratio: compute time over the median that counts as slow
     device_slot: Optional[int] = None  # LOCAL_RANK and CUDA device for the life of the process (device_slots.py)
+    shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
 
     def to_env(self) -> dict[str, str]:
         env = {}

@@ -1,0 +1,119 @@
+"""Building FSDP2 models and optimizers on a ring's mesh, and reading their shards out.
+
+A sharded commit names every tensor it holds: ``model.<fqn>`` for a parameter,
+``optim.<fqn>.<name>`` for an optimizer state sharded like its parameter (Adam's
+``exp_avg``); everything else (Adam's ``step``, param groups, module buffers) is small,
+the same on every rank, and travels as a plain value in the commit's ``CommitMeta``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..worker.sync_plan import CommitId
+from .reshard_plan import TensorLayout
+
+
+@dataclass
+class CommitMeta:
+    """What every rank of a ring holds the same of one commit (small, pickled)."""
+
+    commit: CommitId
+    world: int  # the ring that made it: its shards are ``shard_rows(n, world, s)``
+    layout: tuple[TensorLayout, ...]
+    values: dict = field(default_factory=dict)  # the user's plain values
+    sampler: Optional[dict] = None
+    buffers: dict = field(default_factory=dict)  # module buffers (not sharded by FSDP2)
+    groups: Optional[list] = None  # optimizer param groups, params named by fqn
+    plain_state: dict = field(default_factory=dict)  # fqn -> {name: value} not sharded
+
+
+def default_shard(module: torch.nn.Module, mesh) -> None:
+    """``fully_shard`` each direct child that has parameters, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
+def build_sharded(factory: Callable[[], torch.nn.Module], shard: Callable, mesh, device: torch.device):
+    """The factory's module built without memory (meta), sharded over ``mesh``, then given
+    uninitialised storage for its shards only: never the whole model on one worker."""
+    with torch.device("meta"):
+        module = factory()
+    shard(module, mesh)
+    module.to_empty(device=device)
+    return module
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rows this rank holds of a (possibly sharded) tensor, as a plain tensor."""
+    return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def sharded_tensors(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
+    """key -> the live tensor (a DTensor once sharded) of every sharded tensor, in order."""
+    tensors = {f"model.{fqn}": p for fqn, p in model.named_parameters()}
+    if optimizer is not None:
+        names = {p: fqn for fqn, p in model.named_parameters()}
+        for fqn, p in model.named_parameters():
+            for name, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, DTensor) and value.shape == p.shape:
+                    tensors[f"optim.{names[p]}.{name}"] = value
+    return tensors
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> tuple[TensorLayout, ...]:
+    return tuple(TensorLayout(key, tuple(t.shape), str(t.dtype).replace("torch.", "")) for key, t in tensors.items())
+
+
+def describe(commit: CommitId, world: int, model, optimizer, tensors, values: dict, sampler) -> CommitMeta:
+    """The commit's meta: the layout and every small replicated value (copies)."""
+    meta = CommitMeta(commit, world, layout_of(tensors), copy.deepcopy(values),
+                      copy.deepcopy(sampler.state_dict()) if sampler is not None else None,
+                      {name: b.detach().clone() for name, b in model.named_buffers()})
+    if optimizer is not None:
+        names = {p: fqn for fqn, p in model.named_parameters()}
+        meta.groups = [{**{k: copy.deepcopy(v) for k, v in group.items() if k != "params"},
+                        "params": [names[p] for p in group["params"]]} for group in optimizer.param_groups]
+        for p, entries in optimizer.state.items():
+            plain = {name: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                     for name, v in entries.items() if f"optim.{names[p]}.{name}" not in tensors}
+            if plain:
+                meta.plain_state[names[p]] = plain
+    return meta
+
+
+def empty_optimizer_state(model, meta: CommitMeta) -> dict[str, torch.Tensor]:
+    """key -> a new sharded tensor (like its parameter) for each optimizer state the commit holds."""
+    params = dict(model.named_parameters())
+    out = {}
+    for tensor in meta.layout:
+        if tensor.key.startswith("optim."):
+            fqn, _, _ = tensor.key[len("optim."):].rpartition(".")
+            out[tensor.key] = torch.zeros_like(params[fqn].detach())
+    return out
+
+
+def load_optimizer(optimizer, model, meta: CommitMeta, states: dict[str, torch.Tensor]) -> None:
+    """Make ``optimizer`` hold the commit's state: ``states`` (filled) and the plain values."""
+    if meta.groups is None:
+        return
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    names = {p: fqn for fqn, p in model.named_parameters()}
+    index = {names[p]: i for i, p in enumerate(order)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in states.items():
+        fqn, _, name = key[len("optim."):].rpartition(".")
+        state.setdefault(index[fqn], {})[name] = value
+    for fqn, plain in meta.plain_state.items():
+        state.setdefault(index[fqn], {}).update(copy.deepcopy(plain))
+    groups = [{**group, "params": [index[fqn] for fqn in group["params"]]} for group in meta.groups]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,108 @@
+"""The buffers a sharded commit lives in: one shard of one commit, flat per dtype, reused.
+
+A ``ShardSlot`` holds shard ``shard`` of commit ``commit`` made by a ring of ``world``
+workers: every sharded tensor's rows of that shard, laid one after the other in one
+flat buffer per dtype. A worker keeps its own shard of the last commit in one slot and
+the shards it keeps for other ranks (replicas) in others. Buffers are allocated once
+and reused while the layout stays (a commit every step allocates nothing).
+
+``Replication`` moves a commit's shards to their replica holders in the background:
+every message is posted at the commit (``isend``/``irecv`` straight from and into the
+slots' buffers) and a thread waits for them, so the copy overlaps the next step; the
+next commit waits for what is left. A copy counts only once its receive has completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..worker.sync_plan import CommitId
+from .reshard_plan import TensorLayout
+
+# Replica messages are tagged apart from a re-shard's (which count from 0 per pair).
+_REPLICA_TAG = 1 << 28
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class ShardSlot:
+    """Shard ``shard`` of ``commit`` (made by a ring of ``world``), flat per dtype."""
+
+    def __init__(self, layout: Sequence[TensorLayout], world: int, shard: int,
+                 reuse: Optional["ShardSlot"] = None):
+        self.commit: Optional[CommitId] = None  # set once the slot holds a whole shard
+        self.world, self.shard = world, shard
+        self.offsets: dict[str, tuple[str, int, int]] = {}  # key -> (dtype, start, length)
+        sizes: dict[str, int] = {}
+        for tensor in layout:
+            length = tensor.shard_elements(world, shard)
+            self.offsets[tensor.key] = (tensor.dtype, sizes.get(tensor.dtype, 0), length)
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + length
+        if reuse is not None and {d: b.numel() for d, b in reuse.flat.items()} == sizes:
+            self.flat = reuse.flat
+        else:
+            self.flat = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in sorted(sizes.items())}
+
+    def view(self, key: str) -> torch.Tensor:
+        dtype, start, length = self.offsets[key]
+        return self.flat[dtype].narrow(0, start, length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.flat.values())
+
+    def messages(self) -> list[tuple[int, torch.Tensor]]:
+        """(tag, buffer) per non-empty dtype buffer, the same order on both ends."""
+        return [(_REPLICA_TAG + i, b) for i, (_, b) in enumerate(sorted(self.flat.items())) if b.numel()]
+
+
+class Replication:
+    """One commit's copies in flight: this worker's shard to its holders, others' to it."""
+
+    def __init__(self, commit: CommitId, own: ShardSlot, send_to: Sequence[int],
+                 receive: dict[int, ShardSlot]):
+        self.commit = commit
+        self.receive = receive  # owner rank -> the slot its shard arrives in
+        self.received: set[int] = set()  # owners whose copy has arrived whole
+        self.errors: list[BaseException] = []
+        self.bytes_sent = 0
+        sends, recvs = [], []
+        for holder in send_to:
+            for tag, buffer in own.messages():
+                sends.append(dist.isend(buffer, dst=holder, tag=tag))
+                self.bytes_sent += buffer.numel() * buffer.element_size()
+        for owner, slot in receive.items():
+            recvs.append((owner, [dist.irecv(buffer, src=owner, tag=tag) for tag, buffer in slot.messages()]))
+        self._thread = threading.Thread(target=self._wait, args=(sends, recvs), name="shard-replication",
+                                        daemon=True)
+        self._thread.start()
+
+    def _wait(self, sends, recvs) -> None:
+        for owner, works in recvs:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as exc:  # the ring broke: this copy never counts
+                self.errors.append(exc)
+                continue
+            self.receive[owner].commit = self.commit
+            self.received.add(owner)
+        for work in sends:
+            try:
+                work.wait()
+            except Exception as exc:
+                self.errors.append(exc)
+
+    def finish(self, timeout: Optional[float] = None) -> bool:
+        """Wait (at most ``timeout``) for every copy; True when all have completed."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive() and not self.errors

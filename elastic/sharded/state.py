@@ -1,0 +1,416 @@
+"""ShardedState: an FSDP2 model and optimizer that survive losing a host, re-sharded in-process.
+
+    state = elastic.ShardedState(model=build, optimizer=lambda m: torch.optim.AdamW(m.parameters()),
+                                 shard=shard, sampler=sampler, epoch=0)
+
+``commit()`` copies this worker's shards (parameters and the optimizer states shaped
+like them, as the DTensors' local tensors) into its own slot, reused from commit to
+commit, and posts copies of them to ``--shard-replicas`` other workers, on other hosts
+where the ring has them (``placement.py``). The copies travel while the next step
+trains; the next commit waits for what is left. A replica holder keeps the previous
+complete copy until the new one has arrived whole, so at any moment every shard of
+some commit is held by the owner and its replicas.
+
+``sync()`` (after a loss, a join or a leave, and at the start) gathers what every rank
+holds, agrees on the newest commit every shard of which some rank still holds
+(``newest_covered``), builds the model on the meta device, shards it over the new ring
+and gives it storage for its shards only, then moves each rank the element ranges of
+its new shards straight into the live DTensors' local tensors (``plan_reshard``), from
+its own copy where it holds one, else striped across the holders. Nothing is read
+from disk. It ends by taking the commit again in the new layout and replicating it
+synchronously, so the new ring is covered before its first commit.
+
+At the first start nobody holds anything: rank 0 builds ``model()`` whole and is the
+only holder of a commit of a world of one; every rank takes its rows from it. With
+``init=fn`` no worker builds the whole model: every rank builds it on the meta device,
+shards it, and ``fn(module)`` initialises the local shards (e.g. with DTensor-aware
+``torch.nn.init`` calls under a fixed seed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..contract.console import FILE_ONLY
+from ..contract.errors import ElasticError, HostsUpdatedInterrupt, JobStopping
+from ..state import State, checkpoint_policy
+from ..worker.lifecycle import current as _runtime
+from ..worker.sync_plan import CommitId, SyncPlan
+from . import durable, modules
+from .mesh import device_mesh, device_type
+from .placement import replica_holders, replicas_of
+from .reshard_plan import Piece, newest_covered, plan_reshard
+from .slots import Replication, ShardSlot
+
+log = logging.getLogger(__name__)
+
+_RESERVED = ("model", "optimizer", "sampler", "shard", "init")
+_KEEP_METAS = 4  # (commit, world) metas kept: a rollback goes back one, a re-shard adds a layout
+# Tests only: ``POINT:RANK:FILE`` makes RANK SIGKILL itself once per job (FILE created
+# exclusively first) at POINT: "replicating" (commit 5's copies posted, not arrived) or
+# "resharding" (a re-shard after the first round, its transfers posted, not complete).
+DIE_AT = "ELASTIC_TEST_SHARDED_DIE"
+
+
+class ShardedState(State):
+    """An FSDP2 model (built by ``model()``), its optimizer (``optimizer(module)``), a sampler
+    and plain values, committed with in-memory replicas and re-sharded onto every new ring."""
+
+    def __init__(self, model: Callable[[], torch.nn.Module], optimizer: Optional[Callable] = None,
+                 shard: Optional[Callable] = None, sampler=None, init: Optional[Callable] = None, **values: Any):
+        for name in values:
+            if name in _RESERVED:
+                raise ValueError(f"{name!r} is reserved by ShardedState")
+        if not callable(model):
+            raise TypeError("ShardedState(model=...) takes a factory of the unsharded module, e.g. lambda: Net()")
+        super().__init__(**values)
+        object.__setattr__(self, "_policy_resolved", True)  # State's rank-0 writer is not used: see durable.py
+        object.__setattr__(self, "_durable", None)  # ShardedCheckpoints with --checkpoint-dir
+        object.__setattr__(self, "_durable_resolved", False)
+        for name, value in (("_model_factory", model), ("_optimizer_factory", optimizer),
+                            ("_shard", shard or modules.default_shard), ("_init", init),
+                            ("model", None), ("optimizer", None), ("sampler", sampler),
+                            ("_own", None), ("_own_previous", None), ("_legacy", []),
+                            ("_replicas", {}), ("_spares", {}), ("_metas", {}),
+                            ("_replication", None), ("_holders", ()), ("_last_reshard_bytes", 0)):
+            object.__setattr__(self, name, value)
+
+    # -- commit ----------------------------------------------------------------
+    def commit(self) -> None:
+        """Snapshot this worker's shards and start their replication; raise HostsUpdatedInterrupt
+        if the ring changes here (after the copies have arrived: the new ring needs them)."""
+        runtime = _runtime()
+        runtime.fence()
+        self._finish_replication(None, raise_errors=True)
+        object.__setattr__(self, "_commits", self._commits + 1)
+        object.__setattr__(self, "_commit_round", runtime.round)
+        self._snapshot_and_replicate(runtime, wait=False)
+        if self._commits >= 5:
+            _maybe_die("replicating", runtime)
+        if self._durable is not None and self._durable.due(self._commits):
+            self._write_durable(runtime)
+        action = runtime.note_commit(self._commits)
+        if action in ("stop", "switch"):
+            self._finish_replication(None, raise_errors=True)
+        if action == "stop":
+            raise JobStopping(f"job stops after commit {self._commits}")
+        if action == "switch":
+            raise HostsUpdatedInterrupt(f"ring changes after commit {self._commits}")
+
+    def save(self) -> None:
+        self._snapshot_and_replicate(_runtime(), wait=True)
+
+    def restore(self) -> None:
+        """After a failure: nothing to do until the new ring exists (``sync`` rebuilds the
+        model from the commit); the live model belongs to the broken ring's mesh."""
+        object.__setattr__(self, "model", None)
+        object.__setattr__(self, "optimizer", None)
+
+    @property
+    def commit_id(self) -> Optional[CommitId]:
+        return self._own.commit if self._own is not None else None
+
+    def _snapshot_and_replicate(self, runtime, wait: bool) -> None:
+        commit = CommitId(self._commit_round, self._commits)
+        tensors = modules.sharded_tensors(self.model, self.optimizer)
+        meta = modules.describe(commit, runtime.world_size, self.model, self.optimizer, tensors,
+                                {name: getattr(self, name) for name in self._value_names}, self.sampler)
+        # The previous commit's own copy stays until this one's replicas are in: a peer that
+        # dies before making this commit leaves the ring to roll back to the previous one.
+        own = ShardSlot(meta.layout, runtime.world_size, runtime.rank, reuse=self._own_previous)
+        with torch.no_grad():
+            for key, tensor in tensors.items():
+                own.view(key).copy_(modules.local(tensor).reshape(-1))
+        own.commit = commit
+        object.__setattr__(self, "_own_previous", self._own)
+        object.__setattr__(self, "_own", own)
+        self._metas[(commit, runtime.world_size)] = meta  # one commit, two layouts while a re-shard settles
+        for old in sorted(self._metas)[:-_KEEP_METAS]:
+            del self._metas[old]
+        if runtime.world_size == 1:
+            return
+        members = [slot.member_id for slot in runtime.plan.slots]
+        holders = replica_holders(members, self._replica_count(runtime))
+        object.__setattr__(self, "_holders", holders)
+        receive = {}
+        for owner in replicas_of(holders, runtime.rank):
+            previous = self._spares.get(owner)
+            receive[owner] = ShardSlot(meta.layout, runtime.world_size, owner, reuse=previous)
+            self._spares[owner] = receive[owner]
+        object.__setattr__(self, "_replication", Replication(commit, own, holders[runtime.rank], receive))
+        if wait:
+            self._finish_replication(None, raise_errors=True)
+
+    def _finish_replication(self, timeout: Optional[float], raise_errors: bool = False) -> None:
+        """Wait for the copies in flight; each one that arrived whole becomes the replica
+        (its buffers swap with the older copy's, which the next copy arrives in)."""
+        replication = self._replication
+        if replication is None:
+            return
+        complete = replication.finish(timeout)
+        for owner in replication.received:
+            arrived = self._spares.pop(owner)
+            older = self._replicas.get(owner)
+            self._replicas[owner] = arrived
+            if older is not None:
+                self._spares[owner] = older
+        if not complete and timeout is not None:
+            # A receive still pending on a broken ring may yet write into its buffer: never reuse it.
+            for owner in set(replication.receive) - replication.received:
+                self._spares.pop(owner, None)
+        object.__setattr__(self, "_replication", None)
+        if raise_errors and replication.errors:
+            raise replication.errors[0]
+
+    def _replica_count(self, runtime) -> int:
+        config = runtime.config
+        return int(getattr(config, "shard_replicas", 1) if config is not None else 1)
+
+    # -- sync --------------------------------------------------------------------
+    def sync(self) -> SyncPlan:
+        """Make every rank of the new ring hold its shards of the newest commit every shard of
+        which survived; returns who held and who received."""
+        runtime = _runtime()
+        started = time.monotonic()
+        # A copy that arrived before the ring broke counts; one still pending never will.
+        self._finish_replication(timeout=2.0)
+        if not dist.is_initialized():
+            raise ElasticError("ShardedState needs a process group: run the script with elastic-run")
+        mesh = device_mesh()
+        rank, world = runtime.rank, runtime.world_size
+        checkpoints, group = self._checkpoints(runtime), None
+        if checkpoints is not None:
+            checkpoints.abandon()  # a write of the broken ring is never waited for
+            group = checkpoints.group(runtime.round)
+        slots = self._held_slots()
+        report = ([(s.commit.round, s.commit.count, s.world, s.shard) for s in slots],
+                  [(c.round, c.count, w) for c, w in self._metas])
+        reports: list = [None] * world
+        dist.all_gather_object(reports, report)
+        held = {r: [((CommitId(a, b), w), s) for a, b, w, s in rep[0]] for r, rep in enumerate(reports)}
+        worlds = {(CommitId(a, b), w): w for rep in reports for a, b, w, _ in rep[0]}
+        chosen = newest_covered(held, worlds)
+        newest = chosen[0] if chosen is not None else None
+        first_start = newest is None and not worlds
+        if newest is None:
+            found = _broadcast(durable.newest_valid(checkpoints.policy.directory)
+                               if checkpoints is not None and rank == 0 else None, 0)
+            if not first_start:
+                lost = max(worlds)[0]
+                log.info("round %d: shards held (rank: (round, count, world, shard) ...): %s", runtime.round,
+                         {r: rep[0] for r, rep in enumerate(reports)}, extra=FILE_ONLY)
+                if found is None:
+                    raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (more hosts than "
+                                       f"--shard-replicas covers) and there is no durable checkpoint")
+                log.warning("round %d: every copy of a shard of commit %d is lost (more hosts than "
+                            "--shard-replicas %d covers): resuming from durable checkpoint step %s in %s",
+                            runtime.round, lost.count, self._replica_count(runtime), found[1]["step"], found[0])
+            if found is not None:
+                return self._resume_from_disk(runtime, mesh, group, found, started)
+        sources: dict[int, ShardSlot] = {}
+        if first_start:
+            newest, meta = CommitId(0, 0), None
+            if self._init is None and rank == 0:
+                meta, sources[0] = self._whole_model_on_rank0(newest)
+            holders = {0: [0]}
+            meta = _broadcast(meta, 0)
+        else:
+            wanted = (newest.round, newest.count, chosen[1])
+            source_rank = min(r for r, rep in enumerate(reports) if wanted in rep[1])
+            meta = _broadcast(self._metas.get(chosen) if rank == source_rank else None, source_rank)
+            holders: dict[int, list[int]] = {}
+            for r, pairs in held.items():
+                for key, shard in pairs:
+                    if key == chosen:
+                        holders.setdefault(shard, []).append(r)
+            sources = {s.shard: s for s in slots if (s.commit, s.world) == chosen}
+        model = self._build(runtime, mesh)
+        if first_start and self._init is not None:
+            self._init(model)
+            pieces: list[Piece] = []
+        else:
+            pieces = plan_reshard(meta.layout, meta.world, holders, world)
+        optimizer = self._optimizer_factory(model) if self._optimizer_factory is not None else None
+        states = modules.empty_optimizer_state(model, meta) if not first_start else {}
+        targets = {f"model.{fqn}": p for fqn, p in model.named_parameters()}
+        targets.update(states)
+        moved = _run_pieces(pieces, rank, sources, {k: modules.local(t) for k, t in targets.items()},
+                            lambda: runtime.round > 1 and _maybe_die("resharding", runtime))
+        self._load_meta(model, optimizer, meta, states, first_start)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "_last_reshard_bytes", moved)
+        # The commit again, in the new ring's layout, replicated before anybody trains. The
+        # old ring's copies stay (as legacy) until then: a loss during this step finds them.
+        if not first_start:
+            object.__setattr__(self, "_legacy", [s for s in slots if (s.commit, s.world) == chosen])
+        for name in ("_own", "_own_previous"):
+            object.__setattr__(self, name, None)
+        self._replicas.clear()
+        self._spares.clear()
+        object.__setattr__(self, "_commits", newest.count)
+        object.__setattr__(self, "_commit_round", newest.round)
+        self._snapshot_and_replicate(runtime, wait=True)
+        object.__setattr__(self, "_legacy", [])
+        object.__setattr__(self, "_synced", True)
+        log.info("round %d: re-sharded commit %d (world %d -> %d): received %.3f MB in %.3fs",
+                 runtime.round, newest.count, meta.world, world, moved / 1e6, time.monotonic() - started)
+        holding_ranks = tuple(sorted({r for ranks in holders.values() for r in ranks}))
+        return SyncPlan(newest, holding_ranks, tuple(r for r in range(world) if r not in holding_ranks), ())
+
+    def _resume_from_disk(self, runtime, mesh, group, found, started: float) -> SyncPlan:
+        """Every rank loads its new shards of a durable checkpoint (any world size reads it)."""
+        path, manifest = found
+        model = self._build(runtime, mesh)
+        optimizer = self._optimizer_factory(model)
+        saved = durable.load_into(path, model, optimizer, group)
+        for name, value in saved["values"].items():
+            object.__setattr__(self, name, value)
+        if self.sampler is not None and saved.get("sampler") is not None:
+            self.sampler.load_state_dict(saved["sampler"])
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", optimizer)
+        for name in ("_own", "_own_previous"):
+            object.__setattr__(self, name, None)
+        object.__setattr__(self, "_legacy", [])
+        self._replicas.clear()
+        self._spares.clear()
+        object.__setattr__(self, "_commits", int(saved["commits"]))
+        object.__setattr__(self, "_commit_round", runtime.round)  # newer than any commit a survivor may hold
+        self._snapshot_and_replicate(runtime, wait=True)
+        object.__setattr__(self, "_synced", True)
+        log.info("round %d: resumed from durable checkpoint step %s (world %s -> %d) in %.3fs", runtime.round,
+                 manifest["step"], manifest.get("world_size"), runtime.world_size, time.monotonic() - started)
+        return SyncPlan(self.commit_id, (), tuple(range(runtime.world_size)), ())
+
+    # -- durable checkpoints ----------------------------------------------------------
+    def _checkpoints(self, runtime) -> Optional[durable.ShardedCheckpoints]:
+        if not self._durable_resolved:
+            object.__setattr__(self, "_durable_resolved", True)
+            policy = checkpoint_policy(runtime.config)
+            if policy is not None:
+                if self._optimizer_factory is None:
+                    raise ElasticError("ShardedState writes durable checkpoints of a model and its optimizer: "
+                                       "give optimizer=")
+                object.__setattr__(self, "_durable", durable.ShardedCheckpoints(policy))
+        return self._durable
+
+    def _write_durable(self, runtime) -> None:
+        values = {"values": {name: getattr(self, name) for name in self._value_names},
+                  "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+                  "commits": self._commits}
+        self._durable.submit(self.model, self.optimizer, values, step=self._commits,
+                             round_number=runtime.round, world=runtime.world_size)
+        object.__setattr__(self, "_durable_step", self._commits)
+
+    def _build(self, runtime, mesh):
+        device = torch.device(device_type(runtime.backend))
+        return modules.build_sharded(self._model_factory, self._shard, mesh, device)
+
+    def _held_slots(self) -> list[ShardSlot]:
+        slots = [s for s in (self._own, self._own_previous) if s is not None and s.commit is not None]
+        slots += [s for s in self._replicas.values() if s.commit is not None]
+        # A spare with a commit is the replica an arrival just displaced, intact until the next
+        # commit receives into it. It counts: a newer copy of one owner's shard does not make
+        # the ring able to go on from the newer commit if another owner's never arrived.
+        slots += [s for s in self._spares.values() if s.commit is not None]
+        return slots + list(self._legacy)
+
+    def _whole_model_on_rank0(self, commit: CommitId):
+        """Rank 0's ``model()``, built whole, as shard 0 of a commit of a world of one."""
+        whole = self._model_factory()
+        tensors = {f"model.{fqn}": p for fqn, p in whole.named_parameters()}
+        meta = modules.describe(commit, 1, whole, None, tensors,
+                                {name: getattr(self, name) for name in self._value_names}, self.sampler)
+        slot = ShardSlot(meta.layout, 1, 0)
+        with torch.no_grad():
+            for key, tensor in tensors.items():
+                slot.view(key).copy_(tensor.detach().reshape(-1))
+        slot.commit = commit
+        return meta, slot
+
+    def _load_meta(self, model, optimizer, meta, states, first_start: bool) -> None:
+        if meta is None:  # a first start with init=: the module initialised itself
+            return
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in meta.buffers:
+                    buffer.copy_(meta.buffers[name])
+        if optimizer is not None and not first_start:
+            modules.load_optimizer(optimizer, model, meta, states)
+        for name, value in meta.values.items():
+            object.__setattr__(self, name, value)
+        if self.sampler is not None and meta.sampler is not None:
+            self.sampler.load_state_dict(meta.sampler)
+
+    def on_reset(self) -> None:
+        if self.sampler is not None and hasattr(self.sampler, "set_rank"):
+            runtime = _runtime()
+            self.sampler.set_rank(runtime.rank, runtime.world_size)
+        super().on_reset()
+
+    def flush_checkpoints(self, final: bool = False) -> None:
+        """Every rank: wait for the copies and the write in flight; with ``final``, make the
+        last commit durable (the live state is the last commit at the end of training)."""
+        self._finish_replication(None)
+        if self._durable is None:
+            return
+        self._durable.flush()
+        if final and self._durable_step != self._commits and self.model is not None:
+            self._write_durable(_runtime())
+            self._durable.flush()
+
+
+def _broadcast(value, src: int):
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _maybe_die(point: str, runtime) -> None:
+    spec = os.environ.get(DIE_AT)
+    if not spec:
+        return
+    wanted, rank, marker = spec.split(":", 2)
+    if wanted != point or int(rank) != runtime.rank:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run_pieces(pieces: list[Piece], rank: int, sources: dict[int, ShardSlot], targets: dict[str, torch.Tensor],
+                posted: Callable[[], object] = lambda: None) -> int:
+    """Move this rank's pieces: local copies, then every send and receive posted at once.
+    Tags count per (holder, receiver) pair in the plan's order, the same on both ends."""
+    works, moved, counts = [], 0, {}
+    with torch.no_grad():
+        for piece in pieces:
+            if rank not in (piece.holder, piece.receiver):
+                continue
+            pair = (piece.holder, piece.receiver)
+            counts[pair] = tag = counts.get(pair, -1) + 1
+            if piece.holder == rank:
+                source = sources[piece.shard].view(piece.key).narrow(0, piece.src_start, piece.length)
+            if piece.receiver == rank:
+                target = targets[piece.key].view(-1).narrow(0, piece.dst_start, piece.length)
+            if piece.holder == piece.receiver:
+                target.copy_(source)
+            elif piece.holder == rank:
+                works.append(dist.isend(source, dst=piece.receiver, tag=tag))
+            else:
+                works.append(dist.irecv(target, src=piece.holder, tag=tag))
+                moved += target.numel() * target.element_size()
+        posted()
+        for work in works:
+            work.wait()
+    return moved

@@ -1,0 +1,155 @@
+"""A small deterministic FSDP2 job (elastic.ShardedState) for the sharded integration tests.
+
+Float64 throughout. Step ``t`` trains on global batch ``t`` of a fixed synthetic data set;
+rank r of W takes rows r::W with a loss scaled so that FSDP2's averaging of gradients
+over the ring gives exactly the gradient of the whole batch's mean loss: the result
+equals ``--reference`` (one process, no FSDP, no elastic) whatever the ring does.
+Layer widths 7, 10, 13 divide by no world of 2, 3 or 4.
+
+Files written to --out:
+  pids.jsonl     {"pid", "rank", "round", "world"} at every (re-)entry
+  steps.jsonl    {"pid", "rank", "world", "round", "step"} per completed step
+  final.pt       rank 0's full parameters at the end (gathered), or the reference run's
+  killed-<step>  written by --kill-rank right before it SIGKILLs itself
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=30)
+p.add_argument("--global-batch", type=int, default=12)
+p.add_argument("--step-delay", type=float, default=0.0)
+p.add_argument("--kill-rank", default=None, help="these ranks (comma-separated) SIGKILL themselves (once per job) ...")
+p.add_argument("--kill-step", type=int, default=None, help="... after training this step, before committing it")
+p.add_argument("--kill-agent", action="store_true", help="... and takes its agent (its parent) with it: a host dies")
+p.add_argument("--hold-below-world", type=int, default=None,
+               help="before the first step, commit without training while the ring is smaller")
+p.add_argument("--grow-back", action="store_true",
+               help="after --kill-step's kill, commit without training until the ring is --hold-below-world again")
+p.add_argument("--load-dcp", default=None, help="a plain FSDP2 script (torchrun): load this DCP checkpoint, "
+               "write the full parameters to final.pt")
+p.add_argument("--reference", action="store_true", help="one process, plain module and optimizer")
+p.add_argument("--out", required=True)
+args = p.parse_args()
+
+torch.set_default_dtype(torch.float64)
+os.makedirs(args.out, exist_ok=True)
+gen = torch.Generator().manual_seed(1234)
+ROWS = max(args.steps, 100) * args.global_batch  # the same data whatever --steps says (a resumed run)
+X = torch.randn(ROWS, 7, generator=gen)
+Y = torch.randn(ROWS, 3, generator=gen)
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 10), nn.Tanh(), nn.Linear(10, 13), nn.Tanh(), nn.Linear(13, 3))
+
+
+def make_optimizer(module):
+    return torch.optim.Adam(module.parameters(), lr=0.01)
+
+
+def append(name, record):
+    with open(os.path.join(args.out, name), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def rows_of(step, rank, world):
+    start = step * args.global_batch
+    return torch.arange(start, start + args.global_batch)[rank::world]
+
+
+if args.reference:
+    model = build()
+    optimizer = make_optimizer(model)
+    for step in range(args.steps):
+        rows = rows_of(step, 0, 1)
+        loss = ((model(X[rows]) - Y[rows]) ** 2).sum() / args.global_batch
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
+    raise SystemExit(0)
+
+import torch.distributed as dist  # noqa: E402
+
+if args.load_dcp:  # what a user does elsewhere with a checkpoint of elastic-run: nothing of elastic
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = make_optimizer(model)
+    msd, osd = get_state_dict(model, optimizer)
+    loaded = {"model": msd, "optim": osd}
+    dcp.load(loaded, checkpoint_id=args.load_dcp)
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    full = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    if dist.get_rank() == 0:
+        torch.save(full, os.path.join(args.out, "final.pt"))
+    dist.destroy_process_group()
+    raise SystemExit(0)
+
+import elastic  # noqa: E402
+
+elastic.init()
+state = elastic.ShardedState(model=build, optimizer=make_optimizer, step=0)
+
+
+def maybe_die(step):
+    if args.kill_rank is None or step != args.kill_step or str(elastic.rank()) not in args.kill_rank.split(","):
+        return
+    marker = os.path.join(args.out, f"killed-{step}")
+    if os.path.exists(marker) and elastic.round() != int(open(marker).read() or 0):
+        return
+    with open(marker, "w") as f:  # several ranks of one round may die at this step
+        f.write(str(elastic.round()))
+    if args.kill_agent:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@elastic.run
+def train(state):
+    rank, world = elastic.rank(), elastic.size()
+    append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world})
+    model, optimizer = state.model, state.optimizer
+    while state.step < args.steps:
+        killed = os.path.exists(os.path.join(args.out, f"killed-{args.kill_step}"))
+        if args.hold_below_world and world < args.hold_below_world and (state.step == 0 or args.grow_back and killed):
+            dist.barrier()
+            time.sleep(0.05)
+            state.commit()
+            continue
+        rows = rows_of(state.step, rank, world)
+        # FSDP2 averages gradients over the ring: scale so the sum is the batch's mean.
+        loss = ((model(X[rows]) - Y[rows]) ** 2).sum() * world / args.global_batch
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        maybe_die(state.step + 1)
+        state.step += 1
+        append("steps.jsonl", {"pid": os.getpid(), "rank": rank, "world": world, "round": elastic.round(),
+                               "step": state.step})
+        time.sleep(args.step_delay)
+        state.commit()
+    full = {name: value.full_tensor() for name, value in state.model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, os.path.join(args.out, "final.pt"))
+
+
+train(state)
