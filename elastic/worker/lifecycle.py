@@ -18,6 +18,7 @@ from ..contract.console import WorkerFormatter
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.worker_config import WorkerConfig
 from .failures import is_communication_error, summarize
+from . import step_signals
 from .runtime import Runtime
 
 _current: Optional[Runtime] = None
@@ -32,6 +33,8 @@ def start() -> None:
     _configure_logging(marks=config is not None)
     if config is not None and config.error_file:
         _report_errors_to(config.error_file)
+    if config is not None:
+        step_signals.leave_sigterm_to_the_agent()  # Slurm signals the agent and its workers alike
     runtime = Runtime(config)
     try:
         runtime.start()
