@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -92,12 +93,13 @@ class SlurmCluster:
         self.hosts: Optional[netns.Hosts] = None
         self._daemons: dict[str, subprocess.Popen] = {}
         self._hosts_file: Optional[HostsFileLines] = None
+        self.env = dict(os.environ)
         work.mkdir(parents=True, exist_ok=True)
         try:
-            self.hosts = netns.Hosts(count, etcd_log=str(work / "etcd.log"))
+            self.hosts = netns.Hosts(count, etcd=False)
             self._hosts_file = HostsFileLines([f"{host.addr} {host.name}" for host in self.hosts])
             self.conf = self._write_config()
-            self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+            self.env["SLURM_CONF"] = str(self.conf)
             self._start_munge()
             self._start("slurmctld", ["slurmctld", "-D", "-f", str(self.conf), "-L", str(work / "slurmctld.log")])
             for host in self.hosts:
@@ -116,9 +118,11 @@ class SlurmCluster:
         return done.stdout
 
     def sbatch(self, *argv: str, env: Optional[dict] = None) -> str:
-        """Submit; the job id. ``env``: more variables for the job (sbatch exports ours)."""
+        """Submit; the job id. The job gets our environment (sbatch exports it) without the
+        ELASTIC_* options of whoever runs the tests (the etcd binary's choice kept), plus ``env``."""
+        ours = {k: v for k, v in self.env.items() if not k.startswith("ELASTIC_") or k == "ELASTIC_ETCD_BINARY"}
         done = subprocess.run(["sbatch", "--parsable", *argv], capture_output=True, text=True, timeout=30,
-                              env={**self.env, **(env or {})})
+                              env={**ours, **(env or {})})
         if done.returncode != 0:
             raise RuntimeError(f"sbatch: {done.stderr.strip()}")
         return done.stdout.strip().split(";")[0]
@@ -204,8 +208,8 @@ class SlurmCluster:
 
     def _start(self, name: str, argv: list[str]) -> None:
         out = open(self.work / f"{name}.out", "wb")
-        self._daemons[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env
-                                               if hasattr(self, "env") else None, start_new_session=True)
+        self._daemons[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                               start_new_session=True)
         out.close()
         time.sleep(0.2)
         if self._daemons[name].poll() is not None:
@@ -269,3 +273,61 @@ PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """)
         (work / "cgroup.conf").write_text("CgroupPlugin=autodetect\n")
         return conf
+
+
+class SlurmJob:
+    """One ``sbatch deploy/slurm/elastic-run.sbatch ELASTIC_RUN_ARGS`` of the cluster, with its files:
+    ``out`` (train_job.py's), ``logs/<node>/`` (each agent's --log-dir), ``output`` (Slurm's)."""
+
+    def __init__(self, cluster: SlurmCluster, tmp: Path, nodes: str, args: list[str], *,
+                 sbatch_args: tuple[str, ...] = (), env: Optional[dict] = None, out: Optional[Path] = None):
+        from tests.fakes.jobs import REPO
+
+        self.cluster, self.tmp = cluster, tmp
+        self.out = out or tmp / "out"
+        self.logs = tmp / "logs"
+        self.output = tmp / "slurm.out"
+        tmp.mkdir(parents=True, exist_ok=True)
+        wrapper = tmp / "elastic-run"  # each node's agent logs into its own directory
+        wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -m elastic.cli --log-dir {self.logs}/$SLURMD_NODENAME "
+                           f"\"$@\"\n")
+        wrapper.chmod(0o755)
+        job_env = {"PYTHONPATH": str(REPO), "ELASTIC_RUN": str(wrapper), **(env or {})}
+        self.submitted = time.time()
+        self.id = cluster.sbatch(f"--nodes={nodes}", "--chdir", str(REPO), "--output", str(self.output),
+                                 *sbatch_args, str(REPO / "deploy" / "slurm" / "elastic-run.sbatch"),
+                                 "--backend", "gloo", *args, env=job_env)
+
+    def steps(self) -> list[dict]:
+        from tests.fakes.jsonl import read_jsonl
+
+        return read_jsonl(self.out / "steps.jsonl")
+
+    def events(self) -> list[dict]:
+        from tests.fakes.jsonl import read_jsonl
+
+        return [e for path in sorted(self.logs.glob("*/events.jsonl")) for e in read_jsonl(path)]
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace") if self.output.exists() else ""
+
+    def wait_for_step(self, step: int, timeout: float = 240) -> None:
+        if not poll(lambda: any(s["step"] >= step for s in self.steps()), timeout, 0.1):
+            raise AssertionError(f"job {self.id}: no step {step} after {timeout:g}s ({self.cluster.job_state(self.id)})"
+                                 f":\n{self.text()[-3000:]}\n{self.cluster.logs()}")
+
+    def wait(self, timeout: float = 300) -> str:
+        return self.cluster.wait_job(self.id, timeout)
+
+    def step_on(self, node: str) -> str:
+        """The id (JOB.STEP) of the step running on ``node``."""
+        for line in self.cluster.run("squeue", "-h", "-s", "-j", self.id, "-o", "%i %N").splitlines():
+            step, where = line.split()
+            if where == node and not step.endswith(".batch"):
+                return step
+        raise AssertionError(f"job {self.id} has no step on {node}")
+
+    def nodes(self) -> list[str]:
+        """The allocation's nodes, first (the one serving the embedded etcd) first."""
+        listed = self.cluster.job_field(self.id, "NodeList")
+        return self.cluster.run("scontrol", "show", "hostnames", listed).split()
