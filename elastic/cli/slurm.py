@@ -108,10 +108,11 @@ def apply(args: argparse.Namespace, env: Mapping[str, str]) -> None:
     found = defaults(env)
     if found is None:
         return
-    args.slurm_serves = None
+    # "serve": start the job's etcd here; "reach": wait for the first node's; None: the user's endpoint.
+    args.slurm_rendezvous = None
     if not args.rdzv_endpoint:
         args.rdzv_endpoint = found.rdzv_endpoint
-        args.slurm_serves = found.rdzv_endpoint if found.serve_rendezvous else None
+        args.slurm_rendezvous = "serve" if found.serve_rendezvous else "reach"
     args.job_id = args.job_id or found.job_id
     args.host_id = args.host_id or found.host_id
     if args.nproc_per_node is None:
@@ -121,10 +122,11 @@ def apply(args: argparse.Namespace, env: Mapping[str, str]) -> None:
 def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
     """main's hook: on the first node, start the embedded etcd the others will reach
     (returned, for main to stop); on the others, wait until it listens."""
-    if not hasattr(args, "slurm_serves"):
-        return None  # not under Slurm
-    host, port = args.rdzv_endpoint.split(",")[0].rsplit(":", 1)
-    if args.slurm_serves:
+    how = getattr(args, "slurm_rendezvous", None)
+    if how is None:
+        return None  # not under Slurm, or the user's own endpoint
+    host, port = args.rdzv_endpoint.rsplit(":", 1)
+    if how == "serve":
         address = socket.gethostbyname(host)
         etcd = EmbeddedEtcd(host=address, port=int(port))
         etcd.start()

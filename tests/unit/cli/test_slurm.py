@@ -67,27 +67,29 @@ def _parse(tmp_path, monkeypatch, env, argv):
     return cli.parse(["--np", "3", "--backend", "gloo", "--host-addr", "127.0.0.1", *argv, str(script)])
 
 
-@pytest.mark.parametrize("env, argv, job_id, host_id, nproc, endpoint, serves", [
-    pytest.param(STEP, [], "slurm-4321", "gpu08", 1, f"gpu07:{PORT}", None, id="all-from-slurm"),
+@pytest.mark.parametrize("env, argv, job_id, host_id, nproc, endpoint, rendezvous", [
+    pytest.param(STEP, [], "slurm-4321", "gpu08", 1, f"gpu07:{PORT}", "reach", id="all-from-slurm"),
     pytest.param({**STEP, "SLURMD_NODENAME": "gpu07"}, [], "slurm-4321", "gpu07", 1, f"gpu07:{PORT}",
-                 f"gpu07:{PORT}", id="first-node"),
+                 "serve", id="first-node"),
     pytest.param(STEP, ["--job-id", "mine", "--host-id", "h", "--nproc-per-node", "2", "--rdzv-endpoint", "e:1"],
                  "mine", "h", 2, "e:1", None, id="options-win"),
     pytest.param({**STEP, "ELASTIC_JOB_ID": "joined", "ELASTIC_RDZV_ENDPOINT": "etcd:2379"}, [],
                  "joined", "gpu08", 1, "etcd:2379", None, id="env-forms-win"),
     pytest.param({**STEP, "SLURMD_NODENAME": "gpu07", "ELASTIC_RDZV_ENDPOINT": "etcd:2379"}, [],
                  "slurm-4321", "gpu07", 1, "etcd:2379", None, id="external-etcd-nothing-served"),
-    pytest.param({**STEP, "SLURM_GPUS_ON_NODE": "2"}, [], "slurm-4321", "gpu08", 2, f"gpu07:{PORT}", None,
+    pytest.param({**STEP, "SLURM_GPUS_ON_NODE": "2"}, [], "slurm-4321", "gpu08", 2, f"gpu07:{PORT}", "reach",
                  id="gpus"),
 ])
 def test_parse_fills_only_what_the_user_left_out(tmp_path, monkeypatch, env, argv, job_id, host_id, nproc, endpoint,
-                                                 serves):
+                                                 rendezvous):
     config, args = _parse(tmp_path, monkeypatch, env, argv)
     assert (config.job_id, config.host_id, config.nproc_per_node) == (job_id, host_id, nproc)
-    assert (args.rdzv_endpoint, args.slurm_serves) == (endpoint, serves)
+    assert (args.rdzv_endpoint, args.slurm_rendezvous) == (endpoint, rendezvous)
+    if rendezvous is None:
+        assert slurm.serve_rendezvous(args) is None  # the user's etcd: nothing started, nothing waited for
 
 
 def test_outside_slurm_nothing_changes(tmp_path, monkeypatch):
     config, args = _parse(tmp_path, monkeypatch, {}, [])
-    assert config.job_id == "local" and args.rdzv_endpoint is None and not hasattr(args, "slurm_serves")
+    assert config.job_id == "local" and args.rdzv_endpoint is None and not hasattr(args, "slurm_rendezvous")
     assert slurm.serve_rendezvous(args) is None
