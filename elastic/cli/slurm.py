@@ -24,11 +24,12 @@ import argparse
 import logging
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from rendezvous import ConfigError, EmbeddedEtcd
+from rendezvous import ConfigError, EmbeddedEtcd, RendezvousError
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +129,54 @@ def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
     host, port = args.rdzv_endpoint.rsplit(":", 1)
     if how == "serve":
         address = socket.gethostbyname(host)
-        etcd = EmbeddedEtcd(host=address, port=int(port))
+        etcd = _StepEtcd(host=address, port=int(port))
         etcd.start()
+        etcd.keep_up()
         log.info("embedded etcd for the Slurm job at %s (%s); another allocation joins with "
                  "--rdzv-endpoint %s --job-id %s", args.rdzv_endpoint, address, args.rdzv_endpoint, args.job_id)
         return etcd
     _wait_for_listener(host, int(port), WAIT_FOR_EMBEDDED_S)
     return None
+
+
+class _StepEtcd(EmbeddedEtcd):
+    """The job's embedded etcd, started again on its data whenever it exits before stop().
+
+    Slurm signals every process of a step: the SIGTERM that makes the agents leave
+    gracefully (preemption, the time limit, scancel) also reaches this etcd, which
+    would shut down under the agents still stopping the job at a commit. Started again
+    on the same data and port, the clients ride out the gap (their requests retry).
+    """
+
+    def keep_up(self) -> None:
+        self._guard = threading.Lock()
+        self._stopping = False
+        # Restarted from this thread, which lives as long as the process: the etcd child
+        # dies with the thread that started it (PR_SET_PDEATHSIG).
+        threading.Thread(target=self._watch, name="slurm-etcd-keeper", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            with self._guard:
+                if self._stopping:
+                    return
+                if self.running:
+                    continue
+                log.warning("the job's embedded etcd exited (the step's SIGTERM?): starting it again on its data")
+                try:
+                    self.restart()
+                except RendezvousError as exc:
+                    log.warning("cannot start the embedded etcd again: %s", exc)
+
+    def stop(self) -> None:
+        guard = getattr(self, "_guard", None)
+        if guard is None:
+            super().stop()
+            return
+        with guard:
+            self._stopping = True
+            super().stop()
 
 
 def _wait_for_listener(host: str, port: int, timeout: float) -> None:

@@ -8,7 +8,10 @@ the node-loss test runs last, since the node it kills stays dead.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,11 +20,22 @@ import torch
 from checkpoint import load_latest
 from tests.fakes.slurm_cluster import SlurmJob
 from tests.fakes.waiting import poll
-from tests.integration.test_durable_resume import assert_close, single_process_params
+from tests.fakes.jobs import REPO, TRAIN_JOB
+from tests.integration.test_durable_resume import assert_close
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 ELASTIC = ["--min-np", "2", "--max-np", "3", "--rdzv-ttl", "3"]
+
+
+def _plain_run(tmp_path, steps: int, *script_args: str) -> dict:
+    """train_job.py as one plain process: what every worker's parameters must equal."""
+    out = tmp_path / "plain"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+    env["PYTHONPATH"] = str(REPO)
+    subprocess.run([sys.executable, str(TRAIN_JOB), "--steps", str(steps), "--float64", "--out", str(out),
+                    *script_args], env=env, check=True, timeout=300, capture_output=True)
+    return _finals(out)[0]
 
 
 def _finals(out):
@@ -49,7 +63,8 @@ def _each_step_trained_once(job: SlurmJob, last: int) -> None:
 
 def test_a_three_node_job_trains_to_the_end_like_a_plain_run(slurm_cluster, tmp_path):
     job = SlurmJob(slurm_cluster, tmp_path, "3", ["--min-np", "3", "--max-np", "3", "tests/fakes/train_job.py",
-                                                   "--out", str(tmp_path / "out"), "--steps", "30", "--float64"])
+                                                   "--out", str(tmp_path / "out"), "--steps", "30", "--float64",
+                                                   "--global-batch", "30"])  # equal shares of 3 (and of 1)
     assert job.wait() == "COMPLETED", job.text()[-3000:]
     assert "embedded etcd for the Slurm job at" in job.text()
     agents = {e["host"] for e in job.events() if e["event"] == "agent_started"}
@@ -58,7 +73,7 @@ def test_a_three_node_job_trains_to_the_end_like_a_plain_run(slurm_cluster, tmp_
     _no_failures(job)
     params = _finals(job.out)
     assert len(params) == 3
-    reference = single_process_params(tmp_path, 30)
+    reference = _plain_run(tmp_path, 30, "--global-batch", "30")
     for p in params:
         assert_close(p, reference)
 
@@ -110,7 +125,7 @@ def test_the_time_limit_signal_stops_at_a_final_checkpoint_and_the_requeued_job_
     second_run = job.steps()[len(first_run):]
     assert min(s["step"] for s in second_run) == stopped_at + 1  # nothing trained again
     assert slurm_cluster.job_field(job.id, "Restarts") == "1"
-    reference = single_process_params(tmp_path, max(s["step"] for s in second_run))
+    reference = _plain_run(tmp_path, max(s["step"] for s in second_run))
     finals = [torch.load(job.out / f"final-{pid}.pt", weights_only=True) for pid in {s["pid"] for s in second_run}]
     assert len(finals) == 2
     for p in finals:

@@ -93,3 +93,32 @@ def test_outside_slurm_nothing_changes(tmp_path, monkeypatch):
     config, args = _parse(tmp_path, monkeypatch, {}, [])
     assert config.job_id == "local" and args.rdzv_endpoint is None and not hasattr(args, "slurm_rendezvous")
     assert slurm.serve_rendezvous(args) is None
+
+
+def test_the_jobs_embedded_etcd_comes_back_after_the_steps_sigterm_with_its_data(tmp_path):
+    """Slurm's SIGTERM reaches the etcd the first node serves: it starts again on its data and port."""
+    import os
+    import signal
+    import time
+
+    from rendezvous import Etcd
+    from tests.conftest import etcd_binary_or_skip
+
+    etcd = slurm._StepEtcd(binary=etcd_binary_or_skip(), port=slurm.RDZV_PORT_BASE + os.getpid() % 1000)
+    etcd.start()
+    try:
+        etcd.keep_up()
+        client = Etcd(etcd.config(retry_deadline=30.0))
+        client.put("/kept", b"yes")
+        first = etcd.pid
+        os.kill(first, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while (etcd.pid == first or not etcd.running) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert etcd.pid != first and etcd.running
+        assert client.get("/kept").value == b"yes"  # same data, same endpoint
+        client.close()
+    finally:
+        etcd.stop()
+    time.sleep(0.5)
+    assert not etcd.running  # stop() is final: the keeper does not start it again
