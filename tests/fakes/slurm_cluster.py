@@ -167,6 +167,10 @@ class SlurmCluster:
         self._start(f"slurmd-{host.name}",
                     ["nsenter", f"--net=/run/netns/{host.name}", "unshare", "--uts", "sh", "-c", script])
 
+    def live_nodes(self) -> list:
+        """The hosts whose slurmd runs (kill_node stops one for good, until resume_node)."""
+        return [host for host in self.hosts if f"slurmd-{host.name}" in self._daemons]
+
     def kill_node(self, host: netns.Host) -> None:
         """SIGKILL the node's slurmd and everything running on it (a node that died)."""
         netns._kill_processes_in(host.name)

@@ -22,3 +22,16 @@ def slurm_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.destroy()
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_running(request):
+    """A failed test's jobs are cancelled, so the next test finds the nodes idle."""
+    yield
+    cluster = request.getfixturevalue("slurm_cluster") if "slurm_cluster" in request.fixturenames else None
+    if cluster is None:
+        return
+    left = cluster.run("squeue", "-h", "-o", "%i", check=False).split()
+    if left:
+        cluster.run("scancel", *left, check=False)
+        cluster.wait_idle(cluster.live_nodes(), 60)
