@@ -19,6 +19,7 @@ scontrol, squeue, scancel) run with ``SLURM_CONF`` pointing at our file.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -71,18 +72,36 @@ def _free_port() -> int:
 
 
 class HostsFileLines:
-    """Lines added to /etc/hosts, removed again by ``restore`` (the file as it was)."""
+    """Lines added to /etc/hosts and removed again by ``restore``: only ours, under a lock,
+    so two clusters at once (a test run and a benchmark) leave the file as it was."""
 
     def __init__(self, lines: list[str]):
-        self._before = HOSTS_FILE.read_text()
+        self._lines = [f"{line}  # slurm-test-{os.getpid()}" for line in lines]
         self._restored = False
-        HOSTS_FILE.write_text(self._before.rstrip("\n") + "\n" + "".join(f"{line}\n" for line in lines))
+        with self._locked():
+            # Written in place (not replaced): /etc/hosts may be a bind mount.
+            HOSTS_FILE.write_text(HOSTS_FILE.read_text().rstrip("\n") + "\n" + "".join(f"{x}\n" for x in self._lines))
 
     def restore(self) -> None:
-        if not self._restored:
-            # Written in place (not replaced): /etc/hosts may be a bind mount.
-            HOSTS_FILE.write_text(self._before)
-            self._restored = True
+        if self._restored:
+            return
+        with self._locked():
+            mine = set(self._lines)
+            kept = [line for line in HOSTS_FILE.read_text().splitlines() if line not in mine]
+            HOSTS_FILE.write_text("".join(f"{line}\n" for line in kept))
+        self._restored = True
+
+    @staticmethod
+    def _locked():
+        import contextlib
+
+        @contextlib.contextmanager
+        def held():
+            netns.REGISTRY.mkdir(parents=True, exist_ok=True)
+            with open(netns.REGISTRY / ".hosts-lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                yield
+        return held()
 
 
 class SlurmCluster:
