@@ -128,7 +128,10 @@ def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
         return None  # not under Slurm, or the user's own endpoint
     host, port = args.rdzv_endpoint.rsplit(":", 1)
     if how == "serve":
-        address = socket.gethostbyname(host)
+        try:
+            address = socket.gethostbyname(host)
+        except OSError as exc:
+            raise RendezvousError(f"cannot resolve this node's name {host} for the job's embedded etcd: {exc}") from None
         etcd = _StepEtcd(host=address, port=int(port))
         etcd.start()
         etcd.keep_up()
@@ -187,6 +190,6 @@ def _wait_for_listener(host: str, port: int, timeout: float) -> None:
             return
         except OSError as exc:
             if time.monotonic() > deadline:
-                raise ConfigError(f"the job's embedded etcd at {host}:{port} (first node of the allocation) "
+                raise RendezvousError(f"the job's embedded etcd at {host}:{port} (first node of the allocation) "
                                   f"did not answer within {timeout:g}s: {exc}") from None
             time.sleep(0.2)

@@ -122,3 +122,16 @@ def test_the_jobs_embedded_etcd_comes_back_after_the_steps_sigterm_with_its_data
         etcd.stop()
     time.sleep(0.5)
     assert not etcd.running  # stop() is final: the keeper does not start it again
+
+
+def test_a_first_node_whose_etcd_never_listens_is_one_clear_error():
+    import socket
+
+    from rendezvous import RendezvousError
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(RendezvousError, match=rf"embedded etcd at 127.0.0.1:{port} \(first node of the allocation\) "
+                                              r"did not answer within 0.3s"):
+        slurm._wait_for_listener("127.0.0.1", port, 0.3)
