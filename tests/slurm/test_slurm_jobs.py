@@ -113,9 +113,11 @@ def test_the_time_limit_signal_stops_at_a_final_checkpoint_and_the_requeued_job_
     # is not waited for: it fires up to a minute early or late).
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", job.id)
     assert poll(lambda: "requeueing job" in job.text(), 120, 0.2), job.text()[-3000:]
-    # Slurm holds a requeued job for 120 s (BeginTime); the test does not wait for that.
+    # Slurm holds a requeued job for 120 s (BeginTime); the test does not wait for that, but
+    # leaves a few seconds: a run launched within the second its predecessor's credential was
+    # revoked is refused ("Job credential revoked") and the job fails.
     assert poll(lambda: slurm_cluster.job_state(job.id) == "PENDING", 60, 0.2), slurm_cluster.job_state(job.id)
-    slurm_cluster.run("scontrol", "update", f"JobId={job.id}", "StartTime=now")
+    slurm_cluster.run("scontrol", "update", f"JobId={job.id}", "StartTime=now+5")
     first_run = job.steps()
     stopped_at = max(s["step"] for s in first_run)
     assert stopped_at < steps
