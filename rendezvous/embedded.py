@@ -111,7 +111,9 @@ class EmbeddedEtcd:
         scheme: str = "http",
         log_path: str | None = None,
         client_options: Mapping[str, object] | None = None,
+        port: int = 0,
     ):
+        """``port``: a fixed client port (others must find it: Slurm's first node); 0 picks a free one."""
         if scheme not in ("http", "https"):
             raise RendezvousError(f"invalid embedded etcd scheme {scheme!r}: expected http or https")
         self.host = host
@@ -121,6 +123,7 @@ class EmbeddedEtcd:
         # EtcdConfig fields (ca_cert, user, ...) used by config() and the health check.
         self.client_options = dict(client_options or {})
         self._data_dir = data_dir
+        self._fixed_port = port
         self._log_path = log_path
         self._work_dir: str | None = None  # temp dir we created (removed on stop)
         self.client_port = 0
@@ -190,6 +193,7 @@ class EmbeddedEtcd:
         # Two tries: another process may grab a port between our probe and etcd's bind.
         for last_try in (False, True):
             self.client_port, self.peer_port = _free_ports(self.host, 2)
+            self.client_port = self._fixed_port or self.client_port
             try:
                 self._launch(timeout)
                 return self

@@ -32,6 +32,7 @@ from rendezvous import (
 
 from ..agent import addressing
 from . import horovodrun
+from . import slurm
 from .options import (
     ETCD_OPTIONS,
     JOB_OPTIONS,
@@ -174,6 +175,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     args = parser.parse_args([*launcher, "--", *script[:1]] if script else launcher)
     args.args = script[1:]
     coerce_env_values(parser, args)
+    slurm.apply(args, os.environ)  # under srun: Slurm's job id, node name, rendezvous (explicit options win)
     if args.backend not in BACKENDS:
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
     if not args.module and not os.path.isfile(args.script):
@@ -300,6 +302,7 @@ def main(argv: Sequence[str]) -> int:
         return USAGE_ERROR
     embedded = None
     try:
+        embedded = slurm.serve_rendezvous(args)  # the first node of a Slurm job serves its rendezvous
         if args.rdzv_endpoint:
             config_of_etcd = etcd_config(args)
             endpoints = args.rdzv_endpoint

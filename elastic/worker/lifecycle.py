@@ -21,6 +21,7 @@ from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.exit_codes import WORKER_BROKEN
 from ..contract.worker_config import WorkerConfig
 from .failures import is_broken_process, is_communication_error, summarize
+from . import step_signals
 from .runtime import Runtime
 
 _current: Optional[Runtime] = None
@@ -35,6 +36,8 @@ def start() -> None:
     _configure_logging(marks=config is not None)
     if config is not None and config.error_file:
         _report_errors_to(config.error_file)
+    if config is not None:
+        step_signals.leave_sigterm_to_the_agent()  # Slurm signals the agent and its workers alike
     runtime = Runtime(config)
     try:
         runtime.start()

@@ -1,0 +1,195 @@
+"""What Slurm knows, as elastic-run's defaults: the job id, this node's name, workers per node, the rendezvous.
+
+Under ``srun`` every task sees the allocation in its environment (``SLURM_JOB_ID``,
+``SLURMD_NODENAME``, ``SLURM_JOB_NODELIST``, ...). ``defaults`` turns that into the
+options a user would otherwise repeat on every node, as a pure function of the
+environment (tested as a table); ``apply`` fills only the options the user left out,
+so an explicit option or its ``ELASTIC_*`` form always wins.
+
+The rendezvous, when no ``--rdzv-endpoint`` is given: the agent on the allocation's
+first node starts an embedded etcd on that node's address, at a port derived from
+the job id (``RDZV_PORT_BASE + id % RDZV_PORT_SPAN``, so two jobs sharing a node
+rarely collide), and the other nodes reach it there. It lives and dies with that
+node: a production job points every allocation at an external etcd instead.
+
+A requeued job keeps its Slurm id; its default job id gets ``-r<SLURM_RESTART_COUNT>``
+appended, so an external etcd still holding the ended first run's status (kept a day
+for ``elastic-run status``) does not end the new run at once. Training state comes
+back from ``--checkpoint-dir``, not from etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from rendezvous import ConfigError, EmbeddedEtcd, RendezvousError
+
+log = logging.getLogger(__name__)
+
+RDZV_PORT_BASE = 27000
+RDZV_PORT_SPAN = 2000
+# Other nodes start at once with the first one: how long they wait for its etcd to listen.
+WAIT_FOR_EMBEDDED_S = 120.0
+
+
+@dataclass(frozen=True)
+class SlurmDefaults:
+    """Option defaults that Slurm's environment gives; ``serve_rendezvous``: this task starts the etcd."""
+
+    job_id: str
+    host_id: str
+    nproc_per_node: Optional[int]
+    rdzv_endpoint: str
+    serve_rendezvous: bool
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list ("gpu[07-09,12],cpu1" -> "gpu07"), as
+    ``scontrol show hostnames`` would print it first; each bracket takes its first
+    number, keeping its zero padding."""
+    head = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())
+    if not head:
+        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r}: not a Slurm host list")
+    return re.sub(r"\[([^\],-]*)[^\]]*\]", lambda m: m.group(1), head.group(0))
+
+
+def _count(text: Optional[str]) -> Optional[int]:
+    """The first count of a Slurm per-node list ("4(x3),2" -> 4, "2" -> 2); None if absent."""
+    match = re.match(r"\s*(\d+)", text or "")
+    return int(match.group(1)) if match else None
+
+
+def _nproc(env: Mapping[str, str]) -> Optional[int]:
+    """Workers per node: the node's GPUs, else the job's tasks per node when the step
+    runs one elastic-run per node (each runs the node's workers), else one."""
+    gpus = _count(env.get("SLURM_GPUS_ON_NODE"))
+    if gpus:
+        return gpus
+    step_tasks = _count(env.get("SLURM_STEP_TASKS_PER_NODE"))
+    if step_tasks is not None and step_tasks > 1:
+        return 1  # several elastic-runs per node: one worker each
+    tasks = _count(env.get("SLURM_NTASKS_PER_NODE"))
+    return tasks if tasks else None
+
+
+def defaults(env: Mapping[str, str]) -> Optional[SlurmDefaults]:
+    """The defaults of a task of a Slurm job step, or None outside Slurm."""
+    job = env.get("SLURM_JOB_ID")
+    node = env.get("SLURMD_NODENAME")
+    if not job or not node:
+        return None  # not a Slurm task (a login shell inside salloc has no SLURMD_NODENAME)
+    if not job.isdigit():
+        raise ConfigError(f"SLURM_JOB_ID={job!r}: expected a number")
+    restarts = _count(env.get("SLURM_RESTART_COUNT")) or 0
+    job_id = f"slurm-{job}" + (f"-r{restarts}" if restarts else "")
+    several_here = (_count(env.get("SLURM_STEP_TASKS_PER_NODE")) or 1) > 1
+    local = env.get("SLURM_LOCALID", "0")
+    host_id = f"{node}-{local}" if several_here else node
+    first = first_host(env.get("SLURM_JOB_NODELIST") or node)
+    port = RDZV_PORT_BASE + int(job) % RDZV_PORT_SPAN
+    return SlurmDefaults(
+        job_id=job_id, host_id=host_id, nproc_per_node=_nproc(env),
+        rdzv_endpoint=f"{first}:{port}", serve_rendezvous=node == first and local == "0",
+    )
+
+
+def apply(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Fill the options the user left out from Slurm's environment (parse's hook).
+
+    With an explicit endpoint nothing is served; an explicit job id (a second
+    allocation joining the first one's job) wins over the Slurm one.
+    """
+    found = defaults(env)
+    if found is None:
+        return
+    # "serve": start the job's etcd here; "reach": wait for the first node's; None: the user's endpoint.
+    args.slurm_rendezvous = None
+    if not args.rdzv_endpoint:
+        args.rdzv_endpoint = found.rdzv_endpoint
+        args.slurm_rendezvous = "serve" if found.serve_rendezvous else "reach"
+    args.job_id = args.job_id or found.job_id
+    args.host_id = args.host_id or found.host_id
+    if args.nproc_per_node is None:
+        args.nproc_per_node = found.nproc_per_node
+
+
+def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
+    """main's hook: on the first node, start the embedded etcd the others will reach
+    (returned, for main to stop); on the others, wait until it listens."""
+    how = getattr(args, "slurm_rendezvous", None)
+    if how is None:
+        return None  # not under Slurm, or the user's own endpoint
+    host, port = args.rdzv_endpoint.rsplit(":", 1)
+    if how == "serve":
+        try:
+            address = socket.gethostbyname(host)
+        except OSError as exc:
+            raise RendezvousError(f"cannot resolve this node's name {host} for the job's embedded etcd: {exc}") from None
+        etcd = _StepEtcd(host=address, port=int(port))
+        etcd.start()
+        etcd.keep_up()
+        log.info("embedded etcd for the Slurm job at %s (%s); another allocation joins with "
+                 "--rdzv-endpoint %s --job-id %s", args.rdzv_endpoint, address, args.rdzv_endpoint, args.job_id)
+        return etcd
+    _wait_for_listener(host, int(port), WAIT_FOR_EMBEDDED_S)
+    return None
+
+
+class _StepEtcd(EmbeddedEtcd):
+    """The job's embedded etcd, started again on its data whenever it exits before stop().
+
+    Slurm signals every process of a step: the SIGTERM that makes the agents leave
+    gracefully (preemption, the time limit, scancel) also reaches this etcd, which
+    would shut down under the agents still stopping the job at a commit. Started again
+    on the same data and port, the clients ride out the gap (their requests retry).
+    """
+
+    def keep_up(self) -> None:
+        self._guard = threading.Lock()
+        self._stopping = False
+        # Restarted from this thread, which lives as long as the process: the etcd child
+        # dies with the thread that started it (PR_SET_PDEATHSIG).
+        threading.Thread(target=self._watch, name="slurm-etcd-keeper", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            with self._guard:
+                if self._stopping:
+                    return
+                if self.running:
+                    continue
+                log.warning("the job's embedded etcd exited (the step's SIGTERM?): starting it again on its data")
+                try:
+                    self.restart()
+                except RendezvousError as exc:
+                    log.warning("cannot start the embedded etcd again: %s", exc)
+
+    def stop(self) -> None:
+        guard = getattr(self, "_guard", None)
+        if guard is None:
+            super().stop()
+            return
+        with guard:
+            self._stopping = True
+            super().stop()
+
+
+def _wait_for_listener(host: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2.0).close()
+            return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"the job's embedded etcd at {host}:{port} (first node of the allocation) "
+                                  f"did not answer within {timeout:g}s: {exc}") from None
+            time.sleep(0.2)
