@@ -30,8 +30,6 @@ shards it, and ``fn(module)`` initialises the local shards (e.g. with DTensor-aw
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from typing import Any, Callable, Optional
 
@@ -41,6 +39,7 @@ import torch.distributed as dist
 from ..contract.console import FILE_ONLY
 from ..contract.errors import ElasticError, HostsUpdatedInterrupt, JobStopping
 from ..state import State, checkpoint_policy
+from ..worker import fault_points
 from ..worker.lifecycle import current as _runtime
 from ..worker.sync_plan import CommitId, SyncPlan
 from . import durable, modules
@@ -53,10 +52,6 @@ log = logging.getLogger(__name__)
 
 _RESERVED = ("model", "optimizer", "sampler", "shard", "init")
 _KEEP_METAS = 4  # (commit, world) metas kept: a rollback goes back one, a re-shard adds a layout
-# Tests only: ``POINT:RANK:FILE`` makes RANK SIGKILL itself once per job (FILE created
-# exclusively first) at POINT: "replicating" (commit 5's copies posted, not arrived) or
-# "resharding" (a re-shard after the first round, its transfers posted, not complete).
-DIE_AT = "ELASTIC_TEST_SHARDED_DIE"
 
 
 class ShardedState(State):
@@ -93,7 +88,7 @@ class ShardedState(State):
         object.__setattr__(self, "_commit_round", runtime.round)
         self._snapshot_and_replicate(runtime, wait=False)
         if self._commits >= 5:
-            _maybe_die("replicating", runtime)
+            fault_points.sharded("replicating", runtime.rank)
         if self._durable is not None and self._durable.due(self._commits):
             self._write_durable(runtime)
         action = runtime.note_commit(self._commits)
@@ -242,7 +237,7 @@ class ShardedState(State):
         targets = {f"model.{fqn}": p for fqn, p in model.named_parameters()}
         targets.update(states)
         moved = _run_pieces(pieces, rank, sources, {k: modules.local(t) for k, t in targets.items()},
-                            lambda: runtime.round > 1 and _maybe_die("resharding", runtime))
+                            lambda: runtime.round > 1 and fault_points.sharded("resharding", runtime.rank))
         self._load_meta(model, optimizer, meta, states, first_start)
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
@@ -372,20 +367,6 @@ def _broadcast(value, src: int):
     box = [value]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def _maybe_die(point: str, runtime) -> None:
-    spec = os.environ.get(DIE_AT)
-    if not spec:
-        return
-    wanted, rank, marker = spec.split(":", 2)
-    if wanted != point or int(rank) != runtime.rank:
-        return
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _run_pieces(pieces: list[Piece], rank: int, sources: dict[int, ShardSlot], targets: dict[str, torch.Tensor],
