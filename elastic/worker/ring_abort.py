@@ -103,11 +103,17 @@ def _shutdown_if_same(fd: int, inode: int) -> bool:
     except OSError:  # gloo closed it already
         return False
     # Checking on the duplicate pins the socket: no reuse of the number can slip in
-    # between the check and the shutdown.
-    dup = socket.socket(fileno=dup_fd)
+    # between the check and the shutdown. The number may already name something else
+    # (a file, a pipe: not a socket at all), so look before wrapping it in a socket.
     try:
         if os.fstat(dup_fd).st_ino != inode:
+            os.close(dup_fd)
             return False
+        dup = socket.socket(fileno=dup_fd)
+    except OSError:  # not a socket after all: the wrapper did not take the number
+        os.close(dup_fd)
+        return False
+    try:
         dup.shutdown(socket.SHUT_RDWR)
         return True
     except OSError:  # already shut down or reset by the peer

@@ -1,6 +1,7 @@
 """ring_abort: a gloo collective blocked on a live but silent peer raises at once."""
 
 import datetime
+import os
 import socket
 import subprocess
 import sys
@@ -63,6 +64,29 @@ def test_abort_shuts_connections_and_ignores_reused_descriptors():
             other_peer.recv(1)
     finally:
         for s in (listener, server, other_listener, other, other_peer):
+            s.close()
+
+
+def test_abort_leaves_a_descriptor_reused_by_something_that_is_no_socket():
+    # Seen in a sharded job: the number of a gloo connection closed meanwhile named a
+    # file when the abort came, and wrapping it in a socket raised ENOTSOCK.
+    before = ring_abort.socket_snapshot()
+    listener, client, server = _tcp_pair()
+    handle = ring_abort.RingHandle(ring_abort._connections_since(before))
+    client_fd = client.fileno()
+    client.close()
+    read_end, write_end = os.pipe()  # the lowest free number again: a pipe now
+    try:
+        assert client_fd in (read_end, write_end)
+        handle.abort()  # no OSError
+        server.settimeout(2)
+        assert server.recv(1) == b""
+        os.write(write_end, b"x")
+        assert os.read(read_end, 1) == b"x"  # the pipe still works
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        for s in (listener, server):
             s.close()
 
 
