@@ -15,6 +15,8 @@ The rooms of this package (each ``__init__.py`` says what it holds and may impor
     elastic/agent/      the host side: one agent per host runs and watches its workers
     elastic/cli/        ``elastic-run`` and its subcommands (status, timeline, checkpoints)
     elastic/timeline/   what a job did, as a model and a picture
+    elastic/horovod/    Horovod's PyTorch API on this runtime (``import elastic.horovod as hvd``)
+    elastic/sharded/    ShardedState: FSDP2 models re-sharded in-process, shards kept on peers
 
 Imports run one way: the API -> worker -> contract; agent -> contract; cli -> agent;
 all of them may use ``rendezvous`` and ``checkpoint``, which import nothing of ``elastic``
@@ -26,7 +28,6 @@ from __future__ import annotations
 from .contract.errors import ElasticError, HostsUpdatedInterrupt, ResetLimitExceeded
 from .global_batch import accumulate
 from .sampler import ElasticSampler
-from .sharded import ShardedState, device_mesh
 from .state import ObjectState, State, TorchState
 from .worker import lifecycle
 from .worker.recovery import run
@@ -61,3 +62,13 @@ def local_rank() -> int:
 
 def round() -> int:  # noqa: A001 - mirrors the event field name
     return lifecycle.current().round
+
+
+def __getattr__(name: str):
+    # FSDP2's modules take a second or more to import: only jobs that shard pay for them
+    # (every worker imports this package, joiners and replacements on the recovery path).
+    if name in ("ShardedState", "device_mesh"):
+        from . import sharded
+
+        return getattr(sharded, name)
+    raise AttributeError(f"module 'elastic' has no attribute {name!r}")
