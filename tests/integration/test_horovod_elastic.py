@@ -156,6 +156,7 @@ def test_a_kill_and_a_join_end_equal_to_the_plain_computation(tmp_path, etcd_ser
     print(f"max |elastic - plain| parameter difference: {worst:.3g}")
 
 
+@pytest.mark.slow  # about 50 s: make test stays under 15 min
 def test_check_host_updates_takes_a_join_with_nothing_rolled_back(tmp_path, etcd_server):
     job_id = f"hvd-{uuid.uuid4().hex[:8]}"
     stop = tmp_path / "stop"

@@ -55,6 +55,7 @@ def reshards(job: Job) -> list[str]:
     return [line for line in job.text().splitlines() if "re-sharded commit" in line]
 
 
+@pytest.mark.slow  # about 50 s: make test stays under 15 min
 def test_rank0_killed_mid_step_survivors_reshard_in_memory_and_match_a_single_process(tmp_path):
     steps = 12
     job = start(tmp_path, ["--np", "3", "--min-np", "2", "--collective-timeout", "20"],
