@@ -37,7 +37,7 @@ def test_every_rank_passes(results, name):
     assert failed == {}, failed
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # long: by hand (`make test-extended`), not in CI, which must stay within its time
 def test_distributed_optimizer_through_a_sigkill_ends_equal_to_one_plain_process(tmp_path):
     """tests/fakes/hvd_kill.py: float64 training with hvd.DistributedOptimizer on 3 workers;
     the last rank SIGKILLs itself right after a backward pass (its all-reduces under way).

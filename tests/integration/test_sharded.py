@@ -71,7 +71,7 @@ def test_rank0_killed_mid_step_survivors_reshard_in_memory_and_match_a_single_pr
     assert_equals_reference(tmp_path, steps)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # long: by hand (`make test-extended`), not in CI, which must stay within its time
 def test_a_plain_worker_lost_and_replaced_worlds_4_3_4(tmp_path):
     steps = 14
     job = start(tmp_path, ["--np", "4", "--min-np", "2", "--max-restarts", "1", "--collective-timeout", "20"],
@@ -111,7 +111,7 @@ def test_a_whole_host_lost_with_one_replica_nothing_read_from_disk(tmp_path, etc
     assert_equals_reference(tmp_path, steps)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # long: by hand (`make test-extended`), not in CI, which must stay within its time
 @pytest.mark.timeout(480)
 def test_two_of_three_hosts_lost_resume_from_the_durable_checkpoint_which_plain_fsdp2_loads(tmp_path, etcd_server):
     """--shard-replicas 1 covers one lost host; two lost at once take every copy of a shard:
@@ -157,7 +157,7 @@ def test_two_of_three_hosts_lost_resume_from_the_durable_checkpoint_which_plain_
         assert torch.allclose(loaded[name], value, rtol=0, atol=1e-9), name
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # long: by hand (`make test-extended`), not in CI, which must stay within its time
 def test_a_worker_killed_while_its_commit_replicates_the_previous_commit_survives(tmp_path):
     """Rank 1 dies right after posting commit 5's copies: its shard of 5 may never have
     arrived anywhere, so the ring goes on from a commit every shard of which survived."""
