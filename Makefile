@@ -27,8 +27,9 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
 
-# Longer variants of scenarios the slow run covers (sharded 4->3->4, a kill inside a
-# replication, two hosts lost with a DCP resume; a Horovod SIGKILL): by hand, not in CI.
+# Long end-to-end runs that CI leaves out to stay within its time (sharded 4->3->4, a kill
+# inside a replication, two hosts lost with a DCP resume; a Horovod SIGKILL; 200 planned
+# re-formations; the chaos report of a full job): by hand.
 test-extended: $(STAMP)
 	$(PY) -m pytest -q -m extended
 

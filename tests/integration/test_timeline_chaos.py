@@ -109,7 +109,7 @@ def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path):
     assert "1 host joined at" in done.stdout and "succeeded" in done.stdout
 
 
-@pytest.mark.slow  # the default run's budget holds the timeline test above; this is a second full job
+@pytest.mark.extended  # a second full job: by hand (`make test-extended`), CI must stay within its time; the report is unit-tested
 def test_chaos_kills_a_worker_and_reports_its_recovery(tmp_path):
     # No replacement allowed and min-np 2: the first kill (3 -> 2) is the only one the
     # job survives, so the monkey must kill exactly once and then leave the job alone.
