@@ -128,6 +128,13 @@ def check_callbacks_saw_the_synced_state(out: Path, round_number: int, world: in
     return resets[0]
 
 
+def stop_and_wait(stop: Path, *jobs) -> None:
+    """Stop the training at one step (the scripts watch ``stop``); every agent exits 0."""
+    stop.touch()
+    for job in jobs:
+        assert job.wait(60) == 0, job.text()[-3000:]
+
+
 @pytest.mark.slow
 def test_a_kill_and_a_join_end_equal_to_the_plain_computation(tmp_path, etcd_server):
     job_id = f"hvd-{uuid.uuid4().hex[:8]}"
@@ -143,9 +150,7 @@ def test_a_kill_and_a_join_end_equal_to_the_plain_computation(tmp_path, etcd_ser
         joiner = agent(tmp_path, etcd_server.endpoint, job_id, 1, script, name="joiner")
         wait_until(lambda: worlds(first) == [3, 2, 3], 120, f"the world 2 -> 3 (saw {worlds(first)})")
         wait_until(lambda: trained_at(first, 3, 25), 120, "25 steps of 3 workers again (an epoch's end)")
-        stop.touch()
-        assert first.wait(60) == 0, first.text()[-3000:]
-        assert joiner.wait(60) == 0, joiner.text()[-3000:]
+        stop_and_wait(stop, first, joiner)
     finally:
         for job in (first, joiner):
             if job is not None:
@@ -168,9 +173,7 @@ def test_check_host_updates_takes_a_join_with_nothing_rolled_back(tmp_path, etcd
         wait_until(lambda: trained_at(first, 2, 3), 120, "3 steps of 2 workers")
         joiner = agent(tmp_path, etcd_server.endpoint, job_id, 1, script, name="joiner")
         wait_until(lambda: trained_at(first, 3, 3), 120, f"3 steps of 3 workers (worlds {worlds(first)})")
-        stop.touch()
-        assert first.wait(60) == 0, first.text()[-3000:]
-        assert joiner.wait(60) == 0, joiner.text()[-3000:]
+        stop_and_wait(stop, first, joiner)
     finally:
         for job in (first, joiner):
             if job is not None:
