@@ -128,8 +128,29 @@ class AgentMetrics:
         self.straggler_evictions = Counter(
             "elastic_straggler_evictions", "Times this agent left the job because its worker was a straggler "
             "(--evict-stragglers)", registry=r)
+        # Sharded state (elastic.ShardedState): the copies each commit keeps on peers, and re-shards.
+        self.replica_lag = Gauge(
+            "elastic_shard_replica_lag_seconds", "Seconds the newest commit's shard copies took to reach their "
+            "replica holders, or have been travelling so far (sharded state)", ["worker", "rank"], registry=r)
+        self.replica_bytes = Gauge(
+            "elastic_shard_replica_bytes_per_commit", "Bytes this host's workers send to replica holders per commit "
+            "in the current ring (sharded state)", registry=r)
+        self.replicas_held = Gauge(
+            "elastic_shard_replicas_held_bytes", "Bytes of other workers' committed shards this host's workers keep "
+            "(sharded state)", registry=r)
+        self.reshards = Counter(
+            "elastic_reshards", "Re-shards of the sharded state this host's workers made, by where the commit came "
+            "from (memory: own copies and replicas; disk: a durable checkpoint; start)", ["source"], registry=r)
+        self.reshard_bytes = Counter(
+            "elastic_reshard_received_bytes", "Bytes this host's workers received from peers in re-shards", registry=r)
+        self.reshard_seconds = Gauge(
+            "elastic_reshard_last_seconds", "Duration of the last re-shard (the slowest of this host's workers)",
+            registry=r)
         for kind in REFORMATION_KINDS:
             self.reformations.labels(kind)  # every kind shows, at 0, before it first happens
+        for source in ("memory", "disk"):
+            self.reshards.labels(source)
+        self._reshard: dict[str, tuple[int, dict]] = {}  # per worker: (round, its last resharded event)
         self._round = 0
         self._counted_round = 0
         self._initial_workers: Optional[int] = None
@@ -163,6 +184,10 @@ class AgentMetrics:
                 if steps > 0:
                     rank = plan.rank_of(worker) if plan is not None else None
                     self._set(self.step_seconds, worker, rank, (now.step_total - before.step_total) / steps)
+                lag = now.replica_lag(time.monotonic())  # the board's times are the host's monotonic clock
+                if lag is not None:
+                    rank = plan.rank_of(worker) if plan is not None else None
+                    self._set(self.replica_lag, worker, rank, lag)
             # Every worker of the ring makes the same commits: count them once.
             if ring_commits:
                 self.commits.inc(ring_commits)
@@ -187,10 +212,11 @@ class AgentMetrics:
         worker = event.get("worker")
         self._seen.pop(worker, None)
         rank = self._ranks.pop(worker, None)
-        for gauge in (self.step_seconds, self.straggler_score):
+        self._reshard.pop(worker, None)
+        for gauge in self._per_worker_gauges():
             self._last.pop((gauge, worker), None)
         if rank is not None:
-            for gauge in (self.step_seconds, self.straggler_score):
+            for gauge in self._per_worker_gauges():
                 try:
                     gauge.remove(worker, rank)
                 except KeyError:
@@ -231,6 +257,22 @@ class AgentMetrics:
     def _on_checkpoint_failed(self, event: Mapping[str, Any]) -> None:
         self.checkpoint_failures.inc()
 
+    def _on_resharded(self, event: Mapping[str, Any]) -> None:
+        worker, round_number = event.get("worker") or f"rank{event.get('rank')}", event.get("round") or 0
+        if not isinstance(round_number, int):
+            return
+        first_of_round = all(r != round_number for r, _ in self._reshard.values())
+        self._reshard[worker] = (round_number, dict(event))
+        if first_of_round:
+            self.reshards.labels(str(event.get("source"))).inc()
+        if isinstance(event.get("received_bytes"), (int, float)):
+            self.reshard_bytes.inc(event["received_bytes"])
+        newest = max(r for r, _ in self._reshard.values())
+        current = [e for r, e in self._reshard.values() if r == newest]
+        self.reshard_seconds.set(max(float(e.get("seconds") or 0) for e in current))
+        self.replica_bytes.set(sum(float(e.get("replica_bytes_per_commit") or 0) for e in current))
+        self.replicas_held.set(sum(float(e.get("replicas_held_bytes") or 0) for e in current))
+
     def _on_step_times(self, event: Mapping[str, Any]) -> None:
         score = event.get("straggler_score")
         if isinstance(score, (int, float)) and event.get("worker"):
@@ -253,6 +295,7 @@ class AgentMetrics:
         "checkpoint_written": _on_checkpoint_written,
         "checkpoint_failed": _on_checkpoint_failed,
         "step_times": _on_step_times,
+        "resharded": _on_resharded,
         "straggler_detected": _on_straggler_detected,
         "straggler_evicted": _on_straggler_evicted,
     }
@@ -272,6 +315,9 @@ class AgentMetrics:
         if isinstance(world_size, int):
             self.world_size.set(world_size)
 
+    def _per_worker_gauges(self) -> tuple[Gauge, ...]:
+        return self.step_seconds, self.straggler_score, self.replica_lag
+
     def _set(self, gauge: Gauge, worker: str, rank, value: float) -> None:
         """Set the worker's series of ``gauge``; a worker whose rank changed moves its
         series to the new rank: a re-formation renumbers the ranks, and the score of the
@@ -282,7 +328,7 @@ class AgentMetrics:
         old = self._ranks.get(worker)
         self._ranks[worker] = label
         if old is not None and old != label:
-            for g in (self.step_seconds, self.straggler_score):
+            for g in self._per_worker_gauges():
                 try:
                     g.remove(worker, old)
                 except KeyError:

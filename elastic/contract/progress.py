@@ -54,7 +54,10 @@ _COMMITS = 48  # then steps (56) and step_total (64): for the agent's metrics (a
 _METRICS_SLOTS = struct.Struct("<QQd")  # commits, steps, step_total
 _WHERE_LEN = 72
 _DEVICE_SINCE = 80  # device work (a CUDA event recorded at a commit) pending since then; 0: none
-_WHERE = 88
+# Sharded state (elastic/sharded/): when the newest commit's copies to its replica holders
+# were posted (main thread) and when the last of them completed (the replication thread).
+_REPLICA_POSTED, _REPLICA_DONE = 88, 96
+_WHERE = 104
 _WHERE_MAX = BOARD_SIZE - _WHERE
 
 HEARTBEAT_INTERVAL = 0.25  # seconds between heartbeats; the agent's bounds are >= 1 s
@@ -91,6 +94,17 @@ class Marks:
     steps: int = 0  # intervals recorded (commits after a round's first), and ...
     step_total: float = 0.0  # ... their total length: the agent's step time is a ratio of deltas
     device_since: float = 0.0  # the oldest device work not yet completed was queued then; 0.0: none
+    replica_posted_at: float = 0.0  # sharded state: the newest commit's copies to peers were posted then
+    replica_done_at: float = 0.0  # ... and the last copy posted completed then (< posted: in flight)
+
+    def replica_lag(self, now: float) -> Optional[float]:
+        """Seconds the newest commit's copies took to reach its replica holders, or have
+        been travelling so far; None for a worker that replicates nothing."""
+        if not self.replica_posted_at:
+            return None
+        if self.replica_done_at >= self.replica_posted_at:
+            return self.replica_done_at - self.replica_posted_at
+        return now - self.replica_posted_at
 
 
 class ProgressBoard:
@@ -157,14 +171,22 @@ class ProgressBoard:
         """Device work queued at ``since`` has not completed (0.0: all work completed)."""
         struct.pack_into("<d", self._map, _DEVICE_SINCE, since)
 
+    # -- sharded state: the main thread posts a commit's copies, the replication thread ends them
+    def replica_posted(self, now: float) -> None:
+        struct.pack_into("<d", self._map, _REPLICA_POSTED, now)
+
+    def replica_done(self, now: float) -> None:
+        struct.pack_into("<d", self._map, _REPLICA_DONE, now)
+
     # -- the agent ----------------------------------------------------------------------
     def read(self) -> Marks:
         m = self._map
-        progress, progress_at, slowest, beats, alive_at, user_since, commits, steps, step_total, length, device = (
-            struct.unpack_from("<QddQddQQdQd", m, 0))
+        (progress, progress_at, slowest, beats, alive_at, user_since, commits, steps, step_total, length, device,
+         posted, done) = struct.unpack_from("<QddQddQQdQddd", m, 0)
         length = min(length, _WHERE_MAX)
         return Marks(progress, progress_at, slowest, beats, alive_at, user_since,
-                     m[_WHERE:_WHERE + length].decode(errors="replace"), commits, steps, step_total, device)
+                     m[_WHERE:_WHERE + length].decode(errors="replace"), commits, steps, step_total, device,
+                     posted, done)
 
 
 @dataclass(frozen=True)

@@ -74,13 +74,15 @@ def layout_of(tensors: dict[str, torch.Tensor]) -> tuple[TensorLayout, ...]:
     return tuple(TensorLayout(key, tuple(t.shape), str(t.dtype).replace("torch.", "")) for key, t in tensors.items())
 
 
-def describe(commit: CommitId, world: int, model, optimizer, tensors, values: dict, sampler) -> CommitMeta:
-    """The commit's meta: the layout and every small replicated value (copies)."""
-    meta = CommitMeta(commit, world, layout_of(tensors), copy.deepcopy(values),
+def describe(commit: CommitId, world: int, model, optimizer, tensors, values: dict, sampler, *,
+             layout: Optional[tuple[TensorLayout, ...]] = None, names: Optional[dict] = None) -> CommitMeta:
+    """The commit's meta: the layout and every small replicated value (copies). ``layout``
+    and ``names`` (parameter -> fqn), when the caller has them, save walking the model."""
+    meta = CommitMeta(commit, world, layout if layout is not None else layout_of(tensors), copy.deepcopy(values),
                       copy.deepcopy(sampler.state_dict()) if sampler is not None else None,
                       {name: b.detach().clone() for name, b in model.named_buffers()})
     if optimizer is not None:
-        names = {p: fqn for fqn, p in model.named_parameters()}
+        names = names if names is not None else {p: fqn for fqn, p in model.named_parameters()}
         meta.groups = [{**{k: copy.deepcopy(v) for k, v in group.items() if k != "params"},
                         "params": [names[p] for p in group["params"]]} for group in optimizer.param_groups]
         for p, entries in optimizer.state.items():

@@ -3,8 +3,9 @@
 A ``ShardSlot`` holds shard ``shard`` of commit ``commit`` made by a ring of ``world``
 workers: every sharded tensor's rows of that shard, laid one after the other in one
 flat buffer per dtype. A worker keeps its own shard of the last commit in one slot and
-the shards it keeps for other ranks (replicas) in others. Buffers are allocated once
-and reused while the layout stays (a commit every step allocates nothing).
+the shards it keeps for other ranks (replicas) in others. Slots are reused while the
+layout stays (``reusable``): a commit every step allocates nothing, and the views of
+a slot shaped like the live local tensors are made once (``copy_from``).
 
 ``Replication`` moves a commit's shards to their replica holders in the background:
 every message is posted at the commit (``isend``/``irecv`` straight from and into the
@@ -15,7 +16,7 @@ next commit waits for what is left. A copy counts only once its receive has comp
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,8 @@ class ShardSlot:
                  reuse: Optional["ShardSlot"] = None):
         self.commit: Optional[CommitId] = None  # set once the slot holds a whole shard
         self.world, self.shard = world, shard
+        self.layout = tuple(layout)
+        self._shaped: tuple[object, list[torch.Tensor]] = (None, [])  # (LiveShards, its views here)
         self.offsets: dict[str, tuple[str, int, int]] = {}  # key -> (dtype, start, length)
         sizes: dict[str, int] = {}
         for tensor in layout:
@@ -51,6 +54,23 @@ class ShardSlot:
             self.flat = reuse.flat
         else:
             self.flat = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in sorted(sizes.items())}
+
+    def reusable(self, layout: Sequence[TensorLayout], world: int, shard: int) -> bool:
+        """Whether this slot can take shard ``shard`` of a commit of ``layout`` by ``world``."""
+        return world == self.world and shard == self.shard and (layout is self.layout or tuple(layout) == self.layout)
+
+    def copy_from(self, live) -> None:
+        """Copy ``live``'s local tensors (a ``LiveShards`` of this slot's layout) in, in one call."""
+        if self._shaped[0] is not live:
+            views = [self.view(key).view(source.shape) for key, source in zip(live.tensors, live.sources)]
+            self._shaped = (live, views)
+        with torch.no_grad():
+            torch._foreach_copy_(self._shaped[1], live.sources)
+
+    def forget_sources(self) -> None:
+        """Drop the cached views and with them the live tensors they were made for: after
+        a failure the broken ring's model must not stay alive through the re-shard."""
+        self._shaped = (None, [])
 
     def view(self, key: str) -> torch.Tensor:
         dtype, start, length = self.offsets[key]
@@ -65,12 +85,24 @@ class ShardSlot:
         return [(_REPLICA_TAG + i, b) for i, (_, b) in enumerate(sorted(self.flat.items())) if b.numel()]
 
 
+def slot_for(previous: Optional[ShardSlot], layout: Sequence[TensorLayout], world: int, shard: int) -> ShardSlot:
+    """A slot to take shard ``shard`` of a new commit: ``previous`` itself (emptied) while
+    its layout fits, else a new one that keeps ``previous``'s buffers where sizes match.
+    The caller must no longer count ``previous`` as holding its commit."""
+    if previous is not None and previous.reusable(layout, world, shard):
+        previous.commit = None
+        return previous
+    return ShardSlot(layout, world, shard, reuse=previous)
+
+
 class Replication:
     """One commit's copies in flight: this worker's shard to its holders, others' to it."""
 
     def __init__(self, commit: CommitId, own: ShardSlot, send_to: Sequence[int],
-                 receive: dict[int, ShardSlot]):
+                 receive: dict[int, ShardSlot], on_complete: Optional[Callable[[], None]] = None):
+        """``on_complete``: called on the waiting thread once every copy completed without error."""
         self.commit = commit
+        self._on_complete = on_complete
         self.receive = receive  # owner rank -> the slot its shard arrives in
         self.received: set[int] = set()  # owners whose copy has arrived whole
         self.errors: list[BaseException] = []
@@ -101,6 +133,8 @@ class Replication:
                 work.wait()
             except Exception as exc:
                 self.errors.append(exc)
+        if not self.errors and self._on_complete is not None:
+            self._on_complete()
 
     def finish(self, timeout: Optional[float] = None) -> bool:
         """Wait (at most ``timeout``) for every copy; True when all have completed."""

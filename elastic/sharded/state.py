@@ -46,7 +46,8 @@ from . import durable, modules
 from .mesh import device_mesh, device_type
 from .placement import replica_holders, replicas_of
 from .reshard_plan import Piece, newest_covered, plan_reshard
-from .slots import Replication, ShardSlot
+from .live_shards import live_shards
+from .slots import Replication, ShardSlot, slot_for
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ class ShardedState(State):
                             ("model", None), ("optimizer", None), ("sampler", sampler),
                             ("_own", None), ("_own_previous", None), ("_legacy", []),
                             ("_replicas", {}), ("_spares", {}), ("_metas", {}),
-                            ("_replication", None), ("_holders", ()), ("_last_reshard_bytes", 0)):
+                            ("_replication", None), ("_holders", ()), ("_holders_for", None), ("_live", None),
+                            ("_last_reshard_bytes", 0)):
             object.__setattr__(self, name, value)
 
     # -- commit ----------------------------------------------------------------
@@ -107,6 +109,9 @@ class ShardedState(State):
         model from the commit); the live model belongs to the broken ring's mesh."""
         object.__setattr__(self, "model", None)
         object.__setattr__(self, "optimizer", None)
+        object.__setattr__(self, "_live", None)
+        for slot in self._held_slots():
+            slot.forget_sources()
 
     @property
     def commit_id(self) -> Optional[CommitId]:
@@ -114,15 +119,15 @@ class ShardedState(State):
 
     def _snapshot_and_replicate(self, runtime, wait: bool) -> None:
         commit = CommitId(self._commit_round, self._commits)
-        tensors = modules.sharded_tensors(self.model, self.optimizer)
-        meta = modules.describe(commit, runtime.world_size, self.model, self.optimizer, tensors,
-                                {name: getattr(self, name) for name in self._value_names}, self.sampler)
+        live = live_shards(self._live, self.model, self.optimizer)
+        object.__setattr__(self, "_live", live)
+        meta = modules.describe(commit, runtime.world_size, self.model, self.optimizer, live.tensors,
+                                {name: getattr(self, name) for name in self._value_names}, self.sampler,
+                                layout=live.layout, names=live.names)
         # The previous commit's own copy stays until this one's replicas are in: a peer that
         # dies before making this commit leaves the ring to roll back to the previous one.
-        own = ShardSlot(meta.layout, runtime.world_size, runtime.rank, reuse=self._own_previous)
-        with torch.no_grad():
-            for key, tensor in tensors.items():
-                own.view(key).copy_(modules.local(tensor).reshape(-1))
+        own = slot_for(self._own_previous, live.layout, runtime.world_size, runtime.rank)
+        own.copy_from(live)
         own.commit = commit
         object.__setattr__(self, "_own_previous", self._own)
         object.__setattr__(self, "_own", own)
@@ -131,15 +136,16 @@ class ShardedState(State):
             del self._metas[old]
         if runtime.world_size == 1:
             return
-        members = [slot.member_id for slot in runtime.plan.slots]
-        holders = replica_holders(members, self._replica_count(runtime))
-        object.__setattr__(self, "_holders", holders)
+        holders = self._placement(runtime)
         receive = {}
         for owner in replicas_of(holders, runtime.rank):
-            previous = self._spares.get(owner)
-            receive[owner] = ShardSlot(meta.layout, runtime.world_size, owner, reuse=previous)
+            receive[owner] = slot_for(self._spares.get(owner), live.layout, runtime.world_size, owner)
             self._spares[owner] = receive[owner]
-        object.__setattr__(self, "_replication", Replication(commit, own, holders[runtime.rank], receive))
+        board = runtime.progress_board
+        if board is not None:  # the agent's replica lag metric (agent/metrics.py)
+            board.replica_posted(time.monotonic())
+        done = (lambda: board.replica_done(time.monotonic())) if board is not None else None
+        object.__setattr__(self, "_replication", Replication(commit, own, holders[runtime.rank], receive, done))
         if wait:
             self._finish_replication(None, raise_errors=True)
 
@@ -163,6 +169,16 @@ class ShardedState(State):
         object.__setattr__(self, "_replication", None)
         if raise_errors and replication.errors:
             raise replication.errors[0]
+
+    def _placement(self, runtime) -> tuple[tuple[int, ...], ...]:
+        """Who keeps copies of whose shards in this ring (the same for every commit of it)."""
+        plan, count = runtime.plan, self._replica_count(runtime)
+        cached = self._holders_for
+        if cached is None or cached[0] is not plan or cached[1] != count:
+            members = [slot.member_id for slot in plan.slots]
+            object.__setattr__(self, "_holders", replica_holders(members, count))
+            object.__setattr__(self, "_holders_for", (plan, count))
+        return self._holders
 
     def _replica_count(self, runtime) -> int:
         config = runtime.config
@@ -255,8 +271,11 @@ class ShardedState(State):
         self._snapshot_and_replicate(runtime, wait=True)
         object.__setattr__(self, "_legacy", [])
         object.__setattr__(self, "_synced", True)
+        seconds = time.monotonic() - started
         log.info("round %d: re-sharded commit %d (world %d -> %d): received %.3f MB in %.3fs",
-                 runtime.round, newest.count, meta.world, world, moved / 1e6, time.monotonic() - started)
+                 runtime.round, newest.count, meta.world if meta is not None else 1, world, moved / 1e6, seconds)
+        self._report_reshard(runtime, "start" if first_start else "memory", newest.count,
+                             meta.world if meta is not None else 1, moved, seconds)
         holding_ranks = tuple(sorted({r for ranks in holders.values() for r in ranks}))
         return SyncPlan(newest, holding_ranks, tuple(r for r in range(world) if r not in holding_ranks), ())
 
@@ -281,9 +300,22 @@ class ShardedState(State):
         object.__setattr__(self, "_commit_round", runtime.round)  # newer than any commit a survivor may hold
         self._snapshot_and_replicate(runtime, wait=True)
         object.__setattr__(self, "_synced", True)
+        seconds = time.monotonic() - started
         log.info("round %d: resumed from durable checkpoint step %s (world %s -> %d) in %.3fs", runtime.round,
-                 manifest["step"], manifest.get("world_size"), runtime.world_size, time.monotonic() - started)
+                 manifest["step"], manifest.get("world_size"), runtime.world_size, seconds)
+        self._report_reshard(runtime, "disk", self._commits, manifest.get("world_size"), 0, seconds)
         return SyncPlan(self.commit_id, (), tuple(range(runtime.world_size)), ())
+
+    def _report_reshard(self, runtime, source: str, commit: int, from_world, received: int, seconds: float) -> None:
+        """One ``resharded`` event per worker and re-shard, for the agent's metrics: what it
+        received, and what keeping the new ring covered costs it per commit."""
+        sends_to = self._holders[runtime.rank] if runtime.world_size > 1 and self._holders else ()
+        worker = runtime.config.worker_id if runtime.config is not None else "local"
+        runtime.events.emit("resharded", console=False, worker=worker, source=source, commit=commit, from_world=from_world,
+                            to_world=runtime.world_size, received_bytes=received, seconds=round(seconds, 4),
+                            shard_bytes=self._own.nbytes if self._own is not None else 0,
+                            replica_bytes_per_commit=(self._own.nbytes if self._own is not None else 0) * len(sends_to),
+                            replicas_held_bytes=sum(s.nbytes for s in self._replicas.values()))
 
     # -- durable checkpoints ----------------------------------------------------------
     def _checkpoints(self, runtime) -> Optional[durable.ShardedCheckpoints]:

@@ -199,6 +199,11 @@ class Runtime:
             return None
         return self._switch_action
 
+    @property
+    def progress_board(self):
+        """The worker's progress board (contract/progress.py), None outside elastic-run."""
+        return self._progress.board if self._progress is not None else None
+
     def fence(self) -> None:
         """Called first thing in ``commit()``: a worker the job left behind (its host was
         paused or cut off past the TTL) completes no commit, nor checkpoint, in a round

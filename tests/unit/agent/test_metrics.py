@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -255,3 +256,51 @@ def test_another_agents_workers_in_the_same_log_directory_are_not_our_restarts()
     assert value(metrics, "elastic_worker_restarts_total") == 0
     metrics.observe(ev("worker_started", worker="h1-aaa.w1", rank=1))
     assert value(metrics, "elastic_worker_restarts_total") == 1
+
+
+# --- sharded state: replica lag and re-shards ------------------------------------------------
+
+
+def test_replica_lag_is_the_newest_commits_copy_time_or_its_age_while_in_flight(tmp_path):
+    metrics = AgentMetrics(host=HOST)
+    ring = plan(2, ["m.w0", "m.w1"])
+    now = time.monotonic()
+    metrics.observe_marks({"m.w0": Marks(replica_posted_at=now - 5.0, replica_done_at=now - 4.75),
+                           "m.w1": Marks(replica_posted_at=now - 3.0, replica_done_at=now - 9.0),
+                           "m.w2": Marks()}, ring)
+    assert value(metrics, "elastic_shard_replica_lag_seconds", worker="m.w0", rank=0) == pytest.approx(0.25)
+    # m.w1's newest copies are still travelling: their age so far.
+    assert 3.0 <= value(metrics, "elastic_shard_replica_lag_seconds", worker="m.w1", rank=1) < 4.0
+    # A worker that replicates nothing (a TorchState job) has no series.
+    assert not any(name == "elastic_shard_replica_lag_seconds" and ("worker", "m.w2") in labels
+                   for name, labels in samples(metrics))
+    # The board carries both times.
+    path = str(tmp_path / "board")
+    ProgressBoard.create(path)
+    board = ProgressBoard(path, writable=True)
+    board.replica_posted(10.0)
+    assert board.read().replica_lag(12.5) == 2.5
+    board.replica_done(10.5)
+    assert board.read().replica_lag(99.0) == 0.5
+    board.close()
+
+
+def test_reshards_count_once_per_round_and_bytes_add_up_over_the_hosts_workers():
+    metrics = AgentMetrics(host=HOST)
+    for worker, received in (("m.w0", 1000), ("m.w1", 3000)):
+        metrics.observe(ev("resharded", round=3, worker=worker, source="memory", received_bytes=received,
+                           seconds=0.4 if worker == "m.w0" else 0.6, replica_bytes_per_commit=500,
+                           replicas_held_bytes=250))
+    assert value(metrics, "elastic_reshards_total", source="memory") == 1
+    assert value(metrics, "elastic_reshards_total", source="disk") == 0
+    assert value(metrics, "elastic_reshard_received_bytes_total") == 4000
+    assert value(metrics, "elastic_reshard_last_seconds") == 0.6
+    assert value(metrics, "elastic_shard_replica_bytes_per_commit") == 1000
+    assert value(metrics, "elastic_shard_replicas_held_bytes") == 500
+    # The next round: one worker left; the gauges are the new ring's.
+    metrics.observe(ev("worker_exited", worker="m.w1"))
+    metrics.observe(ev("resharded", round=4, worker="m.w0", source="disk", received_bytes=0, seconds=2.0,
+                       replica_bytes_per_commit=0, replicas_held_bytes=0))
+    assert value(metrics, "elastic_reshards_total", source="disk") == 1
+    assert value(metrics, "elastic_reshard_last_seconds") == 2.0
+    assert value(metrics, "elastic_shard_replica_bytes_per_commit") == 0
