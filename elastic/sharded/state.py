@@ -210,6 +210,11 @@ class ShardedState(State):
         chosen = newest_covered(held, worlds)
         newest = chosen[0] if chosen is not None else None
         first_start = newest is None and not worlds
+        # Only the chosen commit's copies matter from here on: the others go before the new
+        # model is built (a re-shard's peak memory), the chosen ones stay until the new ring
+        # has replicated the commit in its layout (a loss during this re-shard finds them).
+        slots = [s for s in slots if chosen is not None and (s.commit, s.world) == chosen]
+        self._hold_only(slots)
         if newest is None:
             found = _broadcast(durable.newest_valid(checkpoints.policy.directory)
                                if checkpoints is not None and rank == 0 else None, 0)
@@ -258,14 +263,8 @@ class ShardedState(State):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "_last_reshard_bytes", moved)
-        # The commit again, in the new ring's layout, replicated before anybody trains. The
-        # old ring's copies stay (as legacy) until then: a loss during this step finds them.
-        if not first_start:
-            object.__setattr__(self, "_legacy", [s for s in slots if (s.commit, s.world) == chosen])
-        for name in ("_own", "_own_previous"):
-            object.__setattr__(self, name, None)
-        self._replicas.clear()
-        self._spares.clear()
+        # The commit again, in the new ring's layout, replicated before anybody trains.
+        del slots, sources
         object.__setattr__(self, "_commits", newest.count)
         object.__setattr__(self, "_commit_round", newest.round)
         self._snapshot_and_replicate(runtime, wait=True)
@@ -291,11 +290,7 @@ class ShardedState(State):
             self.sampler.load_state_dict(saved["sampler"])
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
-        for name in ("_own", "_own_previous"):
-            object.__setattr__(self, name, None)
-        object.__setattr__(self, "_legacy", [])
-        self._replicas.clear()
-        self._spares.clear()
+        self._hold_only([])
         object.__setattr__(self, "_commits", int(saved["commits"]))
         object.__setattr__(self, "_commit_round", runtime.round)  # newer than any commit a survivor may hold
         self._snapshot_and_replicate(runtime, wait=True)
@@ -305,6 +300,14 @@ class ShardedState(State):
                  manifest["step"], manifest.get("world_size"), runtime.world_size, seconds)
         self._report_reshard(runtime, "disk", self._commits, manifest.get("world_size"), 0, seconds)
         return SyncPlan(self.commit_id, (), tuple(range(runtime.world_size)), ())
+
+    def _hold_only(self, slots: list[ShardSlot]) -> None:
+        """Keep ``slots`` (as legacy, until the next commit is replicated) and nothing else."""
+        for name in ("_own", "_own_previous"):
+            object.__setattr__(self, name, None)
+        self._replicas.clear()
+        self._spares.clear()
+        object.__setattr__(self, "_legacy", list(slots))
 
     def _report_reshard(self, runtime, source: str, commit: int, from_world, received: int, seconds: float) -> None:
         """One ``resharded`` event per worker and re-shard, for the agent's metrics: what it
