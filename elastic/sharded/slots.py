@@ -53,7 +53,7 @@ class ShardSlot:
         if reuse is not None and {d: b.numel() for d, b in reuse.flat.items()} == sizes:
             self.flat = reuse.flat
         else:
-            self.flat = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in sorted(sizes.items())}
+            self.flat = {d: torch.empty(n, dtype=torch_dtype(d), device="cpu") for d, n in sorted(sizes.items())}
 
     def reusable(self, layout: Sequence[TensorLayout], world: int, shard: int) -> bool:
         """Whether this slot can take shard ``shard`` of a commit of ``layout`` by ``world``."""
