@@ -255,8 +255,12 @@ class ShardedState(State):
         self._snapshot_and_replicate(runtime, wait=True)
         object.__setattr__(self, "_legacy", [])
         object.__setattr__(self, "_synced", True)
-        log.info("round %d: re-sharded commit %d (world %d -> %d): received %.3f MB in %.3fs",
-                 runtime.round, newest.count, meta.world, world, moved / 1e6, time.monotonic() - started)
+        if meta is None:  # a first start with init=: no commit to re-shard, each rank initialised its own
+            log.info("round %d: initialised the shards with init= (world %d) in %.3fs", runtime.round, world,
+                     time.monotonic() - started)
+        else:
+            log.info("round %d: re-sharded commit %d (world %d -> %d): received %.3f MB in %.3fs",
+                     runtime.round, newest.count, meta.world, world, moved / 1e6, time.monotonic() - started)
         holding_ranks = tuple(sorted({r for ranks in holders.values() for r in ranks}))
         return SyncPlan(newest, holding_ranks, tuple(r for r in range(world) if r not in holding_ranks), ())
 
