@@ -271,8 +271,11 @@ class ShardedState(State):
         object.__setattr__(self, "_legacy", [])
         object.__setattr__(self, "_synced", True)
         seconds = time.monotonic() - started
-        log.info("round %d: re-sharded commit %d (world %d -> %d): received %.3f MB in %.3fs",
-                 runtime.round, newest.count, meta.world if meta is not None else 1, world, moved / 1e6, seconds)
+        if meta is None:  # a first start with init=: no commit to re-shard, each rank initialised its own
+            log.info("round %d: initialised the shards with init= (world %d) in %.3fs", runtime.round, world, seconds)
+        else:
+            log.info("round %d: re-sharded commit %d (world %d -> %d): received %.3f MB in %.3fs",
+                     runtime.round, newest.count, meta.world, world, moved / 1e6, seconds)
         self._report_reshard(runtime, "start" if first_start else "memory", newest.count,
                              meta.world if meta is not None else 1, moved, seconds)
         holding_ranks = tuple(sorted({r for ranks in holders.values() for r in ranks}))

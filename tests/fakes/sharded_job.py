@@ -10,7 +10,8 @@ Files written to --out:
   pids.jsonl     {"pid", "rank", "round", "world"} at every (re-)entry
   steps.jsonl    {"pid", "rank", "world", "round", "step"} per completed step
   final.pt       rank 0's full parameters at the end (gathered), or the reference run's
-  killed-<step>  written by --kill-rank right before it SIGKILLs itself
+  killed-<step>  written by --kill-rank (or --kill-at) right before it SIGKILLs itself
+  builds.jsonl   {"pid", "device"} each time build() runs: "meta" unless it built the whole model
 """
 
 import argparse
@@ -29,10 +30,18 @@ p.add_argument("--step-delay", type=float, default=0.0)
 p.add_argument("--kill-rank", default=None, help="these ranks (comma-separated) SIGKILL themselves (once per job) ...")
 p.add_argument("--kill-step", type=int, default=None, help="... after training this step, before committing it")
 p.add_argument("--kill-agent", action="store_true", help="... and takes its agent (its parent) with it: a host dies")
+p.add_argument("--kill-at", action="append", default=[], metavar="RANKS:STEP",
+               help="one more kill like --kill-rank/--kill-step (repeatable, each once per job), e.g. 2:3 then 0:6")
 p.add_argument("--hold-below-world", type=int, default=None,
                help="before the first step, commit without training while the ring is smaller")
 p.add_argument("--grow-back", action="store_true",
-               help="after --kill-step's kill, commit without training until the ring is --hold-below-world again")
+               help="after the last kill, commit without training until the ring is --hold-below-world again")
+p.add_argument("--hold-from-step", type=int, default=None,
+               help="once this step is committed, commit without training until the ring has --hold-until-world")
+p.add_argument("--hold-until-world", type=int, default=None)
+p.add_argument("--init", action="store_true",
+               help="ShardedState(init=...): no rank builds the whole model, each initialises its own rows "
+               "from a formula of the global row (the reference builds the same values whole)")
 p.add_argument("--load-dcp", default=None, help="a plain FSDP2 script (torchrun): load this DCP checkpoint, "
                "write the full parameters to final.pt")
 p.add_argument("--reference", action="store_true", help="one process, plain module and optimizer")
@@ -48,8 +57,40 @@ Y = torch.randn(ROWS, 3, generator=gen)
 
 
 def build() -> nn.Module:
+    if not args.reference:  # which device the factory builds on: "meta" unless a whole model
+        append("builds.jsonl", {"pid": os.getpid(), "device": torch.empty(0).device.type})
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(7, 10), nn.Tanh(), nn.Linear(10, 13), nn.Tanh(), nn.Linear(13, 3))
+
+
+def init_values(index, shape, start, end):
+    """Rows [start, end) of parameter number ``index`` (of ``shape``) under --init: a formula
+    of the global row and column, so no rank needs the whole tensor to compute its rows."""
+    rows = torch.arange(start, end, dtype=torch.float64)
+    grid = rows if len(shape) == 1 else rows[:, None] * 0.73 + torch.arange(shape[1], dtype=torch.float64) * 1.37
+    return 0.4 * torch.sin(grid + 0.5 * index + 0.1)
+
+
+def init_shards(module):
+    """ShardedState's init=: each rank fills its own rows (FSDP2 shards dim 0, torch.chunk's rule)."""
+    from torch.distributed.tensor import Shard
+
+    with torch.no_grad():
+        for index, (name, param) in enumerate(module.named_parameters()):
+            assert tuple(param.placements) == (Shard(0),), (name, param.placements)
+            world, rank, rows = param.device_mesh.size(), param.device_mesh.get_local_rank(), param.shape[0]
+            per = -(-rows // world)
+            start, end = min(rows, rank * per), min(rows, (rank + 1) * per)
+            local = param.to_local()
+            assert local.shape[0] == end - start, (name, local.shape, start, end)
+            local.copy_(init_values(index, param.shape, start, end))
+
+
+def init_whole(module):
+    """The reference's --init: the same values, every row."""
+    with torch.no_grad():
+        for index, (_, param) in enumerate(module.named_parameters()):
+            param.copy_(init_values(index, param.shape, 0, param.shape[0]))
 
 
 def make_optimizer(module):
@@ -68,6 +109,8 @@ def rows_of(step, rank, world):
 
 if args.reference:
     model = build()
+    if args.init:
+        init_whole(model)
     optimizer = make_optimizer(model)
     for step in range(args.steps):
         rows = rows_of(step, 0, 1)
@@ -107,11 +150,17 @@ if args.load_dcp:  # what a user does elsewhere with a checkpoint of elastic-run
 import elastic  # noqa: E402
 
 elastic.init()
-state = elastic.ShardedState(model=build, optimizer=make_optimizer, step=0)
+state = elastic.ShardedState(model=build, optimizer=make_optimizer, init=init_shards if args.init else None, step=0)
+
+KILLS = [(args.kill_rank.split(","), args.kill_step)] if args.kill_rank is not None else []
+for spec in args.kill_at:
+    ranks, _, at = spec.partition(":")
+    KILLS.append((ranks.split(","), int(at)))
+LAST_KILL = max((at for _, at in KILLS), default=None)
 
 
 def maybe_die(step):
-    if args.kill_rank is None or step != args.kill_step or str(elastic.rank()) not in args.kill_rank.split(","):
+    if not any(step == at and str(elastic.rank()) in ranks for ranks, at in KILLS):
         return
     marker = os.path.join(args.out, f"killed-{step}")
     if os.path.exists(marker) and elastic.round() != int(open(marker).read() or 0):
@@ -129,8 +178,10 @@ def train(state):
     append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world})
     model, optimizer = state.model, state.optimizer
     while state.step < args.steps:
-        killed = os.path.exists(os.path.join(args.out, f"killed-{args.kill_step}"))
-        if args.hold_below_world and world < args.hold_below_world and (state.step == 0 or args.grow_back and killed):
+        killed = os.path.exists(os.path.join(args.out, f"killed-{LAST_KILL}"))
+        held = args.hold_from_step is not None and state.step >= args.hold_from_step and world != args.hold_until_world
+        if held or args.hold_below_world and world < args.hold_below_world and (
+                state.step == 0 or args.grow_back and killed):
             dist.barrier()
             time.sleep(0.05)
             state.commit()

@@ -16,43 +16,10 @@ import uuid
 import pytest
 import torch
 
-from tests.fakes.jobs import REPO, Job, read_jsonl, wait_until
+from tests.fakes.jobs import read_jsonl, wait_until
+from tests.fakes.sharded_runs import SHARDED_JOB, assert_equals_reference, reference, reshards, start, worlds
 
 pytestmark = pytest.mark.timeout(300)
-
-SHARDED_JOB = REPO / "tests" / "fakes" / "sharded_job.py"
-
-
-def start(tmp_path, launcher, script_args, *, name="job", env=None):
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    return Job(tmp_path, [*launcher, "--log-dir", str(logs), str(SHARDED_JOB), "--out", str(out), *script_args],
-               name=name, env=env)
-
-
-def reference(tmp_path, steps: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
-    env["PYTHONPATH"] = str(REPO)
-    out = tmp_path / "reference"
-    subprocess.run([sys.executable, str(SHARDED_JOB), "--reference", "--steps", str(steps), "--out", str(out)],
-                   env=env, check=True, timeout=120, capture_output=True)
-    return torch.load(out / "final.pt", weights_only=True)
-
-
-def assert_equals_reference(tmp_path, steps: int) -> None:
-    final = torch.load(tmp_path / "out" / "final.pt", weights_only=True)
-    expected = reference(tmp_path, steps)
-    assert set(final) == set(expected)
-    for name, value in expected.items():
-        assert final[name].dtype == torch.float64
-        assert torch.allclose(final[name], value, rtol=0, atol=1e-9), (name, (final[name] - value).abs().max())
-
-
-def worlds(job: Job) -> list[int]:
-    return [e["world_size"] for e in job.events() if e["event"] == "round_formed"]
-
-
-def reshards(job: Job) -> list[str]:
-    return [line for line in job.text().splitlines() if "re-sharded commit" in line]
 
 
 @pytest.mark.slow  # about 50 s: make test stays under 15 min
