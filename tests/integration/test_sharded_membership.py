@@ -103,6 +103,9 @@ def test_worlds_4_3_2_4_two_kills_then_a_joining_agent_all_from_memory_and_init_
     # The joiners (B's workers) held nothing: they received their shards from the pair's memory
     # (below 0.0005 MB for the one whose rows are fewest: the line rounds that to 0.000).
     assert len(transitions(b)) == 2 and sum(received for *_, received in transitions(b)) > 0, b.text()[-3000:]
+    # Their resharded events (the metrics' source) say so to the byte, each of them.
+    joiners = [e for e in a.events() if e["event"] == "resharded" and e["to_world"] == 4 and e["host"] == "host-b"]
+    assert len(joiners) == 2 and all(e["source"] == "memory" and e["received_bytes"] > 0 for e in joiners), joiners
     assert_nothing_read_from_disk(a, b)
     assert not list(tmp_path.rglob("step-*")) and not list(tmp_path.rglob("manifest.json"))
 
