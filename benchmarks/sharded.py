@@ -22,10 +22,13 @@ shards into a buffer kept across steps (the floor any snapshot pays), the snapsh
 re-shard or the restore the memory the kernel counts (VmHWM reset at the start).
 
 Reported per size and job: kill -> next completed step, and that minus one median loop
-iteration before the kill (step + copy_ + snapshot: the re-run step is not a stall);
-snapshot median vs copy_ median; bytes per snapshot per worker; bytes received by the
-re-shard (elastic) or read by the load (torchrun); the peak memory of the re-shard or the
-restore above the worker's runtime (its RSS before it held any state) against the
+iteration before the kill (step + copy_ + snapshot: the re-run step is not a stall); the
+median training step before the kill (forward, backward, optimizer: what the background
+replication of elastic's commits competes with); snapshot median vs copy_ median; bytes
+per snapshot per worker; bytes received by the re-shard (elastic) or read by the load
+(torchrun); the peak memory of the re-shard above what the worker held besides the state
+as it began (its RSS less its commit slots and the old model if not yet collected), or of
+the restore above the restarted worker's RSS after init_process_group, against the
 issue's bound for a re-shard (live shard + snapshot + replicas + one transfer chunk).
 """
 
@@ -232,13 +235,13 @@ def _mb(value: float) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| state | job | shard/worker | kill -> next step | stall beyond re-run step | snapshot per step "
-          "| copy_ | ratio | bytes per snapshot/worker | re-shard received / load read | peak memory in re-shard "
-          "/ restore | bound (live + snapshot + replicas + chunk) | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| state | job | shard/worker | kill -> next step | stall beyond re-run step | train step "
+          "| snapshot per step | copy_ | ratio | bytes per snapshot/worker | re-shard received / load read "
+          "| peak memory in re-shard / restore | bound (live + snapshot + replicas + chunk) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r.get("error"):
-            print(f"| {r['size_mb']:g} MB | {r['variant']} | {r['error']} |" + " |" * 10)
+            print(f"| {r['size_mb']:g} MB | {r['variant']} | {r['error']} |" + " |" * 11)
             continue
         memory, snapshot = r["memory"], ("commit (R=1)" if r["variant"] == "elastic" else "dcp.save")
         peak = f"{_mb(memory['peak_mb'])} MB" if memory else "-"
@@ -250,8 +253,9 @@ def print_table(rows: list[dict]) -> None:
             bound = "-"
         sent = "sent" if r["variant"] == "elastic" else "written"
         print(f"| {r['size_mb']:g} MB | {r['variant']} | {r['shard_mb']:.1f} MB | {r['kill_to_next_step_s']:.3f} s "
-              f"| {r['stall_beyond_rerun_s']:.3f} s | {snapshot} {fmt_ms(r['snapshot_median_s'])} "
-              f"| {fmt_ms(r['copy_median_s'])} | {r['snapshot_median_s'] / max(r['copy_median_s'], 1e-9):.2f}x "
+              f"| {r['stall_beyond_rerun_s']:.3f} s | {r['train_median_s']:.3f} s "
+              f"| {snapshot} {fmt_ms(r['snapshot_median_s'])} | {fmt_ms(r['copy_median_s'])} "
+              f"| {r['snapshot_median_s'] / max(r['copy_median_s'], 1e-9):.2f}x "
               f"| {r['bytes_per_snapshot'] / 1e6:.2f} MB {sent} | {r['received_mb']:.2f} MB | {peak} | {bound} "
               f"| {r['loadavg_1min']:.1f} |")
 
