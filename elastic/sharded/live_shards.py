@@ -70,3 +70,29 @@ def live_shards(previous: "LiveShards | None", model: torch.nn.Module, optimizer
     if previous is not None and previous.current(model, optimizer):
         return previous
     return LiveShards(model, optimizer)
+
+
+def release_storage(model: torch.nn.Module, optimizer) -> int:
+    """Free the memory of a model and optimizer that no ring will use again, now; returns
+    the bytes freed. FSDP2's module graph holds reference cycles, so dropping the last
+    reference frees nothing until a garbage collection runs, and after an aborted ring
+    the runtime skips that collection (it is slow under load): a re-shard would build the
+    new model beside the old one. Emptying the storages frees it whatever still refers
+    to the old objects; a script that kept them (the API says not to) gets a clear error
+    from torch on its next use rather than stale values."""
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    if optimizer is not None:
+        tensors += [v for entries in optimizer.state.values() for v in entries.values() if isinstance(v, torch.Tensor)]
+    freed = 0
+    for tensor in tensors:
+        local = _local_tensor(tensor)
+        if local is None or local.device.type == "meta":
+            continue
+        storage = local.untyped_storage()
+        try:
+            size = storage.nbytes()
+            storage.resize_(0)
+        except RuntimeError:  # a storage torch does not let us resize (not allocated by torch): left to the collector
+            continue
+        freed += size
+    return freed

@@ -46,7 +46,7 @@ from . import durable, modules
 from .mesh import device_mesh, device_type
 from .placement import replica_holders, replicas_of
 from .reshard_plan import Piece, newest_covered, plan_reshard
-from .live_shards import live_shards
+from .live_shards import live_shards, release_storage
 from .slots import Replication, ShardSlot, slot_for
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class ShardedState(State):
         if the ring changes here (after the copies have arrived: the new ring needs them)."""
         runtime = _runtime()
         runtime.fence()
-        self._finish_replication(None, raise_errors=True)
+        self._await_ring_replicated()
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_commit_round", runtime.round)
         self._snapshot_and_replicate(runtime, wait=False)
@@ -107,6 +107,12 @@ class ShardedState(State):
     def restore(self) -> None:
         """After a failure: nothing to do until the new ring exists (``sync`` rebuilds the
         model from the commit); the live model belongs to the broken ring's mesh."""
+        self._release_model()
+
+    def _release_model(self) -> None:
+        """The live model and optimizer go, with their memory (``release_storage``)."""
+        if self.model is not None:
+            release_storage(self.model, self.optimizer)
         object.__setattr__(self, "model", None)
         object.__setattr__(self, "optimizer", None)
         object.__setattr__(self, "_live", None)
@@ -148,6 +154,21 @@ class ShardedState(State):
         object.__setattr__(self, "_replication", Replication(commit, own, holders[runtime.rank], receive, done))
         if wait:
             self._finish_replication(None, raise_errors=True)
+
+    def _await_ring_replicated(self) -> None:
+        """Wait until every rank's copies of the previous commit are in; only then may this
+        commit overwrite the copies of the one before it. Each rank waits for its own copies;
+        one small all-reduce then says all have: a rank whose copy to another is still in
+        flight holds the others here, and if it dies now the ring rolls back to the commit
+        before, whose copies nobody has overwritten yet. After a re-shard the old ring's
+        copies (legacy) go here too: the new ring's layout of the commit is complete."""
+        if self._replication is None:
+            return
+        self._finish_replication(None, raise_errors=True)
+        # A host tensor: with cpu:gloo,cuda:nccl it travels over gloo, never a device sync.
+        dist.all_reduce(torch.zeros(1), group=None)
+        if self._legacy:
+            object.__setattr__(self, "_legacy", [])
 
     def _finish_replication(self, timeout: Optional[float], raise_errors: bool = False) -> None:
         """Wait for the copies in flight; each one that arrived whole becomes the replica
@@ -215,6 +236,7 @@ class ShardedState(State):
         # has replicated the commit in its layout (a loss during this re-shard finds them).
         slots = [s for s in slots if chosen is not None and (s.commit, s.world) == chosen]
         self._hold_only(slots)
+        self._release_model()  # a planned switch's: the new one is built from the copies
         if newest is None:
             found = _broadcast(durable.newest_valid(checkpoints.policy.directory)
                                if checkpoints is not None and rank == 0 else None, 0)
@@ -263,12 +285,14 @@ class ShardedState(State):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "_last_reshard_bytes", moved)
-        # The commit again, in the new ring's layout, replicated before anybody trains.
+        # The commit again, in the new ring's layout. Its copies travel while the first step
+        # trains, as any commit's: until they are in everywhere (the next commit waits for
+        # that) the old ring's copies of it stay as legacy, so a loss meanwhile finds them.
+        # At the first start there is nothing older to fall back on: the copies are awaited.
         del slots, sources
         object.__setattr__(self, "_commits", newest.count)
         object.__setattr__(self, "_commit_round", newest.round)
-        self._snapshot_and_replicate(runtime, wait=True)
-        object.__setattr__(self, "_legacy", [])
+        self._snapshot_and_replicate(runtime, wait=first_start)
         object.__setattr__(self, "_synced", True)
         seconds = time.monotonic() - started
         if meta is None:  # a first start with init=: no commit to re-shard, each rank initialised its own

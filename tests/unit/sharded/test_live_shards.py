@@ -96,3 +96,18 @@ def test_a_slot_is_reused_while_its_layout_fits_and_forgets_its_commit():
     assert other_shard is not same and other_shard.flat["float32"] is same.flat["float32"]
     empty_shard = slot_for(same, layout, 4, 3)
     assert empty_shard.nbytes == 0 and empty_shard.flat["float32"] is not same.flat["float32"]
+
+
+def test_releasing_a_model_frees_its_shards_grads_and_optimizer_state_even_while_referenced(mesh):
+    from elastic.sharded.live_shards import release_storage
+
+    model = sharded_model(mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    train_step(model, optimizer)
+    model(torch.randn(4, 5)).sum().backward()  # grads present too
+    live = live_shards(None, model, optimizer)
+    expected = sum(t.untyped_storage().nbytes() for t in live.sources)
+    freed = release_storage(model, optimizer)
+    assert freed >= expected > 0
+    assert all(t.untyped_storage().nbytes() == 0 for t in live.sources)  # the references remain, the memory not
+    assert all(p.grad._local_tensor.untyped_storage().nbytes() == 0 for p in model.parameters())
