@@ -42,6 +42,7 @@ def test_below_min_np_the_job_waits_and_a_new_worker_brings_it_back(tmp_path, et
     assert max(s["step"] for s in first.steps()) == 120
 
 
+@pytest.mark.slow  # about 45 s; test_elastic_run's SIGKILL test keeps the scenario in make test: CI runs it; make test stays under 15 min
 def test_torchrun_style_script_survives_a_sigkill(tmp_path):
     out = tmp_path / "result.json"
     snapshot = tmp_path / "snapshot.pt"

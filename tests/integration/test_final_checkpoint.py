@@ -36,6 +36,7 @@ def exits(job: Job) -> dict:
     return {e["rank"]: e for e in job.events() if e["event"] == "worker_exited"}
 
 
+@pytest.mark.slow  # about 35 s; the bounded final checkpoint stays in make test: CI runs it; make test stays under 15 min
 def test_a_slow_final_checkpoint_is_written_to_the_end(tmp_path):
     job = start(tmp_path)
     wait_until(lambda: 1 in exits(job), 240, "rank 1 to finish")

@@ -100,6 +100,7 @@ def test_sigterm_mid_step_is_a_graceful_leave_with_no_lost_step(tmp_path, etcd_s
     assert steps.count(leaver_last) == 1 and leaver_last >= at_signal
 
 
+@pytest.mark.slow  # about 25 s: CI runs it; make test stays under 15 min
 def test_second_sigterm_kills_workers_and_the_rest_recovers(tmp_path, etcd_server):
     # Rank 2 (the leaving host's worker) stalls in its first step, so the second SIGTERM
     # surely lands before the ring reaches the commit where it would have switched.
@@ -119,6 +120,7 @@ def test_second_sigterm_kills_workers_and_the_rest_recovers(tmp_path, etcd_serve
     assert_failure_path(stay, "SIGTERM again")
 
 
+@pytest.mark.slow  # about 35 s: CI runs it; make test stays under 15 min
 def test_worker_stuck_past_the_grace_period_is_killed_and_the_rest_recovers(tmp_path, etcd_server):
     # Rank 2 (the leaving host's worker) stalls 60 s inside its first step; the grace period is 1 s.
     stay, leave = two_agents(
@@ -151,6 +153,7 @@ def assert_failure_path(stay, forced_reason):
     assert len(steps) - len(set(steps)) <= 1  # commit every step: at most one step done again
 
 
+@pytest.mark.slow  # about 28 s: CI runs it; make test stays under 15 min
 def test_sigterm_that_leaves_too_few_workers_stops_the_job_with_a_final_checkpoint(tmp_path):
     from checkpoint import list_checkpoints
 

@@ -55,6 +55,7 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow  # about 24 s; the timeline model and picture are unit-tested: CI runs it; make test stays under 15 min
 def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path):
     # Once shrunk, the ring commits in lockstep without training until it has 3 workers
     # again, so the job cannot end before the joiner (slow to start under load) arrives.
