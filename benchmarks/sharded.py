@@ -70,7 +70,7 @@ def old_live_bytes() -> int | None:
 
 def held_bytes(state) -> int:
     """Bytes of the commit slots a ShardedState holds (own, previous own, replicas, spares)."""
-    slots = [getattr(state, "_own", None), getattr(state, "_own_previous", None),
+    slots = [getattr(state, "_own", None), *getattr(state, "_own_older", []),
              *getattr(state, "_replicas", {}).values(), *getattr(state, "_spares", {}).values(),
              *getattr(state, "_legacy", [])]
     buffers = {b.data_ptr(): b.numel() * b.element_size() for s in slots if s is not None for b in s.flat.values()}

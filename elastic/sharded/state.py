@@ -8,8 +8,10 @@ like them, as the DTensors' local tensors) into its own slot, reused from commit
 commit, and posts copies of them to ``--shard-replicas`` other workers, on other hosts
 where the ring has them (``placement.py``). The copies travel while the next step
 trains; the next commit waits for what is left. A replica holder keeps the previous
-complete copy until the new one has arrived whole, so at any moment every shard of
-some commit is held by the owner and its replicas.
+complete copy until the new one has arrived whole, and an owner keeps its own copies of
+the last three commits (the oldest goes once every rank is past the commit that made
+it redundant), so at any moment every shard of some commit is held by the owner and
+its replicas.
 
 ``sync()`` (after a loss, a join or a leave, and at the start) gathers what every rank
 holds, agrees on the newest commit every shard of which some rank still holds
@@ -17,8 +19,9 @@ holds, agrees on the newest commit every shard of which some rank still holds
 and gives it storage for its shards only, then moves each rank the element ranges of
 its new shards straight into the live DTensors' local tensors (``plan_reshard``), from
 its own copy where it holds one, else striped across the holders. Nothing is read
-from disk. It ends by taking the commit again in the new layout and replicating it
-synchronously, so the new ring is covered before its first commit.
+from disk. It ends by taking the commit again in the new layout; its copies travel
+during the first step, and the old ring's copies stay until the first commit has seen
+them arrive everywhere.
 
 At the first start nobody holds anything: rank 0 builds ``model()`` whole and is the
 only holder of a commit of a world of one; every rank takes its rows from it. With
@@ -73,7 +76,7 @@ class ShardedState(State):
         for name, value in (("_model_factory", model), ("_optimizer_factory", optimizer),
                             ("_shard", shard or modules.default_shard), ("_init", init),
                             ("model", None), ("optimizer", None), ("sampler", sampler),
-                            ("_own", None), ("_own_previous", None), ("_legacy", []),
+                            ("_own", None), ("_own_older", []), ("_legacy", []), ("_confirm_ring", False),
                             ("_replicas", {}), ("_spares", {}), ("_metas", {}),
                             ("_replication", None), ("_holders", ()), ("_holders_for", None), ("_live", None),
                             ("_last_reshard_bytes", 0)):
@@ -85,7 +88,7 @@ class ShardedState(State):
         if the ring changes here (after the copies have arrived: the new ring needs them)."""
         runtime = _runtime()
         runtime.fence()
-        self._await_ring_replicated()
+        self._await_copies()
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_commit_round", runtime.round)
         self._snapshot_and_replicate(runtime, wait=False)
@@ -130,12 +133,18 @@ class ShardedState(State):
         meta = modules.describe(commit, runtime.world_size, self.model, self.optimizer, live.tensors,
                                 {name: getattr(self, name) for name in self._value_names}, self.sampler,
                                 layout=live.layout, names=live.names)
-        # The previous commit's own copy stays until this one's replicas are in: a peer that
-        # dies before making this commit leaves the ring to roll back to the previous one.
-        own = slot_for(self._own_previous, live.layout, runtime.world_size, runtime.rank)
+        # Own copies rotate through three slots: this commit, the last and the one before.
+        # The one before goes only now: this rank passed the last commit's step with every
+        # other (its collectives), and each of them waited at the last commit for its own
+        # copies of the one before, so that one is complete everywhere. Overwriting it any
+        # earlier could catch the ring, should a rank whose copy is still in flight die,
+        # with neither of the two newest commits covered.
+        older = self._own_older
+        own = slot_for(older.pop(0) if len(older) == 2 else None, live.layout, runtime.world_size, runtime.rank)
         own.copy_from(live)
         own.commit = commit
-        object.__setattr__(self, "_own_previous", self._own)
+        if self._own is not None:
+            older.append(self._own)
         object.__setattr__(self, "_own", own)
         self._metas[(commit, runtime.world_size)] = meta  # one commit, two layouts while a re-shard settles
         for old in sorted(self._metas)[:-_KEEP_METAS]:
@@ -155,20 +164,16 @@ class ShardedState(State):
         if wait:
             self._finish_replication(None, raise_errors=True)
 
-    def _await_ring_replicated(self) -> None:
-        """Wait until every rank's copies of the previous commit are in; only then may this
-        commit overwrite the copies of the one before it. Each rank waits for its own copies;
-        one small all-reduce then says all have: a rank whose copy to another is still in
-        flight holds the others here, and if it dies now the ring rolls back to the commit
-        before, whose copies nobody has overwritten yet. After a re-shard the old ring's
-        copies (legacy) go here too: the new ring's layout of the commit is complete."""
-        if self._replication is None:
-            return
+    def _await_copies(self) -> None:
+        """Wait for this rank's copies of the last commit, sent and received. The first commit
+        after a re-shard also says, in one small all-reduce, that every rank's are in: the
+        old ring's copies of the commit (legacy) can go, the new ring's layout covers it."""
         self._finish_replication(None, raise_errors=True)
-        # A host tensor: with cpu:gloo,cuda:nccl it travels over gloo, never a device sync.
-        dist.all_reduce(torch.zeros(1), group=None)
-        if self._legacy:
+        if self._confirm_ring:
+            # A host tensor: with cpu:gloo,cuda:nccl it travels over gloo, never a device sync.
+            dist.all_reduce(torch.zeros(1))
             object.__setattr__(self, "_legacy", [])
+            object.__setattr__(self, "_confirm_ring", False)
 
     def _finish_replication(self, timeout: Optional[float], raise_errors: bool = False) -> None:
         """Wait for the copies in flight; each one that arrived whole becomes the replica
@@ -293,6 +298,7 @@ class ShardedState(State):
         object.__setattr__(self, "_commits", newest.count)
         object.__setattr__(self, "_commit_round", newest.round)
         self._snapshot_and_replicate(runtime, wait=first_start)
+        object.__setattr__(self, "_confirm_ring", not first_start)  # every rank alike: a collective follows
         object.__setattr__(self, "_synced", True)
         seconds = time.monotonic() - started
         if meta is None:  # a first start with init=: no commit to re-shard, each rank initialised its own
@@ -330,8 +336,9 @@ class ShardedState(State):
 
     def _hold_only(self, slots: list[ShardSlot]) -> None:
         """Keep ``slots`` (as legacy, until the next commit is replicated) and nothing else."""
-        for name in ("_own", "_own_previous"):
-            object.__setattr__(self, name, None)
+        object.__setattr__(self, "_own", None)
+        object.__setattr__(self, "_own_older", [])
+        object.__setattr__(self, "_confirm_ring", False)
         self._replicas.clear()
         self._spares.clear()
         object.__setattr__(self, "_legacy", list(slots))
@@ -372,7 +379,7 @@ class ShardedState(State):
         return modules.build_sharded(self._model_factory, self._shard, mesh, device)
 
     def _held_slots(self) -> list[ShardSlot]:
-        slots = [s for s in (self._own, self._own_previous) if s is not None and s.commit is not None]
+        slots = [s for s in (self._own, *self._own_older) if s is not None and s.commit is not None]
         slots += [s for s in self._replicas.values() if s.commit is not None]
         # A spare with a commit is the replica an arrival just displaced, intact until the next
         # commit receives into it. It counts: a newer copy of one owner's shard does not make
