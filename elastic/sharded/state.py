@@ -216,8 +216,6 @@ class ShardedState(State):
         which survived; returns who held and who received."""
         runtime = _runtime()
         started = time.monotonic()
-        # A copy that arrived before the ring broke counts; one still pending never will.
-        self._finish_replication(timeout=2.0)
         if not dist.is_initialized():
             raise ElasticError("ShardedState needs a process group: run the script with elastic-run")
         mesh = device_mesh()
@@ -226,14 +224,7 @@ class ShardedState(State):
         if checkpoints is not None:
             checkpoints.abandon()  # a write of the broken ring is never waited for
             group = checkpoints.group(runtime.round)
-        slots = self._held_slots()
-        report = ([(s.commit.round, s.commit.count, s.world, s.shard) for s in slots],
-                  [(c.round, c.count, w) for c, w in self._metas])
-        reports: list = [None] * world
-        dist.all_gather_object(reports, report)
-        held = {r: [((CommitId(a, b), w), s) for a, b, w, s in rep[0]] for r, rep in enumerate(reports)}
-        worlds = {(CommitId(a, b), w): w for rep in reports for a, b, w, _ in rep[0]}
-        chosen = newest_covered(held, worlds)
+        slots, reports, held, worlds, chosen = self._agree_on_commit(world)
         newest = chosen[0] if chosen is not None else None
         first_start = newest is None and not worlds
         # Only the chosen commit's copies matter from here on: the others go before the new
@@ -310,6 +301,31 @@ class ShardedState(State):
                              meta.world if meta is not None else 1, moved, seconds)
         holding_ranks = tuple(sorted({r for ranks in holders.values() for r in ranks}))
         return SyncPlan(newest, holding_ranks, tuple(r for r in range(world) if r not in holding_ranks), ())
+
+    def _agree_on_commit(self, world: int):
+        """Every rank's holdings, and the newest commit they cover. Copies still in flight when
+        the ring broke are waited for (2 s at most, then asked again) only if their arrival
+        would cover a newer commit: after a loss mid-step the pending copies are of a commit
+        the dead rank never made, and waiting for them would only stall the re-shard."""
+        for attempt in (0, 1):
+            slots = self._held_slots()
+            replication = self._replication
+            pending = [(replication.commit.round, replication.commit.count, slot.world, owner)
+                       for owner, slot in replication.receive.items() if owner not in replication.received
+                       ] if replication is not None else []
+            report = ([(s.commit.round, s.commit.count, s.world, s.shard) for s in slots],
+                      [(c.round, c.count, w) for c, w in self._metas], pending)
+            reports: list = [None] * world
+            dist.all_gather_object(reports, report)
+            held = {r: [((CommitId(a, b), w), s) for a, b, w, s in rep[0]] for r, rep in enumerate(reports)}
+            worlds = {(CommitId(a, b), w): w for rep in reports for a, b, w, _ in rep[0]}
+            chosen = newest_covered(held, worlds)
+            maybe = {r: held[r] + [((CommitId(a, b), w), s) for a, b, w, s in rep[2]] for r, rep in enumerate(reports)}
+            worth_waiting = newest_covered(maybe, {**worlds, **{k: k[1] for pairs in maybe.values() for k, _ in pairs}})
+            if attempt == 1 or worth_waiting == chosen:  # the same on every rank: it is gathered data
+                self._finish_replication(timeout=0.0)  # what is still pending never counts
+                return slots, reports, held, worlds, chosen
+            self._finish_replication(timeout=2.0)
 
     def _resume_from_disk(self, runtime, mesh, group, found, started: float) -> SyncPlan:
         """Every rank loads its new shards of a durable checkpoint (any world size reads it)."""
