@@ -364,11 +364,13 @@ class ShardedState(State):
         received, and what keeping the new ring covered costs it per commit."""
         sends_to = self._holders[runtime.rank] if runtime.world_size > 1 and self._holders else ()
         worker = runtime.config.worker_id if runtime.config is not None else "local"
-        runtime.events.emit("resharded", console=False, worker=worker, source=source, commit=commit, from_world=from_world,
-                            to_world=runtime.world_size, received_bytes=received, seconds=round(seconds, 4),
-                            shard_bytes=self._own.nbytes if self._own is not None else 0,
-                            replica_bytes_per_commit=(self._own.nbytes if self._own is not None else 0) * len(sends_to),
-                            replicas_held_bytes=sum(s.nbytes for s in self._replicas.values()))
+        shard_bytes = self._own.nbytes if self._own is not None else 0
+        runtime.events.emit("resharded", console=False, worker=worker, source=source, commit=commit,
+                            from_world=from_world, to_world=runtime.world_size, received_bytes=received,
+                            seconds=round(seconds, 4), shard_bytes=shard_bytes,
+                            replica_bytes_per_commit=shard_bytes * len(sends_to),
+                            # per owner its replica, or the slot its copy is arriving in
+                            replicas_held_bytes=sum(s.nbytes for s in {**self._replicas, **self._spares}.values()))
 
     # -- durable checkpoints ----------------------------------------------------------
     def _checkpoints(self, runtime) -> Optional[durable.ShardedCheckpoints]:

@@ -106,6 +106,9 @@ def test_worlds_4_3_2_4_two_kills_then_a_joining_agent_all_from_memory_and_init_
     # Their resharded events (the metrics' source) say so to the byte, each of them.
     joiners = [e for e in a.events() if e["event"] == "resharded" and e["to_world"] == 4 and e["host"] == "host-b"]
     assert len(joiners) == 2 and all(e["source"] == "memory" and e["received_bytes"] > 0 for e in joiners), joiners
+    # ... and what covering the ring of 4 costs them: a copy of their shard sent per commit, one kept of another's.
+    assert all(e["replica_bytes_per_commit"] == e["shard_bytes"] > 0 and e["replicas_held_bytes"] > 0
+               for e in joiners), joiners
     assert_nothing_read_from_disk(a, b)
     assert not list(tmp_path.rglob("step-*")) and not list(tmp_path.rglob("manifest.json"))
 
