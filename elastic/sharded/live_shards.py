@@ -60,10 +60,6 @@ class LiveShards:
             return False  # cheap first: a step that created optimizer state
         return signature(optimizer, self.tensors) == self._signature
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.sources)
-
 
 def live_shards(previous: "LiveShards | None", model: torch.nn.Module, optimizer) -> LiveShards:
     """``previous`` while it is current, else the tensors found anew."""

@@ -56,6 +56,13 @@ def wait_while_running(jobs, predicate, timeout: float, what: str) -> None:
         assert job.proc.poll() is None, f"elastic-run ended before {what}:\n{job.text()[-3000:]}"
 
 
+def kill_left_over(*jobs) -> None:
+    """A failed test's agents go, with their workers (a job not started yet is None)."""
+    for job in jobs:
+        if job is not None and job.proc.poll() is None:
+            job.kill()
+
+
 def builds(tmp_path) -> list[dict]:
     return read_jsonl(tmp_path / "out" / "builds.jsonl")
 
@@ -88,9 +95,7 @@ def test_worlds_4_3_2_4_two_kills_then_a_joining_agent_all_from_memory_and_init_
         assert a.wait(180) == 0, a.text()[-3000:]
         assert b.wait(60) == 0, b.text()[-3000:]
     finally:
-        for job in (a, b):
-            if job is not None and job.proc.poll() is None:
-                job.kill()
+        kill_left_over(a, b)
     assert (tmp_path / "out" / "killed-3").exists() and (tmp_path / "out" / "killed-6").exists()
     assert worlds(a) == [4, 3, 2, 4], worlds(a)
 
@@ -159,9 +164,7 @@ def test_sigterm_to_one_of_two_agents_is_a_graceful_leave_resharded_4_to_2_with_
         assert leave.wait(60) == 0, leave.text()[-3000:]
         assert stay.wait(120) == 0, stay.text()[-3000:]
     finally:
-        for job in (stay, leave):
-            if job is not None and job.proc.poll() is None:
-                job.kill()
+        kill_left_over(stay, leave)
 
     events = stay.events()
     left = [e for e in events if e.get("host") == "host-leave"]
