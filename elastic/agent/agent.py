@@ -27,7 +27,6 @@ semantics: on any change of round they are restarted together.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import queue
@@ -38,8 +37,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
-
-import torch.distributed as dist
 
 from elastic.rendezvous import (
     FAILED,
@@ -67,6 +64,7 @@ from ..contract.reset_budget import ResetBudget, RoundFailures
 from .event_tail import EventTail
 from .peer_probe import PeerProbe
 from .plain_store import PlainStores, prune_round_keys
+from .store_server import StoreServer
 from .straggler_eviction import on_straggler_event
 from .watchdog import HangPolicy, Watchdog
 from .wind_down import wind_down
@@ -122,7 +120,8 @@ class Agent:
         self._health_server: Optional[HealthServer] = None
         self._session_monitor: Optional[SessionMonitor] = None
         self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
-        self._store = None
+        self._store: Optional[StoreServer] = None
+        self._plain_stores: Optional[PlainStores] = None
         self.participant: Optional[Participant] = None
         self._chaos = config.chaos and ChaosMonkey(config.chaos, workers=self._workers, min_np=config.settings.min_np,
                                                    max_restarts=config.max_restarts, events=self.events, out=print)
@@ -131,11 +130,9 @@ class Agent:
     def run(self) -> int:
         cfg = self.config
         # The store that rounds use when one of our workers is rank 0. It lives as
-        # long as the agent, so a worker crash never takes the store down with it.
-        self._store = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=cfg.settings.timeout),
-        )
+        # long as the agent, so a worker crash never takes the store down with it. Its
+        # port is known at once; torch starts it in the background (store_server.py).
+        self._store = StoreServer(cfg.host_addr, cfg.settings.timeout, "round-store")
         if cfg.health_port is not None:
             self._health_server = HealthServer(cfg.health_port, self.health.probe, metrics=self.metrics.exposition).start()
         self._wanted = [self._new_worker_id() for _ in range(cfg.nproc_per_node)]
@@ -227,12 +224,15 @@ class Agent:
         self.events.round = plan.round
         self.events.emit("round_started", **round_change(self._plan_started, plan))
         self._plain_stores.serve_if_rank0(plan)
-        prune_round_keys(self._store, plan.round)
+        prune_round_keys(self._store.started(), plan.round)
         self._restart_plain_workers()
         mine = set(plan.local_ranks(self.member_id))
         for worker_id in self._wanted:
             if worker_id in mine and worker_id not in self._workers and self._leaving_since is None:
                 self._start_worker(worker_id, plan)
+        # Our stores' servers load torch now, behind the workers (store_server.py).
+        self._plain_stores.start_serving()
+        self._store.start()
 
     def _restart_plain_workers(self) -> None:
         """torchrun semantics for scripts without the elastic API: restart on a new round.
@@ -497,6 +497,10 @@ class Agent:
             self._session_monitor.stop()
         if self._health_server is not None:
             self._health_server.stop()
+        if self._plain_stores is not None:
+            self._plain_stores.close()
+        if self._store is not None:
+            self._store.close()
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _final_checkpoint_file(self, worker_id: str) -> str:

@@ -11,13 +11,12 @@ every agent reads it before starting a worker of that round.
 
 from __future__ import annotations
 
-import datetime
 import time
-
-import torch.distributed as dist
 
 from elastic.rendezvous import Etcd, JobKeys, RoundPlan
 from elastic.rendezvous.errors import RendezvousTimeoutError
+
+from .store_server import StoreServer
 
 _KEEP_ROUNDS = 2  # the current round's store, and the previous one while it drains
 
@@ -29,20 +28,18 @@ class PlainStores:
         self._member_id = member_id
         self._host_addr = host_addr
         self._timeout = timeout
-        self._served: dict[int, dist.TCPStore] = {}
+        self._served: dict[int, StoreServer] = {}
 
     def serve_if_rank0(self, plan: RoundPlan) -> None:
         """If rank 0 of ``plan`` is ours, start the round's store and publish it."""
         if plan.slots[0].member_id != self._member_id or plan.round in self._served:
             return
-        store = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self._timeout),
-        )
+        # Published at once: the port is bound now; the store starts with start_serving().
+        store = StoreServer(self._host_addr, self._timeout, f"plain-store-{plan.round}")
         self._served[plan.round] = store
         self._etcd.put(self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode())
         for old in sorted(self._served)[:-_KEEP_ROUNDS]:
-            del self._served[old]  # the last reference: the store's server closes
+            self._served.pop(old).close()
         self._prune_addresses(plan.round)
 
     def _prune_addresses(self, current: int) -> None:
@@ -59,6 +56,11 @@ class PlainStores:
             if number.isdigit() and int(number) <= current - _KEEP_ROUNDS:
                 self._etcd.delete(kv.key)
 
+    def start_serving(self) -> None:
+        """Start the stores published so far (after the round's workers are started)."""
+        for store in self._served.values():
+            store.start()
+
     def address(self, plan: RoundPlan, timeout: float = 30.0) -> tuple[str, int]:
         """The round's store address (waits, bounded, for rank 0's agent to publish it)."""
         deadline = time.monotonic() + timeout
@@ -74,13 +76,17 @@ class PlainStores:
             delay = min(delay * 2, 0.1)
 
     def close(self) -> None:
-        self._served.clear()
+        while self._served:
+            self._served.popitem()[1].close()
 
 
 def prune_round_keys(store, current_round: int) -> None:
     """Delete the keys of rounds before the previous one from an agent's round store
     (``/round/<n>/...``, see runtime.Runtime._enter): a job that re-forms a thousand
-    times must not keep a thousand rounds of keys."""
+    times must not keep a thousand rounds of keys. ``None``: the store is not up yet,
+    so it holds no old rounds."""
+    if store is None:
+        return
     try:
         keys = store.list_keys()
     except (AttributeError, RuntimeError):  # an older torch without list_keys

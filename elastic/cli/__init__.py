@@ -20,6 +20,7 @@ __all__ = ["main"]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``elastic-run`` entry point: a subcommand, else the launcher."""
+    entry_point = argv is None  # the console script or `python -m elastic.cli`
     argv = list(sys.argv[1:] if argv is None else argv)
     # Each command is imported only when asked for: `status` needs no agent.
     if argv[:1] == ["checkpoints"]:
@@ -36,4 +37,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return timeline(argv[1:])
     from .launch import main as launch
 
-    return launch(argv)
+    code = launch(argv)
+    if entry_point:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the launcher's process once everything is said and stopped.
+
+    The agent is done (its workers reaped, its lease revoked, the embedded etcd stopped);
+    what is left is the interpreter tearing down gRPC's channels and threads, 0.35 s of
+    every start-to-exit on a 2-core host. Only as the process's entry point: a caller
+    that runs ``main(argv)`` in its own process gets the status back.
+    """
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

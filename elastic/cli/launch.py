@@ -51,7 +51,7 @@ from .options import (
 )
 from ..agent import Agent, AgentConfig
 from ..contract.console import ConsoleFormatter
-from ..contract.devices import BACKENDS, choose_backend
+from ..contract.devices import BACKENDS, choose_backend, may_have_cuda
 from ..contract.straggler_policy import StragglerOptions
 from ..agent.chaos import ChaosConfig
 
@@ -198,11 +198,13 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     job_id = validate_job_id(args.job_id or "local")
     backend = args.backend
     if backend != "gloo":  # auto or nccl: is there a GPU for every worker of this host? (devices.py)
-        import torch
+        cuda, count = False, 0
+        if may_have_cuda():  # torch only where a GPU may be: importing it costs every start 1.4 s
+            import torch
 
-        cuda = torch.cuda.is_available()
-        backend = choose_backend(backend, cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
-                                 nproc_per_node=nproc)
+            cuda = torch.cuda.is_available()
+            count = torch.cuda.device_count() if cuda else 0
+        backend = choose_backend(backend, cuda_available=cuda, device_count=count, nproc_per_node=nproc)
     host_id = args.host_id or socket.gethostname()
     first_endpoint = EtcdConfig.from_string(args.rdzv_endpoint).endpoints[0] if args.rdzv_endpoint else None
     host_addr = args.host_addr or addressing.default_host_addr(first_endpoint, host_id)

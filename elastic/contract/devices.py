@@ -12,8 +12,26 @@ combined string is never equal to "nccl".
 
 from __future__ import annotations
 
+import os
+
 BACKENDS = ("auto", "gloo", "nccl")
 CPU_AND_CUDA = "cpu:gloo,cuda:nccl"  # gloo for CPU tensors, NCCL for CUDA tensors, in one group
+
+
+# What a host with a GPU that torch could use has, whichever the driver: NVIDIA's control
+# device and driver file, or ROCm's kernel driver (torch.cuda runs on ROCm too).
+_GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")
+
+
+def may_have_cuda(exists=os.path.exists, environ=None) -> bool:
+    """Could torch see a CUDA device here? False only when it certainly cannot: no GPU
+    driver is present, or CUDA_VISIBLE_DEVICES hides every device. Asking torch costs
+    the 1.4 s of importing it, on every ``elastic-run`` start of a CPU host."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(exists(path) for path in _GPU_DRIVER_PATHS)
 
 
 def choose_backend(requested: str, *, cuda_available: bool, device_count: int, nproc_per_node: int) -> str:

@@ -17,6 +17,8 @@ def script(tmp_path):
 
 
 def _gpus(monkeypatch, count):
+    # A host with GPUs has their driver (the launcher asks torch only then: devices.py).
+    monkeypatch.setattr(cli, "may_have_cuda", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.contract.devices import CPU_AND_CUDA, choose_backend, uses_nccl
+from elastic.contract.devices import CPU_AND_CUDA, choose_backend, may_have_cuda, uses_nccl
 
 
 @pytest.mark.parametrize("requested, cuda, devices, nproc, expected", [
@@ -39,3 +39,18 @@ def test_a_backend_that_cannot_work_is_one_line(requested, cuda, devices, nproc,
 ])
 def test_uses_nccl_reads_combined_strings(backend, expected):
     assert uses_nccl(backend) is expected
+
+
+@pytest.mark.parametrize("present, visible, expected", [
+    ((), None, False),                                   # a CPU host: torch is never imported
+    (("/dev/nvidiactl",), None, True),
+    (("/proc/driver/nvidia/version",), None, True),       # driver loaded, device nodes made late
+    (("/dev/kfd",), None, True),                          # ROCm: torch.cuda runs there too
+    (("/dev/nvidiactl",), "", False),                     # every device hidden
+    (("/dev/nvidiactl",), "-1", False),
+    (("/dev/nvidiactl",), "0,1", True),
+    ((), "0", False),                                     # a variable without a driver
+])
+def test_may_have_cuda_is_false_only_where_torch_certainly_sees_no_gpu(present, visible, expected):
+    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert may_have_cuda(exists=lambda path: path in present, environ=environ) is expected
