@@ -6,6 +6,7 @@ from .embedded import EmbeddedEtcd, EmbeddedEtcdCluster, find_etcd_binary
 from .errors import (
     ConfigError,
     LeaseLostError,
+    MalformedValueError,
     RendezvousAuthError,
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -24,7 +25,7 @@ from .session import Session
 
 __all__ = [
     "ConfigError", "ControlChannel", "Coordinator", "EmbeddedEtcd", "EmbeddedEtcdCluster", "Etcd", "EtcdConfig",
-    "FAILED", "JobKeys", "JobStatus", "JobView", "job_view", "keep_ended_job", "read_job", "KeyValue", "LeaseLostError", "Member",
+    "FAILED", "JobKeys", "JobStatus", "JobView", "job_view", "keep_ended_job", "read_job", "KeyValue", "LeaseLostError", "MalformedValueError", "Member",
     "MemberRegistration", "Participant", "RUNNING", "RendezvousAuthError",
     "RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",
     "RendezvousSettings", "RendezvousTimeoutError", "RoundPlan", "STOPPING", "SUCCEEDED", "Session",

@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .errors import MalformedValueError, parsing, text
 from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
 from .keys import JobKeys
 from .rounds import RoundPlan
+from .skipped import SkippedKeys
 from .waiting import WaitingNotice
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,21 @@ class JobStatus:
 
     @classmethod
     def from_json(cls, data: bytes) -> "JobStatus":
-        obj = json.loads(data)
-        return cls(obj["state"], obj.get("reason", ""), float(obj.get("since", 0.0)), str(obj.get("cause", "")))
+        with parsing("job status"):
+            obj = json.loads(data)
+            state = text(obj["state"], "state")
+            if state not in (RUNNING, STOPPING, SUCCEEDED, FAILED):
+                raise ValueError(f"unknown state {state[:40]!r}")
+            return cls(state, str(obj.get("reason", "")), float(obj.get("since", 0.0)), str(obj.get("cause", "")))
+
+
+def _ended(value: bytes) -> bool:
+    """Does this stored status say the job ended? A malformed one says nothing: a new
+    status replaces it."""
+    try:
+        return JobStatus.from_json(value).over
+    except MalformedValueError:
+        return False
 
 
 Listener = Callable[[Optional[RoundPlan], JobStatus], None]
@@ -69,6 +84,7 @@ class ControlChannel:
         self._waiting: Optional[tuple[WaitingNotice, float]] = None  # and when it arrived (monotonic)
         self._listeners: list[Listener] = []
         self._watch = None
+        self._skipped = SkippedKeys("control")
 
     # -- following ----------------------------------------------------------
     def start(self) -> "ControlChannel":
@@ -95,14 +111,18 @@ class ControlChannel:
     def _apply(self, key: str, value: bytes) -> None:
         if not value:
             return
-        if key == self._keys.plan:
-            plan = RoundPlan.from_json(value)
-            if self._plan is None or plan.round > self._plan.round:
-                self._plan = plan
-        elif key == self._keys.status:
-            self._status = JobStatus.from_json(value)
-        elif key == self._keys.waiting:
-            self._waiting = (WaitingNotice.from_json(value), time.monotonic())
+        try:
+            if key == self._keys.plan:
+                plan = RoundPlan.from_json(value)
+                if self._plan is None or plan.round > self._plan.round:
+                    self._plan = plan
+            elif key == self._keys.status:
+                self._status = JobStatus.from_json(value)
+            elif key == self._keys.waiting:
+                self._waiting = (WaitingNotice.from_json(value), time.monotonic())
+        except MalformedValueError as exc:
+            # Kept as it was (no plan yet, the last status): the next good value wins.
+            self._skipped.skip(key, value, exc)
 
     def _on_events(self, events) -> None:
         with self._cond:
@@ -178,7 +198,7 @@ class ControlChannel:
         """
         while True:
             current = self._etcd.get(self._keys.status)
-            if current is not None and JobStatus.from_json(current.value).over:
+            if current is not None and _ended(current.value):
                 return False
             compare = [ModRevisionEquals(self._keys.status, 0 if current is None else current.mod_revision)]
             if fence is not None:

@@ -26,14 +26,13 @@ again, so a delete can never be lost.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
 from typing import Callable, Optional
 
 from .control import FAILED, RUNNING, STOPPING, ControlChannel, JobStatus
-from .errors import RendezvousError
+from .errors import MalformedValueError, RendezvousError
 from .etcd import CreateRevisionEquals, Delete, Etcd, ModRevisionEquals, Put
 from .keys import KEEP_ROUNDS, JobKeys
 from .liveness import evict_dead_members
@@ -52,6 +51,7 @@ from .rounds import (
     decide,
 )
 from .session import Session
+from .skipped import SkippedKeys
 from .waiting import WAITING_LINE_INTERVAL_S, WaitingEcho, WaitingLine, WaitingNotice
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class Coordinator:
         self._on_round = on_round
         self._stop = threading.Event()
         self._wake = threading.Condition()
+        self._skipped = SkippedKeys("coordinator")
         self._thread: Optional[threading.Thread] = None
         self.leading = threading.Event()
         self.rounds_written = 0
@@ -277,27 +278,37 @@ class Coordinator:
                 self._members.clear()
             for kind, kv in events:
                 member_id = kv.key[len(self._keys.members):]
-                if kind == "put":
-                    self._members[member_id] = Member.from_json(kv.value, kv.create_revision)
+                member = self._parsed(kv, lambda: Member.from_json(kv.value, kv.create_revision)) \
+                    if kind == "put" else None
+                if member is not None:
+                    self._members[member_id] = member
                 else:
-                    self._members.pop(member_id, None)
+                    self._members.pop(member_id, None)  # gone, or unreadable: not a member
             self._last_change = self._clock()
             self._dirty = True
             self._wake.notify_all()
 
     def _on_request_events(self, events, initial: bool = False) -> None:
+        malformed: list[str] = []
+        self._apply_requests(events, initial, malformed)
+        for key in malformed:
+            try:
+                self._etcd.delete(key)
+            except RendezvousError as exc:
+                log.debug("coordinator: malformed request %s not deleted (%s)", key, exc)
+
+    def _apply_requests(self, events, initial: bool, malformed: list) -> None:
         with self._wake:
             known = self._requests
             if initial:
                 self._requests = {}
             for kind, kv in events:
                 worker_id = kv.key[len(self._keys.requests):]
-                if kind == "put" and kv.value:
-                    body = json.loads(kv.value)
-                    request = ResetRequest(
-                        worker_id, int(body["round"]), body.get("reason", ""), self._clock(),
-                        tuple(body.get("lost", ())),
-                    )
+                request = self._parsed(kv, lambda: ResetRequest.from_json(worker_id, kv.value, self._clock())) \
+                    if kind == "put" and kv.value else None
+                if kind == "put" and kv.value and request is None:
+                    malformed.append(kv.key)  # deleted below: requests carry no lease
+                if request is not None:
                     seen = known.get(worker_id)
                     if initial and seen is not None and seen.round == request.round:
                         request = seen  # a reload keeps when we first saw it
@@ -316,8 +327,9 @@ class Coordinator:
                 self._reports = {}
             for kind, kv in events:
                 member_id = kv.key[len(self._keys.reach):]
-                if kind == "put" and kv.value:
-                    report = ReachReport.from_json(member_id, kv.value, now)
+                report = self._parsed(kv, lambda: ReachReport.from_json(member_id, kv.value, now)) \
+                    if kind == "put" and kv.value else None
+                if report is not None:
                     seen = known.get(member_id)
                     if initial and seen is not None and seen.round == report.round:
                         report = seen  # a reload keeps when we first saw it
@@ -326,6 +338,14 @@ class Coordinator:
                     self._reports.pop(member_id, None)
             self._dirty = True
             self._wake.notify_all()
+
+    def _parsed(self, kv, parse):
+        """``parse()``, or None for a value that does not parse (named once: skipped.py)."""
+        try:
+            return parse()
+        except MalformedValueError as exc:
+            self._skipped.skip(kv.key, kv.value, exc)
+            return None
 
     def _reachable_members(self, plan, now: float):
         """The registered members minus those cut off from the ring (under ``_wake``);
@@ -460,8 +480,10 @@ class Coordinator:
             recovers=decision.recovers,
         )
         plan_kv = self._etcd.get(self._keys.plan)
-        if plan_kv is not None and RoundPlan.from_json(plan_kv.value).round != (number - 1):
+        stored = self._parsed(plan_kv, lambda: RoundPlan.from_json(plan_kv.value)) if plan_kv is not None else None
+        if stored is not None and stored.round != (number - 1):
             return  # our view is stale; the control watch will catch up
+        # (An unreadable plan is replaced by this one: the transaction still fences it.)
         body = plan.to_json()
         won, _ = self._etcd.txn(
             [

@@ -8,14 +8,14 @@ without etcd. Rendering is the caller's (``elastic/cli/status.py``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 from .control import RUNNING, STOPPING, JobStatus
 from .etcd import Etcd
 from .keys import JobKeys
-from .rounds import Member, RoundPlan
+from .errors import MalformedValueError
+from .rounds import Member, ResetRequest, RoundPlan
 from .waiting import WaitingNotice
 
 # Rounds listed by default (etcd keeps KEEP_ROUNDS of them).
@@ -97,21 +97,28 @@ def read_job(etcd: Etcd, keys: JobKeys, *, now: float, deadline: Optional[float]
 
 def job_view(snapshot: JobSnapshot, *, recent: int = RECENT_ROUNDS) -> JobView:
     values = snapshot.values
-    status = JobStatus.from_json(values["control/status"]) if values.get("control/status") else JobStatus()
-    plan = RoundPlan.from_json(values["control/plan"]) if values.get("control/plan") else None
-    coordinator = values["coordinator"].decode() if values.get("coordinator") else None
-    waiting = WaitingNotice.from_json(values["control/waiting"]) if values.get("control/waiting") else None
-    members = sorted(
-        (Member.from_json(v) for k, v in values.items() if k.startswith("members/") and v),
-        key=lambda m: (m.joined, m.member_id),
-    )
-    rounds = sorted(
-        (RoundPlan.from_json(v) for k, v in values.items() if k.startswith("rounds/") and v),
-        key=lambda p: -p.round,
-    )
-    requests = tuple(
-        _request(k[len("requests/"):], v) for k, v in sorted(values.items()) if k.startswith("requests/") and v
-    )
+    unreadable: list[str] = []  # keys whose values do not parse: left out, named in the note
+
+    def parsed(key: str, parse):
+        if not values.get(key):
+            return None
+        try:
+            return parse(values[key])
+        except MalformedValueError:
+            unreadable.append(key)
+            return None
+
+    def each(prefix: str, parse) -> list:
+        found = (parsed(k, lambda v, k=k: parse(k[len(prefix):], v)) for k in sorted(values) if k.startswith(prefix))
+        return [item for item in found if item is not None]
+
+    status = parsed("control/status", JobStatus.from_json) or JobStatus()
+    plan = parsed("control/plan", RoundPlan.from_json)
+    coordinator = values["coordinator"].decode(errors="replace") if values.get("coordinator") else None
+    waiting = parsed("control/waiting", WaitingNotice.from_json)
+    members = sorted(each("members/", lambda _k, v: Member.from_json(v)), key=lambda m: (m.joined, m.member_id))
+    rounds = sorted(each("rounds/", lambda _k, v: RoundPlan.from_json(v)), key=lambda p: -p.round)
+    requests = tuple(each("requests/", _request))
     member_views = tuple(
         MemberView(
             m.member_id, m.host, m.addr,
@@ -131,14 +138,21 @@ def job_view(snapshot: JobSnapshot, *, recent: int = RECENT_ROUNDS) -> JobView:
         members=member_views,
         rounds=tuple(RoundView(p.round, p.created, p.world_size, p.reason, len(p.lost)) for p in rounds[:recent]),
         requests=requests,
-        note=_note(status, plan, member_views, waiting),
+        note=_with_unreadable(_note(status, plan, member_views, waiting), unreadable),
         history_expires_in=snapshot.history_ttl,
     )
 
 
 def _request(worker_id: str, value: bytes) -> RequestView:
-    body = json.loads(value)
-    return RequestView(worker_id, int(body.get("round", 0)), body.get("reason", ""))
+    request = ResetRequest.from_json(worker_id, value, 0.0)
+    return RequestView(worker_id, request.round, request.reason)
+
+
+def _with_unreadable(note: str, unreadable: list) -> str:
+    if not unreadable:
+        return note
+    said = f"unreadable keys left out: {', '.join(unreadable[:5])}" + (" ..." if len(unreadable) > 5 else "")
+    return f"{note}; {said}" if note else said
 
 
 def _note(status: JobStatus, plan: Optional[RoundPlan], members: tuple[MemberView, ...],

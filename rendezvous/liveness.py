@@ -20,7 +20,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-from .errors import RendezvousError
+from .errors import MalformedValueError, RendezvousError
 from .etcd import Etcd, KeyValue
 from .keys import JobKeys
 from .rounds import Member
@@ -66,7 +66,10 @@ def evict_dead_members(etcd: Etcd, keys: JobKeys, member_ids: Iterable[str]) -> 
 
 
 def _probe(kv: KeyValue) -> bool:
-    member = Member.from_json(kv.value)
+    try:
+        member = Member.from_json(kv.value)
+    except MalformedValueError:
+        return False  # no address to prove anything with: its lease decides
     return agent_refuses(member.addr, member.store_port)
 
 

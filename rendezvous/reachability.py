@@ -41,6 +41,7 @@ import json
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
+from .errors import parsing, texts
 from .rounds import RoundPlan
 
 # Seconds the coordinator waits for the other members' reports once a broken pair
@@ -62,8 +63,9 @@ class ReachReport:
 
     @classmethod
     def from_json(cls, member_id: str, data: bytes, seen_at: float = 0.0) -> "ReachReport":
-        obj = json.loads(data)
-        return cls(member_id, int(obj["round"]), tuple(obj.get("unreachable", ())), seen_at)
+        with parsing(f"reachability report of {member_id[:80]}"):
+            obj = json.loads(data)
+            return cls(member_id, int(obj["round"]), texts(obj.get("unreachable", []), "unreachable"), seen_at)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, parsing, text, texts
 
 
 @dataclass(frozen=True)
@@ -73,17 +73,25 @@ class Member:
 
     @classmethod
     def from_json(cls, data: bytes, revision: int = 0) -> "Member":
-        obj = json.loads(data)
-        return cls(
-            member_id=obj["member_id"],
-            host=obj["host"],
-            addr=obj["addr"],
-            store_port=int(obj["store_port"]),
-            workers=tuple(obj["workers"]),
-            joined=float(obj["joined"]),
-            revision=revision,
-            draining=bool(obj.get("draining", False)),
-        )
+        with parsing("member"):
+            obj = json.loads(data)
+            return cls(
+                member_id=text(obj["member_id"], "member_id"),
+                host=text(obj["host"], "host"),
+                addr=text(obj["addr"], "addr"),
+                store_port=_port(obj["store_port"]),
+                workers=texts(obj["workers"], "workers"),
+                joined=float(obj["joined"]),
+                revision=revision,
+                draining=bool(obj.get("draining", False)),
+            )
+
+
+def _port(value) -> int:
+    port = int(value)
+    if not 0 <= port < 65536:
+        raise ValueError(f"port {port} out of range")
+    return port
 
 
 @dataclass(frozen=True)
@@ -150,18 +158,25 @@ class RoundPlan:
 
     @classmethod
     def from_json(cls, data: bytes) -> "RoundPlan":
-        obj = json.loads(data)
-        members = [m[0] for m in obj["members"]]
-        return cls(
-            round=int(obj["round"]),
-            slots=tuple(Slot(members[i], w) for i, w in obj["ranks"]),
-            hosts={m[0]: (m[1], m[2]) for m in obj["members"]},
-            store_addr=obj["store"],
-            created=float(obj["created"]),
-            lost=tuple(obj.get("lost", ())),
-            reason=str(obj.get("reason", "")),
-            recovers=bool(obj.get("recovers", False)),
-        )
+        with parsing("round plan"):
+            obj = json.loads(data)
+            # [member id, host, addr] per member
+            members = [(text(m[0], "member"), text(m[1], "host"), text(m[2], "addr")) for m in obj["members"]]
+            slots = []
+            for index, worker in obj["ranks"]:
+                if not isinstance(index, int) or not 0 <= index < len(members):
+                    raise ValueError(f"a rank names member {index!r} of {len(members)}")
+                slots.append(Slot(members[index][0], text(worker, "worker")))
+            return cls(
+                round=int(obj["round"]),
+                slots=tuple(slots),
+                hosts={m[0]: (m[1], m[2]) for m in members},
+                store_addr=text(obj["store"], "store"),
+                created=float(obj["created"]),
+                lost=texts(obj.get("lost", []), "lost"),
+                reason=str(obj.get("reason", "")),
+                recovers=bool(obj.get("recovers", False)),
+            )
 
 
 @dataclass(frozen=True)
@@ -173,6 +188,14 @@ class ResetRequest:
     reason: str
     seen_at: float  # coordinator's monotonic time when the request arrived
     lost: tuple[str, ...] = ()  # workers the requester knows to be dead (killed by their agent)
+
+    @classmethod
+    def from_json(cls, worker_id: str, data: bytes, seen_at: float) -> "ResetRequest":
+        """A request as control.request_reset writes it."""
+        with parsing(f"reset request of {worker_id[:80]}"):
+            body = json.loads(data)
+            return cls(worker_id, int(body["round"]), str(body.get("reason", ""))[:500], seen_at,
+                       texts(body.get("lost", []), "lost"))
 
 
 @dataclass(frozen=True)

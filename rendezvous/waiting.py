@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .errors import parsing
+
 log = logging.getLogger(__name__)
 
 # While fewer than min_np workers are present, say so this often (seconds).
@@ -38,8 +40,9 @@ class WaitingNotice:
 
     @classmethod
     def from_json(cls, data: bytes) -> "WaitingNotice":
-        obj = json.loads(data)
-        return cls(int(obj["present"]), int(obj["min_np"]), float(obj["fails_in"]))
+        with parsing("waiting notice"):
+            obj = json.loads(data)
+            return cls(int(obj["present"]), int(obj["min_np"]), float(obj["fails_in"]))
 
 
 class WaitingLine:

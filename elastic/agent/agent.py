@@ -46,6 +46,7 @@ from elastic.rendezvous import (
     Etcd,
     JobKeys,
     JobStatus,
+    MalformedValueError,
     Member,
     Participant,
     RendezvousError,
@@ -444,7 +445,10 @@ class Agent:
             kv = self._etcd.get(self.participant.keys.status)
         except RendezvousError:
             return self.participant.control.status
-        return JobStatus.from_json(kv.value) if kv is not None else self.participant.control.status
+        try:
+            return JobStatus.from_json(kv.value) if kv is not None else self.participant.control.status
+        except MalformedValueError:
+            return self.participant.control.status  # the control channel said it once already
 
     def _force_leave(self, reason: str) -> None:
         """Kill our workers mid-step: for the ring this is a failure, not a leave."""

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
-from elastic.rendezvous import Etcd, Member, Participant, RendezvousError
+from elastic.rendezvous import Etcd, MalformedValueError, Member, Participant, RendezvousError
 from elastic.rendezvous.reachability import ReachReport
 
 from ..contract.events import EventLog
@@ -182,6 +182,9 @@ class PeerProbe:
             kv = self._etcd.get(self._keys.member(member_id))
             if kv is None:
                 return None  # gone from the job: nothing to reach
-            member = Member.from_json(kv.value)
+            try:
+                member = Member.from_json(kv.value)
+            except MalformedValueError:
+                return None  # unreadable: nothing to probe (the coordinator names the key)
             self._addresses[member_id] = (member.addr, member.store_port)
         return self._addresses[member_id]

@@ -11,12 +11,16 @@ every agent reads it before starting a worker of that round.
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Optional
 
 from elastic.rendezvous import Etcd, JobKeys, RoundPlan
 from elastic.rendezvous.errors import RendezvousTimeoutError
 
 from .store_server import StoreServer
+
+log = logging.getLogger(__name__)
 
 _KEEP_ROUNDS = 2  # the current round's store, and the previous one while it drains
 
@@ -65,11 +69,16 @@ class PlainStores:
         """The round's store address (waits, bounded, for rank 0's agent to publish it)."""
         deadline = time.monotonic() + timeout
         delay = 0.005
+        said = False
         while True:
             kv = self._etcd.get(self._keys.plain_store(plan.round))
-            if kv is not None:
-                host, port = kv.value.decode().rsplit(":", 1)
-                return host, int(port)
+            address = parse_address(kv.value) if kv is not None else None
+            if address is not None:
+                return address
+            if kv is not None and not said:
+                log.warning("round %d: skipping the malformed store address %r at %s; waiting for a valid one",
+                            plan.round, kv.value[:80], kv.key)
+                said = True
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(f"round {plan.round}: no store published within {timeout:g}s")
             time.sleep(delay)
@@ -78,6 +87,16 @@ class PlainStores:
     def close(self) -> None:
         while self._served:
             self._served.popitem()[1].close()
+
+
+def parse_address(value: bytes) -> Optional[tuple[str, int]]:
+    """``host:port`` as a store address, or None when it is not one."""
+    try:
+        host, port = value.decode("ascii").rsplit(":", 1)
+        number = int(port)
+    except ValueError:  # not ASCII, no colon, not a number
+        return None
+    return (host, number) if host and 0 < number < 65536 else None
 
 
 def prune_round_keys(store, current_round: int) -> None:

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from elastic.rendezvous import Etcd, JobKeys, RendezvousError, RoundPlan
+from elastic.rendezvous import Etcd, JobKeys, MalformedValueError, RendezvousError, RoundPlan
 
 from ..contract.errors import LeftBehind
 
@@ -88,7 +88,7 @@ class CommitFence:
             log.info("round %d: this process did not run for %.1fs and etcd cannot say what happened meanwhile "
                      "(%s); going on", round_number, paused, exc)
             return None
-        for plan in [*(RoundPlan.from_json(kv.value) for kv in kvs), newest]:
+        for plan in [*readable_plans(kvs), newest]:
             if plan.round > round_number:
                 why = _lost_in(plan, self._worker)
                 if why is not None:
@@ -110,3 +110,14 @@ def _gap(since: tuple[float, float], now: tuple[float, float]) -> float:
 
 def _lost_in(plan: RoundPlan, worker: str) -> Optional[str]:
     return f"round {plan.round} declared it lost" if worker in plan.lost else None
+
+
+def readable_plans(kvs) -> list:
+    """The kept rounds' plans that parse (an unreadable one says nothing of this worker)."""
+    plans = []
+    for kv in kvs:
+        try:
+            plans.append(RoundPlan.from_json(kv.value))
+        except MalformedValueError:
+            continue
+    return plans

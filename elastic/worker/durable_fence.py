@@ -31,6 +31,8 @@ from typing import Optional
 from elastic.checkpoint import FenceRefusal
 from elastic.rendezvous import FAILED, Etcd, JobKeys, JobStatus, RendezvousError, RoundPlan
 
+from .commit_fence import readable_plans
+
 
 def refusal(etcd: Etcd, keys: JobKeys, worker: str, round_number: int) -> Optional[str]:
     """Why a write of ``worker`` made in ``round_number`` must not be published, or None."""
@@ -47,7 +49,8 @@ def refusal(etcd: Etcd, keys: JobKeys, worker: str, round_number: int) -> Option
         kvs, _ = etcd.get_prefix(keys.prefix + "rounds/")
     except RendezvousError as exc:
         return f"{unknown}: etcd unreachable ({exc})"
-    plans = {plan.round: plan for plan in (RoundPlan.from_json(kv.value) for kv in kvs)}
+    # An unreadable kept round counts as not kept: the write is refused, never wrongly published.
+    plans = {plan.round: plan for plan in readable_plans(kvs)}
     for number in range(round_number + 1, max([newest.round, *plans]) + 1):
         plan = plans.get(number)
         if plan is None:
