@@ -339,6 +339,15 @@ class Coordinator:
             self._dirty = True
             self._wake.notify_all()
 
+    def _renew_until(self) -> Optional[float]:
+        """After our own refreshes failed (etcd away), the members get one TTL from when
+        ours got through again to renew theirs (rounds.decide)."""
+        back_at = getattr(self._session, "back_at", None)
+        if back_at is None:
+            return None
+        # In the coordinator's clock: the session keeps time.monotonic().
+        return self._clock() + (back_at + self._session.ttl - time.monotonic())
+
     def _parsed(self, kv, parse):
         """``parse()``, or None for a value that does not parse (named once: skipped.py)."""
         try:
@@ -396,6 +405,7 @@ class Coordinator:
                 last_change=self._last_change,
                 below_min_since=self._below_min_since,
                 plan_seen_at=self._plan_seen[1] if plan is not None else None,
+                renew_until=self._renew_until(),
             )
             self._dirty = False
         decision = decide(snapshot, self._settings, now)

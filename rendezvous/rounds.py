@@ -208,6 +208,9 @@ class Snapshot:
     last_change: float = 0.0  # when the member set last changed
     below_min_since: Optional[float] = None  # when candidates first fell below min_np
     plan_seen_at: Optional[float] = None  # when the coordinator first saw ``plan``
+    # Until when members whose lease expired while etcd was away (the coordinator's own
+    # refreshes failed until recently) may still renew before they count as lost.
+    renew_until: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,19 @@ class Fail:
 
 
 Decision = Union[Wait, FormRound, Fail, StopJob]
+
+
+def _may_still_renew(plan: RoundPlan, snapshot: Snapshot, lost: tuple[str, ...], now: float) -> bool:
+    """Are all ``lost`` workers on members whose key vanished (an expired lease, not a
+    worker withdrawn by its agent), within the renewal window after an etcd outage, with
+    the ring unbroken?"""
+    if snapshot.renew_until is None or now >= snapshot.renew_until:
+        return False
+    if any(r.round >= plan.round for r in snapshot.requests):
+        return False  # the ring broke: a real loss, and the survivors are waiting
+    present = {m.member_id for m in snapshot.members}
+    owners = {s.worker_id: s.member_id for s in plan.slots}
+    return all(owners[w] not in present for w in lost)
 
 
 def candidates(plan: Optional[RoundPlan], members: tuple[Member, ...]) -> list[Slot]:
@@ -320,6 +336,12 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
             # hosts told to leave together (a scale-down signals several pods at once)
             # into one round, and one min_np decision above, instead of one per host.
             return Wait(settle_at, "settling leaves")
+        if lost and _may_still_renew(plan, snapshot, lost, now):
+            # etcd was away (frozen, restarted, cut off from us): it may have expired a
+            # lease whose keep-alive had no chance to get through, of a host whose workers
+            # still train. Their ring is intact (nobody asked for a reset): give the member
+            # one TTL to renew and re-register rather than drop a healthy host.
+            return Wait(snapshot.renew_until, "etcd was away: members whose lease expired may still renew")
         # A loss is never worth waiting for: the survivors are stalled until the next round.
         reason = ", ".join(
             part for part in (f"{len(lost)} worker(s) lost" if lost else "", f"{left} left" if left else "") if part

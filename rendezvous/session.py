@@ -58,6 +58,9 @@ class Session:
         self.lost_reason: str | None = None
         self.renewals = 0  # fresh leases granted after the first (tests, metrics)
         self.restored = 0  # times the session came back after being lost
+        # When a refresh last got through after failing (time.monotonic()): etcd was away
+        # until then, and other members' refreshes may not have got through yet.
+        self.back_at: float | None = None
         self._needs_new_lease = False
         self._stopped = threading.Event()
         self.lease_id: int = etcd.grant_lease(self.ttl)
@@ -130,6 +133,8 @@ class Session:
                 log.log(level, "session %s: %s (%s); retrying", self.name, what, exc)
                 wait = self._interval if self.lost.is_set() else min(self._interval, _RETRY_INTERVAL)
             else:
+                if trouble_since is not None:
+                    self.back_at = time.monotonic()
                 trouble_since, wait = None, self._interval
                 if self.lost.is_set():
                     self.restored += 1

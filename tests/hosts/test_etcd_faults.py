@@ -66,7 +66,7 @@ def finish_and_check(tmp_path, jobs, fault_at):
         assert not [e for e in after if e["event"] == kind], [e for e in after if e["event"] == kind]
     assert len({e["round"] for e in events if e["event"] == "round_formed"}) == 1
     steps = jobs[0].steps()
-    for rank in (0, 1):
+    for rank in range(len(jobs)):
         numbers = [s["step"] for s in steps if s["rank"] == rank]
         assert numbers == list(range(1, len(numbers) + 1)), f"rank {rank} lost or repeated a step"
         assert len({s["pid"] for s in steps if s["rank"] == rank}) == 1, "a worker was replaced"
@@ -106,9 +106,12 @@ def test_killing_the_etcd_leader_loses_no_step_and_forms_no_round(tmp_path, host
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["killed", "frozen"])
-def test_etcd_down_or_frozen_for_30s_does_not_stop_or_reform_the_job(tmp_path, netns_hosts, fault):
-    hosts = netns_hosts(2)
+# Frozen on three hosts: after the thaw etcd expired one healthy host's lease before its
+# keep-alive got through in 1 of 5 runs, and the coordinator dropped the host (the
+# members now get one TTL to renew after an outage: rounds.decide, its table test).
+@pytest.mark.parametrize("fault, host_count", [("killed", 2), ("frozen", 3)])
+def test_etcd_down_or_frozen_for_30s_does_not_stop_or_reform_the_job(tmp_path, netns_hosts, fault, host_count):
+    hosts = netns_hosts(host_count)
     fresh_etcd = hosts.etcd
     jobs = start_agents(tmp_path, fresh_etcd.endpoint, hosts)
     a = jobs[0]

@@ -247,3 +247,33 @@ def test_rounds_that_re_form_a_broken_ring_say_so_and_carry_their_reason():
 ])
 def test_the_cheap_candidate_count_is_the_number_of_candidates(previous, members):
     assert candidate_count(members) == len(candidates(previous, members))
+
+
+# After an etcd outage (the coordinator's own refreshes failed until t=20, TTL 10: renew
+# until 30), a host whose lease expired meanwhile but whose workers still train is given
+# the window to renew; a real loss is not.
+RING = plan(3, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+AB = (member("a", ["a0"], 1), member("b", ["b0"], 2))
+
+
+@pytest.mark.parametrize("what, members, requests, renew_until, now, expected", [
+    ("expired lease, ring intact: wait", AB, (), 30.0, 21.0, Wait(30.0, "etcd was away: members whose lease expired may still renew")),
+    ("the window is over: lost", AB, (), 30.0, 30.0, ["a0", "b0"]),
+    ("no outage: lost at once", AB, (), None, 21.0, ["a0", "b0"]),
+    ("the ring broke: lost at once", AB, (ResetRequest("a0", 3, "peer died", 20.5),), 30.0, 21.0, ["a0", "b0"]),
+    ("a request of an older round does not count", AB, (ResetRequest("a0", 2, "old", 20.5),), 30.0, 21.0,
+     Wait(30.0, "etcd was away: members whose lease expired may still renew")),
+    ("its agent withdrew the worker (a crash): lost at once",
+     AB + (member("c", [], 3),), (), 30.0, 21.0, ["a0", "b0"]),
+    ("the member renewed: nothing lost", AB + (member("c", ["c0"], 9),), (), 30.0, 21.0,
+     Wait(None, "membership unchanged")),
+])
+def test_after_an_etcd_outage_an_expired_member_may_renew_before_it_counts_as_lost(
+        what, members, requests, renew_until, now, expected):
+    snap = Snapshot(RING, members, requests=requests, last_change=20.0, renew_until=renew_until)
+    decision = decide(snap, S, now=now)
+    if isinstance(expected, list):
+        assert workers(decision) == expected, what
+        assert decision.lost == ("c0",), what
+    else:
+        assert decision == expected, what
