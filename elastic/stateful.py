@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from checkpoint import Snapshot
+from elastic.checkpoint import Snapshot
 
 ACCEPTED = ("an object with state_dict() and load_state_dict() (an LR scheduler, a GradScaler, an AveragedModel, "
             "a stateful loader), or a plain value: tensors and int/float/str/bool/None/bytes in dicts, lists, tuples")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from checkpoint import CheckpointPolicy
+from elastic.checkpoint import CheckpointPolicy
 from elastic.state import TorchState
 from elastic.worker import lifecycle
 
