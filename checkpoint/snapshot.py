@@ -270,6 +270,11 @@ class Snapshot:
 
     # -- capture ------------------------------------------------------------------------
 
+    @staticmethod
+    def check_tree(tree: Any, path: tuple = ()) -> None:
+        """Raise ValueError, naming the place, if ``capture`` could not hold ``tree``."""
+        _flatten(tree, path, [], [])
+
     def capture(self, tree: Any) -> None:
         """Copy `tree` into the buffers (re-allocated only when the layout changed)."""
         tensors: list[torch.Tensor] = []

@@ -43,6 +43,7 @@ from elastic.checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_
 
 from .contract.console import FILE_ONLY
 from .contract.errors import HostsUpdatedInterrupt, JobStopping
+from .stateful import check_plain, is_stateful, load_state, state_of
 from .worker.state_transfer import CHUNK_BYTES, gather_holdings, receive_layout, run_transfers, send_layout
 from .worker.lifecycle import current as _runtime  # the process-wide runtime, set by elastic.init()
 from .worker.sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 _RESERVED = ("model", "optimizer", "sampler")
 _COMMITS = "commits"  # key of the commit count in committed and durable trees
 _COMMIT_ROUND = "commit_round"  # key of the round the commit was made in
+_OBJECTS = "objects"  # key of the state_dicts of a TorchState's stateful objects (elastic/stateful.py)
 
 
 def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
@@ -404,13 +406,23 @@ def _cuda_device() -> torch.device:
 
 
 class TorchState(State):
-    """A model, its optimizer, an ``ElasticSampler`` and plain values."""
+    """A model, its optimizer, an ``ElasticSampler``, plain values, and any keyword whose
+    value has ``state_dict()``/``load_state_dict()``: a scheduler, a GradScaler, EMA
+    weights (``elastic/stateful.py``)."""
 
     def __init__(self, model=None, optimizer=None, sampler=None, **values: Any):
         for name in values:
             if name in _RESERVED:
                 raise ValueError(f"{name!r} is reserved by TorchState")
-        super().__init__(**values)
+        objects = tuple(name for name, value in values.items() if is_stateful(value))
+        for name, value in values.items():
+            if name not in objects:
+                check_plain("TorchState", name, value)  # refused now, not at the first commit
+        super().__init__(**{name: value for name, value in values.items() if name not in objects})
+        object.__setattr__(self, "_object_names", objects)
+        object.__setattr__(self, "_objects_checked", False)  # their state_dicts, at the first commit
+        for name in objects:
+            object.__setattr__(self, name, values[name])
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "sampler", sampler)
@@ -423,6 +435,12 @@ class TorchState(State):
             tree["optimizer"] = self.optimizer.state_dict()
         if self.sampler is not None:
             tree["sampler"] = self.sampler.state_dict()
+        if self._object_names:
+            # Checked once: later commits cost the state_dict() calls and the copies only.
+            get = (lambda name: getattr(self, name).state_dict()) if self._objects_checked \
+                else (lambda name: state_of("TorchState", name, getattr(self, name)))
+            tree[_OBJECTS] = {name: get(name) for name in self._object_names}
+            object.__setattr__(self, "_objects_checked", True)
         return tree
 
     def load_tree(self, tree: dict) -> None:
@@ -434,6 +452,16 @@ class TorchState(State):
             self.optimizer.load_state_dict(_copy_into(tree["optimizer"], self.optimizer.state_dict()))
         if self.sampler is not None:
             self.sampler.load_state_dict(copy.deepcopy(tree["sampler"]))
+        # After the optimizer: a scheduler's load leaves the optimizer's learning rate alone.
+        saved = tree.get(_OBJECTS, {})
+        cuda_paths = getattr(self, "_cuda_paths", frozenset())
+        for name in self._object_names:
+            if name not in saved:  # a durable checkpoint written before the object was added
+                log.warning("the commit holds no state for %r: it keeps its own", name)
+                continue
+            place = (_OBJECTS, name)
+            load_state(getattr(self, name), saved[name],
+                       lambda value, live, place=place: _copy_into(value, live, place, cuda_paths))
 
     def on_reset(self) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_rank"):

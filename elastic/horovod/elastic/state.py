@@ -1,7 +1,8 @@
 """``hvd.elastic``'s states: Horovod's ``ObjectState`` and ``TorchState`` on this runtime's State.
 
 Everything a Horovod state does is kept: plain values and any number of models,
-optimizers and samplers under any names, ``commit()``, ``restore()``, ``sync()``,
+optimizers, samplers and other objects with ``state_dict()`` (schedulers, scalers:
+``elastic/stateful.py``, as in ``elastic.TorchState``) under any names, ``commit()``, ``restore()``, ``sync()``,
 ``check_host_updates()``, ``register_reset_callbacks``, and ``state.model = other``
 swapping a handled object. Underneath it is ``elastic.State``: a commit copies into
 buffers allocated once (no deep copy per commit), a sync moves nothing between workers
@@ -26,7 +27,6 @@ Differences from Horovod, each deliberate:
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Optional
 
 import torch
@@ -34,20 +34,24 @@ import torch.distributed as dist
 
 from ...contract.errors import HostsUpdatedInterrupt
 from ...state import State, _copy_into
+from ...stateful import is_stateful, load_state
 from ...worker import lifecycle
 from .sampler import ElasticSampler
 
-MODEL, OPTIMIZER, SAMPLER = "model", "optimizer", "sampler"
+MODEL, OPTIMIZER, SAMPLER, OBJECT = "model", "optimizer", "sampler", "object with state_dict()"
 
 
 def handled_kind(value: Any) -> Optional[str]:
-    """What a TorchState does with ``value``: a model, an optimizer, a sampler, or None (a plain value)."""
+    """What a TorchState does with ``value``: a model, an optimizer, a sampler, another object
+    with ``state_dict()``/``load_state_dict()`` (a scheduler, a GradScaler), or None (a plain value)."""
     if isinstance(value, torch.nn.Module):
         return MODEL
     if isinstance(value, torch.optim.Optimizer):
         return OPTIMIZER
     if isinstance(value, ElasticSampler):
         return SAMPLER
+    if is_stateful(value):
+        return OBJECT
     return None
 
 
@@ -95,8 +99,8 @@ class TorchState(ObjectState):
     """Models, optimizers, ``ElasticSampler``s and plain values (Horovod's ``TorchState``).
 
     ``TorchState(model, optimizer, train_sampler=s, val_sampler=v, epoch=0)``: each value
-    is handled by its type (``nn.Module``, ``optim.Optimizer``, ``hvd.elastic.ElasticSampler``),
-    under its name; anything else is a plain value. ``model``/``optimizer`` left ``None``
+    is handled by its type (``nn.Module``, ``optim.Optimizer``, ``hvd.elastic.ElasticSampler``,
+    anything with ``state_dict()``/``load_state_dict()``), under its name; anything else is a plain value. ``model``/``optimizer`` left ``None``
     are plain ``None`` attributes that a later assignment can fill."""
 
     def __init__(self, model=None, optimizer=None, **kwargs: Any):
@@ -137,15 +141,14 @@ class TorchState(ObjectState):
 
     def load_tree(self, tree: dict) -> None:
         super().load_tree(tree)
+        cuda_paths = getattr(self, "_cuda_paths", frozenset())
         for name, saved in tree["handled"].items():
-            target, kind = getattr(self, name), self._handled.get(name)
-            if kind == MODEL:
-                target.load_state_dict(saved)  # copies into the live parameters
-            elif kind == OPTIMIZER:
-                # Copies into the live state's tensors, never the snapshot's buffers.
-                target.load_state_dict(_copy_into(saved, target.state_dict()))
-            elif kind == SAMPLER:
-                target.load_state_dict(copy.deepcopy(saved))
+            # The same loading as elastic.TorchState's objects: a module copies into its own
+            # tensors, anything else gets its own overwritten in place or fresh copies, never
+            # the snapshot's buffers.
+            place = ("handled", name)
+            load_state(getattr(self, name), saved,
+                       lambda value, live, place=place: _copy_into(value, live, place, cuda_paths))
 
     def on_reset(self) -> None:
         # Every sampler is partitioned among the ring it will iterate on, before any callback.
