@@ -31,7 +31,7 @@ ELASTIC_SCRIPT = """
     import json, sys
     import torch, torch.distributed as dist
     import checkpoint, rendezvous, agent, worker, state, contract, sampler
-    from elastic.checkpoint import Checkpointer
+    from checkpoint import Checkpointer
     import elastic
 
     mine = [m.ORIGIN for m in (checkpoint, rendezvous, agent, worker, state, contract, sampler)]
