@@ -178,3 +178,14 @@ def test_the_public_api_keeps_its_names():
     from elastic.cli import main  # the console script's entry point (pyproject.toml)
 
     assert callable(main)
+
+
+def test_every_package_folder_is_installed():
+    # pyproject.toml lists the packages by name (package-dir maps two of them from
+    # top-level folders): a new sub-package missing from the list would be left out of a
+    # wheel, and of the editable install, without any other test noticing.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module for module, path in MODULES.items() if path.name == "__init__.py"}
+    assert found == listed
