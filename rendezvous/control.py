@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .errors import MalformedValueError, parsing, text
+from .errors import MalformedValueError, RendezvousError, parsing, text
 from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
 from .keys import JobKeys
+from .job_lease import lease_missing, parse_job_lease
 from .rounds import RoundPlan
 from .skipped import SkippedKeys
 from .waiting import WaitingNotice
@@ -85,6 +86,7 @@ class ControlChannel:
         self._listeners: list[Listener] = []
         self._watch = None
         self._skipped = SkippedKeys("control")
+        self._job_lease: Optional[int] = None  # job_lease.py: what the job's keys are put on
 
     # -- following ----------------------------------------------------------
     def start(self) -> "ControlChannel":
@@ -95,6 +97,7 @@ class ControlChannel:
         kvs, revision = self._etcd.get_prefix(self._keys.control)
         with self._cond:
             self._waiting = None  # a full read: absent unless read below
+            self._job_lease = None
             for kv in kvs:
                 self._apply(kv.key, kv.value)
         if self._watch is not None:
@@ -120,6 +123,8 @@ class ControlChannel:
                 self._status = JobStatus.from_json(value)
             elif key == self._keys.waiting:
                 self._waiting = (WaitingNotice.from_json(value), time.monotonic())
+            elif key == self._keys.job_lease:
+                self._job_lease = parse_job_lease(value)
         except MalformedValueError as exc:
             # Kept as it was (no plan yet, the last status): the next good value wins.
             self._skipped.skip(key, value, exc)
@@ -131,6 +136,8 @@ class ControlChannel:
                     self._apply(event.kv.key, event.kv.value)
                 elif event.kv.key == self._keys.waiting:
                     self._waiting = None
+                elif event.kv.key == self._keys.job_lease:
+                    self._job_lease = None
         self._notify()
 
     def _notify(self) -> None:
@@ -153,6 +160,13 @@ class ControlChannel:
     def status(self) -> JobStatus:
         with self._cond:
             return self._status
+
+    @property
+    def job_lease(self) -> Optional[int]:
+        """The job lease's id once a coordinator has taken one (None before: keys written
+        then carry no lease, as they did before job leases)."""
+        with self._cond:
+            return self._job_lease
 
     @property
     def waiting(self) -> Optional[tuple[WaitingNotice, float]]:
@@ -203,7 +217,12 @@ class ControlChannel:
             compare = [ModRevisionEquals(self._keys.status, 0 if current is None else current.mod_revision)]
             if fence is not None:
                 compare.append(CreateRevisionEquals(*fence))
-            written, _ = self._etcd.txn(compare, [Put(self._keys.status, status.to_json())])
+            try:
+                written, _ = self._etcd.txn(compare, [Put(self._keys.status, status.to_json(), lease=self.job_lease)])
+            except RendezvousError as exc:
+                if not lease_missing(exc):
+                    raise
+                written, _ = self._etcd.txn(compare, [Put(self._keys.status, status.to_json())])
             if written:
                 return True
             if fence is not None:
@@ -216,4 +235,9 @@ class ControlChannel:
     def request_reset(self, worker_id: str, round_number: int, reason: str, lost: tuple = ()) -> None:
         """Ask for a round after ``round_number``; ``lost`` names workers known dead."""
         body = json.dumps({"round": round_number, "reason": reason[:500], "lost": list(lost)}).encode()
-        self._etcd.put(self._keys.request(worker_id), body)
+        try:
+            self._etcd.put(self._keys.request(worker_id), body, lease=self.job_lease)
+        except RendezvousError as exc:
+            if not lease_missing(exc):
+                raise
+            self._etcd.put(self._keys.request(worker_id), body)

@@ -34,6 +34,8 @@ from typing import Callable, Optional
 from .control import FAILED, RUNNING, STOPPING, ControlChannel, JobStatus
 from .errors import MalformedValueError, RendezvousError
 from .etcd import CreateRevisionEquals, Delete, Etcd, ModRevisionEquals, Put
+from .election import Election
+from .job_lease import JobLease, lease_missing
 from .keys import KEEP_ROUNDS, JobKeys
 from .liveness import evict_dead_members
 from .reachability import ReachReport, exclusions
@@ -85,6 +87,8 @@ class Coordinator:
         self._stop = threading.Event()
         self._wake = threading.Condition()
         self._skipped = SkippedKeys("coordinator")
+        self._job_lease = JobLease(etcd, keys, settings.abandoned_after, self._clock)
+        self._election = Election(etcd, keys.coordinator, member_id, session)
         self._thread: Optional[threading.Thread] = None
         self.leading = threading.Event()
         self.rounds_written = 0
@@ -131,9 +135,10 @@ class Coordinator:
                 self._stop.wait(0.5)
                 continue
             try:
-                revision = self._campaign()
+                revision = self._election.campaign()
                 if revision is None:
-                    self._wait_for_vacancy()
+                    self._election.wait_for_vacancy(
+                        self._stop, lambda: self._waiting_echo.tick(*(self._control.waiting or (None, 0.0))))
                 else:
                     self._lead(revision)
             except RendezvousError as exc:
@@ -143,44 +148,6 @@ class Coordinator:
                 log.exception("coordinator: unexpected error; retrying")
                 self._stop.wait(0.5)
         self.leading.clear()
-
-    def _campaign(self) -> Optional[int]:
-        """Claim the election key; return its create revision (our fencing token)."""
-        key = self._keys.coordinator
-        won, _ = self._etcd.txn(
-            [CreateRevisionEquals(key, 0)],
-            [Put(key, self._member_id.encode(), lease=self._session.lease_id)],
-        )
-        kv = self._etcd.get(key)
-        if kv is None:
-            return None
-        if kv.value.decode() == self._member_id and kv.lease == self._session.lease_id:
-            return kv.create_revision
-        return None
-
-    def _wait_for_vacancy(self) -> None:
-        vacant = threading.Event()
-
-        def on_events(events):
-            if any(e.type == "delete" for e in events):
-                vacant.set()
-
-        kv = self._etcd.get(self._keys.coordinator)
-        if kv is None:
-            return
-        watch = self._etcd.watch(
-            self._keys.coordinator,
-            prefix=False,
-            start_revision=kv.mod_revision + 1,
-            on_events=on_events,
-            on_reset=vacant.set,
-        )
-        try:
-            while not (vacant.is_set() or self._stop.is_set() or self._session.lost.is_set()):
-                self._waiting_echo.tick(*(self._control.waiting or (None, 0.0)))
-                vacant.wait(0.5)
-        finally:
-            watch.cancel()
 
     def _publish_waiting(self, token: int, notice: Optional[WaitingNotice], now: float) -> None:
         """Tell the other agents of a wait below min_np (waiting.py). Only once it has
@@ -230,6 +197,7 @@ class Coordinator:
 
         watches = []
         try:
+            self._job_lease.take()  # plans and rounds go on it (job_lease.py)
             watches.append(self._follow(self._keys.members, self._on_member_events))
             watches.append(self._follow(self._keys.requests, self._on_request_events))
             watches.append(self._follow(self._keys.reach, self._on_reach_events))
@@ -246,6 +214,7 @@ class Coordinator:
                 if self._control.status.state != RUNNING:  # no new rounds once stopping
                     self._stop.wait(0.5)
                     continue
+                self._job_lease.keep()
                 self._step(token)
         finally:
             for watch in watches:
@@ -495,15 +464,24 @@ class Coordinator:
             return  # our view is stale; the control watch will catch up
         # (An unreadable plan is replaced by this one: the transaction still fences it.)
         body = plan.to_json()
-        won, _ = self._etcd.txn(
-            [
-                ModRevisionEquals(self._keys.plan, 0 if plan_kv is None else plan_kv.mod_revision),
-                CreateRevisionEquals(self._keys.round(number), 0),
-                CreateRevisionEquals(self._keys.coordinator, token),
-            ],
-            [Put(self._keys.plan, body), Put(self._keys.round(number), body)]
-            + ([Delete(self._keys.round(number - KEEP_ROUNDS))] if number > KEEP_ROUNDS else []),
-        )
+
+        def write(lease):
+            return self._etcd.txn(
+                [
+                    ModRevisionEquals(self._keys.plan, 0 if plan_kv is None else plan_kv.mod_revision),
+                    CreateRevisionEquals(self._keys.round(number), 0),
+                    CreateRevisionEquals(self._keys.coordinator, token),
+                ],
+                [Put(self._keys.plan, body, lease=lease), Put(self._keys.round(number), body, lease=lease)]
+                + ([Delete(self._keys.round(number - KEEP_ROUNDS))] if number > KEEP_ROUNDS else []),
+            )[0]
+
+        try:
+            won = write(self._job_lease.id)
+        except RendezvousError as exc:
+            if not lease_missing(exc):
+                raise
+            won = write(self._job_lease.take())  # the job lease went (expired): a new one
         if not won:
             log.warning("coordinator: lost the race for round %d", number)
             return

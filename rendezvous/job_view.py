@@ -91,7 +91,11 @@ def read_job(etcd: Etcd, keys: JobKeys, *, now: float, deadline: Optional[float]
         return None
     values = {kv.key[len(keys.prefix):]: kv.value for kv in kvs}
     status = next((kv for kv in kvs if kv.key == keys.status), None)
-    ttl = etcd.lease_time_to_live(status.lease) if status is not None and status.lease else None
+    job_lease = next((kv.lease for kv in kvs if kv.key == keys.job_lease), 0)
+    # A status on a lease of its own is an ended job's history (history.py); on the job
+    # lease it is a running job's.
+    kept = status is not None and status.lease and status.lease != job_lease
+    ttl = etcd.lease_time_to_live(status.lease) if kept else None
     return JobSnapshot(keys.job_id, values, now, ttl if ttl is None or ttl >= 0 else None)
 
 

@@ -23,9 +23,16 @@ never read or watch each other's keys.
     /elastic/<job>/plainstores/<n>       "host:port" of round n's fresh TCPStore for
                                          workers that use torchrun's env:// init
                                          (deleted with the store, two rounds later).
+    /elastic/<job>/control/lease         the job lease (hex id), on itself: plans, rounds,
+                                         the status, requests and plain stores are put on
+                                         it; a coordinator refreshes it every
+                                         JOB_LEASE_REFRESH_S, so it expires only when
+                                         every agent of the job is gone (an abandoned job).
 
 Every key is bounded: requests are deleted once a round answers them, old rounds
-and plain stores are deleted as new ones are written, members go with leases.
+and plain stores are deleted as new ones are written, members go with leases, and
+the keys of a job whose agents all died go with the job lease (JOB_LEASE_S after
+the last refresh).
 When the job ends, its status, newest plan and kept rounds are put on one lease
 of KEEP_ENDED_S (history.py), so `elastic-run status` can still tell how it
 ended, and then they vanish; its leftover requests and plain stores go at once.
@@ -47,6 +54,12 @@ KEEP_ROUNDS = 32
 
 # How long an ended job's status and rounds stay readable (then their lease expires).
 KEEP_ENDED_S = 24 * 3600.0
+
+# The job lease: how long the keys of a job whose agents all died stay (the deploy's
+# etcd quota is 2 GiB: abandoned jobs must not fill it), and how often a coordinator
+# renews it while the job lives.
+JOB_LEASE_S = 7 * 24 * 3600.0
+JOB_LEASE_REFRESH_S = 3600.0
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROOT = "/elastic"
@@ -118,3 +131,7 @@ class JobKeys:
     @property
     def waiting(self) -> str:
         return self.control + "waiting"
+
+    @property
+    def job_lease(self) -> str:
+        return self.control + "lease"

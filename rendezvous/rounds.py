@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .errors import ConfigError, parsing, text, texts
+from .keys import JOB_LEASE_S
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class RendezvousSettings:
     # After a round that re-forms a broken ring, time for its survivors to form it before
     # a round that only admits newcomers replaces it (see ``decide``).
     recovery_hold: float = 2.0
+    # How long the keys of a job whose agents all died stay in etcd (job_lease.py).
+    abandoned_after: float = JOB_LEASE_S
 
     def __post_init__(self) -> None:
         if self.min_np < 1:
@@ -39,6 +42,8 @@ class RendezvousSettings:
             raise ConfigError(
                 f"max_np ({self.max_np}) must be at least min_np ({self.min_np})"
             )
+        if not self.abandoned_after > 0:
+            raise ConfigError(f"abandoned_after must be positive (got {self.abandoned_after})")
         for name in ("settle", "timeout", "reset_grace", "recovery_hold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative (got {getattr(self, name)})")

@@ -150,7 +150,8 @@ class Agent:
         )
         self.participant.start()
         self._plain_stores = PlainStores(
-            self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr, cfg.settings.timeout
+            self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr, cfg.settings.timeout,
+            job_lease=lambda: self.participant.control.job_lease,
         )
         self.participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
         self._peer_probe = PeerProbe(self._etcd, self.participant, self.events).start()

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from elastic.rendezvous import Etcd, JobKeys, RoundPlan
-from elastic.rendezvous.errors import RendezvousTimeoutError
+from elastic.rendezvous.errors import RendezvousError, RendezvousTimeoutError
+from elastic.rendezvous.job_lease import lease_missing
 
 from .store_server import StoreServer
 
@@ -26,12 +27,14 @@ _KEEP_ROUNDS = 2  # the current round's store, and the previous one while it dra
 
 
 class PlainStores:
-    def __init__(self, etcd: Etcd, keys: JobKeys, member_id: str, host_addr: str, timeout: float):
+    def __init__(self, etcd: Etcd, keys: JobKeys, member_id: str, host_addr: str, timeout: float,
+                 job_lease: Callable[[], Optional[int]] = lambda: None):
         self._etcd = etcd
         self._keys = keys
         self._member_id = member_id
         self._host_addr = host_addr
         self._timeout = timeout
+        self._job_lease = job_lease
         self._served: dict[int, StoreServer] = {}
 
     def serve_if_rank0(self, plan: RoundPlan) -> None:
@@ -41,7 +44,13 @@ class PlainStores:
         # Published at once: the port is bound now; the store starts with start_serving().
         store = StoreServer(self._host_addr, self._timeout, f"plain-store-{plan.round}")
         self._served[plan.round] = store
-        self._etcd.put(self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode())
+        key, address = self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode()
+        try:  # on the job lease: gone with an abandoned job (job_lease.py)
+            self._etcd.put(key, address, lease=self._job_lease())
+        except RendezvousError as exc:
+            if not lease_missing(exc):
+                raise
+            self._etcd.put(key, address)
         for old in sorted(self._served)[:-_KEEP_ROUNDS]:
             self._served.pop(old).close()
         self._prune_addresses(plan.round)

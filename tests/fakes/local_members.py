@@ -44,6 +44,15 @@ class LocalMembers:
         participant.leave()
         participant.etcd.close()
 
+    def abandon(self, member_id: str) -> None:
+        """As a SIGKILL of its agent leaves it: nothing said, nothing refreshed any more
+        (its keys stay until their leases expire)."""
+        self._left.add(member_id)
+        participant = self.by_id[member_id]
+        participant.coordinator.stop()
+        participant.session.orphan()
+        participant.control.close()
+
     def leader(self) -> Participant | None:
         leading = [p for m, p in self.by_id.items()
                    if m not in self._left and p.coordinator is not None and p.coordinator.leading.is_set()]
