@@ -31,6 +31,7 @@ class CommitMeta:
     buffers: dict = field(default_factory=dict)  # module buffers (not sharded by FSDP2)
     groups: Optional[list] = None  # optimizer param groups, params named by fqn
     plain_state: dict = field(default_factory=dict)  # fqn -> {name: value} not sharded
+    scheduler: Optional[dict] = None  # the LR scheduler's state_dict (plain values)
 
 
 def default_shard(module: torch.nn.Module, mesh) -> None:
@@ -119,3 +120,16 @@ def load_optimizer(optimizer, model, meta: CommitMeta, states: dict[str, torch.T
         state.setdefault(index[fqn], {}).update(copy.deepcopy(plain))
     groups = [{**group, "params": [index[fqn] for fqn in group["params"]]} for group in meta.groups]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def scheduler_state(scheduler) -> Optional[dict]:
+    """A copy of the scheduler's state_dict for a commit (None without a scheduler)."""
+    return copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+
+
+def load_scheduler(scheduler, saved: Optional[dict]) -> None:
+    """Give a scheduler built on a new ring's optimizer its committed state. It was built
+    before the optimizer's state was loaded: building one writes the optimizer's learning
+    rates (its first step), which the loaded param groups then overwrite with the commit's."""
+    if scheduler is not None and saved is not None:
+        scheduler.load_state_dict(copy.deepcopy(saved))

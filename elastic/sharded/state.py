@@ -1,7 +1,10 @@
 """ShardedState: an FSDP2 model and optimizer that survive losing a host, re-sharded in-process.
 
     state = elastic.ShardedState(model=build, optimizer=lambda m: torch.optim.AdamW(m.parameters()),
-                                 shard=shard, sampler=sampler, epoch=0)
+                                 scheduler=lambda opt: StepLR(opt, 100), shard=shard, sampler=sampler, epoch=0)
+
+``scheduler=`` is a factory of the optimizer, as the optimizer is of the module: both are
+built anew on every ring, and the scheduler gets the commit's state_dict.
 
 ``commit()`` copies this worker's shards (parameters and the optimizer states shaped
 like them, as the DTensors' local tensors) into its own slot, reused from commit to
@@ -54,7 +57,7 @@ from .slots import Replication, ShardSlot, slot_for
 
 log = logging.getLogger(__name__)
 
-_RESERVED = ("model", "optimizer", "sampler", "shard", "init")
+_RESERVED = ("model", "optimizer", "scheduler", "sampler", "shard", "init")
 _KEEP_METAS = 4  # (commit, world) metas kept: a rollback goes back one, a re-shard adds a layout
 
 
@@ -63,18 +66,23 @@ class ShardedState(State):
     and plain values, committed with in-memory replicas and re-sharded onto every new ring."""
 
     def __init__(self, model: Callable[[], torch.nn.Module], optimizer: Optional[Callable] = None,
-                 shard: Optional[Callable] = None, sampler=None, init: Optional[Callable] = None, **values: Any):
+                 shard: Optional[Callable] = None, sampler=None, init: Optional[Callable] = None,
+                 scheduler: Optional[Callable] = None, **values: Any):
         for name in values:
             if name in _RESERVED:
                 raise ValueError(f"{name!r} is reserved by ShardedState")
         if not callable(model):
             raise TypeError("ShardedState(model=...) takes a factory of the unsharded module, e.g. lambda: Net()")
+        if scheduler is not None and (not callable(scheduler) or optimizer is None):
+            raise TypeError("ShardedState(scheduler=...) takes a factory of the optimizer, e.g. "
+                            "lambda opt: StepLR(opt, 100), and needs optimizer=")
         super().__init__(**values)
         object.__setattr__(self, "_policy_resolved", True)  # State's rank-0 writer is not used: see durable.py
         object.__setattr__(self, "_durable", None)  # ShardedCheckpoints with --checkpoint-dir
         object.__setattr__(self, "_durable_resolved", False)
         for name, value in (("_model_factory", model), ("_optimizer_factory", optimizer),
                             ("_shard", shard or modules.default_shard), ("_init", init),
+                            ("_scheduler_factory", scheduler), ("scheduler", None),
                             ("model", None), ("optimizer", None), ("sampler", sampler),
                             ("_own", None), ("_own_older", []), ("_legacy", []), ("_confirm_ring", False),
                             ("_replicas", {}), ("_spares", {}), ("_metas", {}),
@@ -118,6 +126,7 @@ class ShardedState(State):
             release_storage(self.model, self.optimizer)
         object.__setattr__(self, "model", None)
         object.__setattr__(self, "optimizer", None)
+        object.__setattr__(self, "scheduler", None)
         object.__setattr__(self, "_live", None)
         for slot in self._held_slots():
             slot.forget_sources()
@@ -133,6 +142,7 @@ class ShardedState(State):
         meta = modules.describe(commit, runtime.world_size, self.model, self.optimizer, live.tensors,
                                 {name: getattr(self, name) for name in self._value_names}, self.sampler,
                                 layout=live.layout, names=live.names)
+        meta.scheduler = modules.scheduler_state(self.scheduler)
         # Own copies rotate through three slots: this commit, the last and the one before.
         # The one before goes only now: this rank passed the last commit's step with every
         # other (its collectives), and each of them waited at the last commit for its own
@@ -272,14 +282,17 @@ class ShardedState(State):
         else:
             pieces = plan_reshard(meta.layout, meta.world, holders, world)
         optimizer = self._optimizer_factory(model) if self._optimizer_factory is not None else None
+        scheduler = self._scheduler_factory(optimizer) if self._scheduler_factory is not None else None
         states = modules.empty_optimizer_state(model, meta) if not first_start else {}
         targets = {f"model.{fqn}": p for fqn, p in model.named_parameters()}
         targets.update(states)
         moved = _run_pieces(pieces, rank, sources, {k: modules.local(t) for k, t in targets.items()},
                             lambda: runtime.round > 1 and fault_points.sharded("resharding", runtime.rank))
         self._load_meta(model, optimizer, meta, states, first_start)
+        modules.load_scheduler(scheduler, meta.scheduler if meta is not None else None)
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "scheduler", scheduler)
         object.__setattr__(self, "_last_reshard_bytes", moved)
         # The commit again, in the new ring's layout. Its copies travel while the first step
         # trains, as any commit's: until they are in everywhere (the next commit waits for
@@ -332,7 +345,10 @@ class ShardedState(State):
         path, manifest = found
         model = self._build(runtime, mesh)
         optimizer = self._optimizer_factory(model)
+        scheduler = self._scheduler_factory(optimizer) if self._scheduler_factory is not None else None
         saved = durable.load_into(path, model, optimizer, group)
+        modules.load_scheduler(scheduler, saved.get("scheduler"))
+        object.__setattr__(self, "scheduler", scheduler)
         for name, value in saved["values"].items():
             object.__setattr__(self, name, value)
         if self.sampler is not None and saved.get("sampler") is not None:
@@ -387,7 +403,7 @@ class ShardedState(State):
     def _write_durable(self, runtime) -> None:
         values = {"values": {name: getattr(self, name) for name in self._value_names},
                   "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-                  "commits": self._commits}
+                  "scheduler": modules.scheduler_state(self.scheduler), "commits": self._commits}
         self._durable.submit(self.model, self.optimizer, values, step=self._commits,
                              round_number=runtime.round, world=runtime.world_size)
         object.__setattr__(self, "_durable_step", self._commits)

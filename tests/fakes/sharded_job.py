@@ -45,6 +45,8 @@ p.add_argument("--init", action="store_true",
 p.add_argument("--load-dcp", default=None, help="a plain FSDP2 script (torchrun): load this DCP checkpoint, "
                "write the full parameters to final.pt")
 p.add_argument("--reference", action="store_true", help="one process, plain module and optimizer")
+p.add_argument("--scheduler", action="store_true", help="a StepLR built from the optimizer (ShardedState(scheduler=...)); "
+               "steps.jsonl (reference.jsonl with --reference) logs each step's learning rate")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -97,6 +99,10 @@ def make_optimizer(module):
     return torch.optim.Adam(module.parameters(), lr=0.01)
 
 
+def make_scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
 def append(name, record):
     with open(os.path.join(args.out, name), "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -112,12 +118,16 @@ if args.reference:
     if args.init:
         init_whole(model)
     optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer) if args.scheduler else None
     for step in range(args.steps):
         rows = rows_of(step, 0, 1)
         loss = ((model(X[rows]) - Y[rows]) ** 2).sum() / args.global_batch
         loss.backward()
+        append("reference.jsonl", {"step": step + 1, "lr": optimizer.param_groups[0]["lr"]})
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
     raise SystemExit(0)
 
@@ -150,7 +160,8 @@ if args.load_dcp:  # what a user does elsewhere with a checkpoint of elastic-run
 import elastic  # noqa: E402
 
 elastic.init()
-state = elastic.ShardedState(model=build, optimizer=make_optimizer, init=init_shards if args.init else None, step=0)
+state = elastic.ShardedState(model=build, optimizer=make_optimizer, init=init_shards if args.init else None,
+                             scheduler=make_scheduler if args.scheduler else None, step=0)
 
 KILLS = [(args.kill_rank.split(","), args.kill_step)] if args.kill_rank is not None else []
 for spec in args.kill_at:
@@ -190,12 +201,15 @@ def train(state):
         # FSDP2 averages gradients over the ring: scale so the sum is the batch's mean.
         loss = ((model(X[rows]) - Y[rows]) ** 2).sum() * world / args.global_batch
         loss.backward()
+        lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         optimizer.zero_grad()
+        if state.scheduler is not None:
+            state.scheduler.step()
         maybe_die(state.step + 1)
         state.step += 1
         append("steps.jsonl", {"pid": os.getpid(), "rank": rank, "world": world, "round": elastic.round(),
-                               "step": state.step})
+                               "step": state.step, "lr": lr})
         time.sleep(args.step_delay)
         state.commit()
     full = {name: value.full_tensor() for name, value in state.model.state_dict().items()}
