@@ -59,8 +59,8 @@ class CheckpointsUnreadable(Exception):
         self.unreadable = list(unreadable)
         named = "; ".join(f"{os.path.basename(path) or path}: {reason}" for path, reason in self.unreadable[:4])
         more = f"; and {len(self.unreadable) - 4} more" if len(self.unreadable) > 4 else ""
-        advice = f" ({advice})" if advice else ""
-        super().__init__(f"checkpoints present but unreadable{advice} in {directory}: {named}{more}")
+        advice = f"; {advice}" if advice else ""
+        super().__init__(f"checkpoints present but unreadable in {directory}: {named}{more}{advice}")
 
 
 def _candidates(directory: str) -> list[tuple[int, str]]:
