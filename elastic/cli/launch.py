@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from checkpoint import owner
-from rendezvous import (
+from elastic.checkpoint import owner
+from elastic.rendezvous import (
     ConfigError,
     EmbeddedEtcd,
     Etcd,

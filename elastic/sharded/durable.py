@@ -41,11 +41,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointPolicy, CheckpointsUnreadable, FenceRefusal
-from checkpoint import manifest as mf
-from checkpoint import owner as ownership
-from checkpoint.restore import find_newest, with_retries
-from checkpoint.retention import checkpoint_names, names_to_prune, remove_stale_tmps, superseded_step
+from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, FenceRefusal
+from elastic.checkpoint import manifest as mf
+from elastic.checkpoint import owner as ownership
+from elastic.checkpoint.restore import find_newest, with_retries
+from elastic.checkpoint.retention import checkpoint_names, names_to_prune, remove_stale_tmps, superseded_step
 
 from ..state import UNREADABLE_ADVICE
 

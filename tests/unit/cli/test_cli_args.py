@@ -9,7 +9,7 @@ import pytest
 
 from checkpoint import owner
 from elastic.cli import launch as cli
-from rendezvous import ConfigError
+from elastic.rendezvous import ConfigError
 from tests.fakes.jobs import ELASTIC_RUN, REPO
 
 
