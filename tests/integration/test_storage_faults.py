@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import list_checkpoints
-from checkpoint import manifest as mf
+from elastic.checkpoint import list_checkpoints
+from elastic.checkpoint import manifest as mf
 from tests.fakes import sharded_runs
 from tests.fakes.jobs import REPO, Job
 

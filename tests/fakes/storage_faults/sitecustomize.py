@@ -28,6 +28,6 @@ if _DIR and "ELASTIC_WORKER_WORKER_ID" in os.environ:  # WorkerConfig.worker_id
 
     delays = os.environ.get("STORAGE_FAULT_RETRY_DELAYS")
     if delays is not None:
-        import checkpoint.restore
+        import elastic.checkpoint.restore
 
-        checkpoint.restore.RETRY_DELAYS = tuple(float(d) for d in delays.split(",") if d)
+        elastic.checkpoint.restore.RETRY_DELAYS = tuple(float(d) for d in delays.split(",") if d)

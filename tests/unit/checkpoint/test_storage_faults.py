@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from checkpoint import CheckpointPolicy, CheckpointsUnreadable, DurableWriter, list_checkpoints, load_latest
-from checkpoint import manifest as mf
-from checkpoint.restore import find_newest, with_retries
+from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, DurableWriter, list_checkpoints, load_latest
+from elastic.checkpoint import manifest as mf
+from elastic.checkpoint.restore import find_newest, with_retries
 
 
 def write_steps(directory, *steps, keep=10):

@@ -10,10 +10,10 @@ import stat
 import pytest
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, FenceRefusal, list_checkpoints, load_latest
-from checkpoint import manifest as mf
-from checkpoint import owner
-from checkpoint.retention import names_to_prune, superseded_step
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, FenceRefusal, list_checkpoints, load_latest
+from elastic.checkpoint import manifest as mf
+from elastic.checkpoint import owner
+from elastic.checkpoint.retention import names_to_prune, superseded_step
 
 
 def names(*keys):

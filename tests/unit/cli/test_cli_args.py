@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from checkpoint import owner
+from elastic.checkpoint import owner
 from elastic.cli import launch as cli
 from elastic.rendezvous import ConfigError
 from tests.fakes.jobs import ELASTIC_RUN, REPO

@@ -140,7 +140,7 @@ def test_a_first_node_whose_etcd_never_listens_is_one_clear_error():
 def test_a_requeued_run_takes_its_checkpoint_directory_over(tmp_path, monkeypatch):
     """A requeued run has its own job id (slurm-<id>-r<N>) and resumes the first run's
     checkpoints: it takes the directory's claim over (checkpoint/owner.py)."""
-    from checkpoint import owner
+    from elastic.checkpoint import owner
 
     ckpt = tmp_path / "ckpt"
     config, _ = _parse(tmp_path, monkeypatch, STEP, ["--checkpoint-dir", str(ckpt)])

@@ -14,9 +14,9 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from checkpoint import CheckpointPolicy, CheckpointsUnreadable, FenceRefusal, list_checkpoints
-from checkpoint import manifest as mf
-from checkpoint import restore
+from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, FenceRefusal, list_checkpoints
+from elastic.checkpoint import manifest as mf
+from elastic.checkpoint import restore
 from elastic.sharded import durable
 from tests.unit.checkpoint.test_storage_faults import Storage
 
