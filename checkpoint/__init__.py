@@ -7,12 +7,13 @@
     loaded = load_latest("/ckpt")                      # (tree, manifest) or None
 """
 from .durable import CheckpointPolicy, DurableWriter, FenceRefusal
-from .restore import CheckpointInfo, list_checkpoints, load_latest
+from .restore import CheckpointInfo, CheckpointsUnreadable, list_checkpoints, load_latest
 from .snapshot import Layout, Snapshot, clone_tree
 
 __all__ = [
     "CheckpointInfo",
     "CheckpointPolicy",
+    "CheckpointsUnreadable",
     "DurableWriter",
     "FenceRefusal",
     "Layout",

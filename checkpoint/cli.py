@@ -9,7 +9,7 @@ import datetime
 import os
 import sys
 
-from .restore import CheckpointInfo, list_checkpoints
+from .restore import CheckpointInfo, CheckpointsUnreadable, list_checkpoints
 
 __all__ = ["main", "format_table"]
 
@@ -32,7 +32,7 @@ def _iso(created: float | None) -> str:
 def format_table(infos: list[CheckpointInfo]) -> str:
     rows = [("STEP", "CREATED", "SIZE", "NAME", "STATUS")]
     for info in infos:
-        status = "valid" if info.valid else f"INVALID: {info.reason}"
+        status = "valid" if info.valid else f"{'UNREADABLE' if info.unreadable else 'INVALID'}: {info.reason}"
         step = "-" if info.step is None else str(info.step)
         rows.append((step, _iso(info.created), _human_size(info.size), os.path.basename(info.path), status))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         infos = list_checkpoints(directory)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, CheckpointsUnreadable) as exc:
         print(f"error: cannot list {directory}: {exc}", file=sys.stderr)
         return 2
     if not infos:

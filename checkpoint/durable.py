@@ -22,10 +22,20 @@ one starts), so nothing a writer does may destroy the other's work:
   becomes ``step-<n>.<version>``, which loaders prefer; nothing is renamed aside;
 * a prune deletes only checkpoints older than the one its writer just published.
 
+A writer that resumed from an older step than the directory's newest (the newer ones
+were corrupt, or unreadable and the user allowed a fresh start: ``resumed_from``) must
+not bury the newer ones either: it never publishes a rewrite of a step above
+``resumed_from`` that it did not write itself, and never prunes one. And a writer of
+one job never publishes into a directory another job claimed (owner.py).
+
 A write may carry a fence (``still_current``), asked right before publishing: a
 rank 0 whose round is over must not publish what it wrote for that round. The fence
 returns True to publish; False or any exception refuses, and a ``FenceRefusal`` says
-why in the writer's one line about it.
+why in the writer's one line about it. The fence (and the directory's owner) is asked
+again right after the rename: a rename that stalled (a frozen NFS mount) while the job
+moved on is taken back at once, before anything is pruned for it.
+
+Files are created 0600 and directories 0700 (manifest.py's ``FILE_MODE``/``DIR_MODE``).
 
 Each write's outcome can be reported (``report``, called on the writer's thread as
 ``report(name, **fields)``): ``checkpoint_written`` (step, bytes, seconds, path) or
@@ -38,7 +48,6 @@ import errno
 import hashlib
 import logging
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -50,16 +59,15 @@ from typing import Any, Callable
 import torch
 
 from . import manifest as mf
+from . import owner as ownership
+from .retention import checkpoint_names as _checkpoint_names
+from .retention import names_to_prune, remove_stale_tmps, superseded_step
 from .snapshot import Snapshot
 
 __all__ = ["CheckpointPolicy", "DurableWriter", "FenceRefusal", "check_local_directory"]
 
 logger = logging.getLogger(__name__)
 
-# A tmp dir whose writer cannot be checked (another host, an unnamed writer) is stale
-# after this long without a change. Generous: a live writer changes its file all the
-# time while it writes, and a whole write of many GB takes minutes.
-STALE_TMP_SECONDS = 3600.0
 # Test hook, read only here: a path; every write waits (at most an hour) until that
 # file exists before writing its data, so an end-to-end test can hold a final checkpoint
 # "still being written" when the job ends (tests/integration/test_final_checkpoint.py).
@@ -68,7 +76,6 @@ STALE_TMP_SECONDS = 3600.0
 # Unset in production.
 TEST_WRITE_GATE_ENV = "ELASTIC_TEST_CHECKPOINT_WRITE_GATE"
 TEST_GATE_HELD_PREFIX = ".held-step-"
-_TMP_OWNER = re.compile(r"@(?P<host>[^@:/]+):(?P<pid>\d+)$")
 
 
 def check_local_directory(directory: str) -> None:
@@ -89,6 +96,12 @@ class CheckpointPolicy:
     every_commits: int | None = None  # write every N commits
     every_seconds: float | None = None  # and/or every T seconds
     keep: int = 3
+    # At a resume: skip checkpoints that cannot be read (after the retries) instead of
+    # failing, i.e. start from an older one or the initial state (restore.py).
+    skip_unreadable: bool = False
+    # The job whose directory it is (owner.py); None: no claim is checked (a writer
+    # used without elastic-run).
+    job_id: str | None = None
 
     def __post_init__(self) -> None:
         check_local_directory(self.directory)
@@ -154,8 +167,14 @@ class DurableWriter:
     """Writes checkpoints of a tree per `policy` on a background thread (one at a time)."""
 
     def __init__(self, policy: CheckpointPolicy, *, clock: Callable[[], float] = time.monotonic,
-                 report: Callable[..., None] | None = None) -> None:
+                 report: Callable[..., None] | None = None, resumed_from: int | None = None) -> None:
+        """``resumed_from``: the step the job's state was loaded from at its (re)start (-1:
+        the initial state); the directory's steps above it are an earlier run's, to be
+        kept. None: whatever is there may be superseded and pruned (a writer that took
+        over a running job, whose older writers' steps are its own history)."""
         self.policy = policy
+        self._resumed_from = resumed_from
+        self._published: set[str] = set()  # names this writer published
         self._clock = clock
         self._report = report
         self._staging = Snapshot()
@@ -247,11 +266,8 @@ class DurableWriter:
         """Create the directory and remove the tmp dirs of writers that are gone."""
         directory = self.policy.directory
         try:
-            os.makedirs(directory, exist_ok=True)
-            for name in os.listdir(directory):
-                path = os.path.join(directory, name)
-                if name.startswith(mf.TMP_PREFIX) and _tmp_is_stale(name, path):
-                    shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(directory, mode=mf.DIR_MODE, exist_ok=True)
+            remove_stale_tmps(directory)
         except OSError as exc:
             self._fail(f"checkpoint directory {directory} is not usable: {_describe(exc)}")
 
@@ -262,8 +278,8 @@ class DurableWriter:
         owner = f"{socket.gethostname()}:{os.getpid()}"  # at write time: a fork has its own pid
         tmp = os.path.join(directory, f"{mf.TMP_PREFIX}{mf.step_dirname(job.step)}-{secrets.token_hex(4)}@{owner}")
         try:
-            os.makedirs(directory, exist_ok=True)
-            os.mkdir(tmp)
+            os.makedirs(directory, mode=mf.DIR_MODE, exist_ok=True)
+            mf.make_private_dir(tmp)
             _wait_for_test_gate(job.step, tmp)
             files = {mf.STATE_NAME: self._write_state(os.path.join(tmp, mf.STATE_NAME))}
             manifest = mf.build_manifest(
@@ -272,14 +288,19 @@ class DurableWriter:
             )
             mf.write_manifest(tmp, manifest)
             mf.fsync_dir(tmp)
-            refusal = _fence_refusal(job)
+            refusal = self._refusal(job) or self._superseding(job.step)
             if refusal is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.last_error = f"checkpoint of step {job.step} not published: {refusal}"
-                logger.warning(self.last_error)
-                self._tell("checkpoint_failed", step=job.step, error=self.last_error)
+                self._refused(f"checkpoint of step {job.step} not published: {refusal}", job.step)
                 return
             final = self._publish(tmp, job.step)
+            refusal = self._refusal(job)  # the rename may have stalled while the job moved on
+            if refusal is not None:
+                self._retract(final, tmp)
+                self._refused(f"checkpoint of step {job.step} taken back right after publishing: {refusal}",
+                              job.step)
+                return
+            self._published.add(os.path.basename(final))
             mf.fsync_dir(directory)
         except Exception as exc:  # noqa: BLE001 - nothing may escape into training
             shutil.rmtree(tmp, ignore_errors=True)
@@ -294,7 +315,7 @@ class DurableWriter:
         self._prune(own=final)
 
     def _write_state(self, path: str) -> dict[str, Any]:
-        with open(path, "wb", buffering=0) as f:
+        with mf.open_private(path, "wb", buffering=0) as f:
             out = _HashingWriter(f)
             try:
                 torch.save(self._staging.tree(), out)
@@ -323,25 +344,50 @@ class DurableWriter:
                     raise
         raise OSError(errno.EEXIST, f"no free checkpoint name for step {step} in {directory}")
 
-    def _prune(self, own: str) -> None:
-        """Keep the newest `keep` steps; delete only what is older than `own`.
+    def _refusal(self, job: _Job) -> str | None:
+        """Why the write must not be (or stay) published: its round is over, or the
+        directory is another job's now. None to publish."""
+        return ownership.refusal(self.policy.directory, self.policy.job_id) or _fence_refusal(job)
 
-        A stale writer (an old rank 0 publishing late) must never delete what a newer
-        writer published; an older copy of a step that was rewritten goes as well.
-        """
-        directory = self.policy.directory
-        own_key = mf.parse_checkpoint_dirname(os.path.basename(own))
+    def _superseding(self, step: int) -> str | None:
+        """Why publishing `step` would bury an earlier run's newer checkpoint, or None."""
+        theirs = superseded_step(_checkpoint_names(self.policy.directory), step,
+                                 resumed_from=self._resumed_from, published=self._published)
+        if theirs is None:
+            return None
+        return (f"{theirs} in {self.policy.directory} is newer than step {self._resumed_from} this job "
+                f"resumed from (an earlier run's): not superseding it")
+
+    def _retract(self, final: str, tmp: str) -> None:
+        """Take a just-published checkpoint back: renamed away first (loaders ignore a
+        .tmp- name at once), then removed."""
         try:
-            names = sorted(_checkpoint_names(directory).items(), reverse=True)
+            os.rename(final, tmp)
+        except OSError as exc:
+            logger.warning("cannot take back %s: %s", final, _describe(exc))
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def _refused(self, message: str, step: int) -> None:
+        self.last_error = message
+        logger.warning(message)
+        self._tell("checkpoint_failed", step=step, error=message)
+
+    def _prune(self, own: str) -> None:
+        """Keep the newest `keep` steps; delete only what is older than `own`
+        (retention.names_to_prune: never a newer writer's, never an earlier run's above
+        the step this job resumed from). A directory another job took over is not touched."""
+        directory = self.policy.directory
+        if ownership.refusal(directory, self.policy.job_id) is not None:
+            return
+        try:
+            names = _checkpoint_names(directory)
         except OSError as exc:
             logger.warning("cannot list %s to prune old checkpoints: %s", directory, _describe(exc))
             return
-        steps_seen: set[int] = set()
-        for key, name in names:
-            superseded = key[0] in steps_seen
-            steps_seen.add(key[0])
-            if key >= own_key or not (superseded or len(steps_seen) > self.policy.keep):
-                continue
+        own_key = mf.parse_checkpoint_dirname(os.path.basename(own))
+        for name in names_to_prune(names, own_key, self.policy.keep, resumed_from=self._resumed_from,
+                                   published=self._published):
             path = os.path.join(directory, name)
             try:
                 shutil.rmtree(path)
@@ -375,16 +421,6 @@ def _wait_for_test_gate(step: int, tmp: str) -> None:
         time.sleep(0.1)
 
 
-def _checkpoint_names(directory: str) -> dict[tuple[int, int], str]:
-    """(step, version) -> name of every published checkpoint in `directory`."""
-    found = {}
-    for name in os.listdir(directory):
-        key = mf.parse_checkpoint_dirname(name)
-        if key is not None:
-            found[key] = name
-    return found
-
-
 def _fence_refusal(job: _Job) -> str | None:
     """Why the write must not be published (its round is over), or None."""
     if job.still_current is None:
@@ -397,34 +433,6 @@ def _fence_refusal(job: _Job) -> str | None:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - a fence that cannot be checked refuses
         return f"cannot tell whether its round {job.round} is current ({_describe(exc)})"
-
-
-def _tmp_is_stale(name: str, path: str) -> bool:
-    """Is this tmp dir the leftover of a writer that is gone?"""
-    owner = _TMP_OWNER.search(name)
-    if owner is not None and owner["host"] == socket.gethostname():
-        if not _process_alive(int(owner["pid"])):
-            return True
-        # Alive, or its pid was reused: only age can tell then.
-    try:
-        changed = max([os.stat(path).st_mtime] + [e.stat().st_mtime for e in os.scandir(path)])
-    except OSError:
-        return False  # vanished meanwhile (published or removed by its writer)
-    return time.time() - changed > STALE_TMP_SECONDS
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped writing
-    except (OSError, IndexError):
-        return True
 
 
 def _describe(exc: BaseException) -> str:

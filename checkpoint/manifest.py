@@ -10,10 +10,16 @@ so a rewrite of a step gets the next version suffix instead of replacing the old
 directory (a rename cannot replace a non-empty directory in one step).
 
 A checkpoint directory is valid only if its manifest parses and every file it lists
-has the recorded size and sha256.
+has the recorded size and sha256. One that cannot be read at all (EIO, ESTALE, a
+permission error: ``ManifestUnreadable``) is neither: the storage failed, not the
+checkpoint, and a loader must not treat it as corrupt (restore.py).
+
+Checkpoint files are created 0600 and directories 0700 (``FILE_MODE``/``DIR_MODE``):
+weights and optimizer state are the job's, not every user's of a shared file system.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -25,11 +31,17 @@ __all__ = [
     "MANIFEST_NAME",
     "STATE_NAME",
     "TMP_PREFIX",
+    "DIR_MODE",
+    "FILE_MODE",
     "ManifestError",
+    "ManifestUnreadable",
     "build_manifest",
+    "describe_os_error",
     "checkpoint_dirname",
     "file_digest",
     "fsync_dir",
+    "make_private_dir",
+    "open_private",
     "parse_checkpoint_dirname",
     "parse_step_dirname",
     "read_manifest",
@@ -44,10 +56,20 @@ STATE_NAME = "state.pt"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
 _CHUNK = 4 << 20
+# The job's user only. Not the group: a checkpoint holds the model and optimizer state
+# (and the sampler's position), and on a shared cluster the group is often everyone
+# of a project or a whole department; whoever needs to share the weights copies them.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 
 
 class ManifestError(ValueError):
     """A manifest is missing, unparsable or inconsistent; str() is the reason."""
+
+
+class ManifestUnreadable(ManifestError):
+    """A file of the checkpoint exists but cannot be read now (EIO, ESTALE, EACCES):
+    a fault of the storage, which may pass, not a corrupt checkpoint."""
 
 
 def step_dirname(step: int) -> str:
@@ -96,7 +118,7 @@ def build_manifest(
 def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
     """Write and fsync manifest.json inside `directory`."""
     path = os.path.join(directory, MANIFEST_NAME)
-    with open(path, "w", encoding="utf-8") as f:
+    with open_private(path, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.write("\n")
         f.flush()
@@ -112,7 +134,7 @@ def read_manifest(directory: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise ManifestError(f"missing {MANIFEST_NAME}") from None
     except OSError as exc:
-        raise ManifestError(f"cannot read {MANIFEST_NAME}: {exc.strerror}") from None
+        raise ManifestUnreadable(f"cannot read {MANIFEST_NAME}: {describe_os_error(exc)}") from None
     try:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -151,7 +173,9 @@ def file_digest(path: str) -> tuple[int, str]:
 
 
 def verify_files(directory: str, manifest: dict[str, Any]) -> str | None:
-    """None if every listed file has its recorded size and sha256, else the reason."""
+    """None if every listed file has its recorded size and sha256, else the reason.
+
+    A file that exists but cannot be read raises ``ManifestUnreadable``."""
     for name, entry in manifest["files"].items():
         path = os.path.join(directory, name)
         try:
@@ -159,13 +183,15 @@ def verify_files(directory: str, manifest: dict[str, Any]) -> str | None:
         except FileNotFoundError:
             return f"missing {name}"
         except OSError as exc:
-            return f"cannot read {name}: {exc.strerror}"
+            raise ManifestUnreadable(f"cannot read {name}: {describe_os_error(exc)}") from None
         if actual_size != entry["size"]:
             return f"{name} has {actual_size} bytes, manifest says {entry['size']}"
         try:
             _, sha = file_digest(path)
+        except FileNotFoundError:
+            return f"missing {name}"
         except OSError as exc:
-            return f"cannot read {name}: {exc.strerror}"
+            raise ManifestUnreadable(f"cannot read {name}: {describe_os_error(exc)}") from None
         if sha != entry["sha256"]:
             return f"{name} sha256 mismatch (corrupt)"
     return None
@@ -178,3 +204,29 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_private(path: str, mode: str = "wb", **kwargs):
+    """``open(path, mode)`` for writing a new file that only the job's user can read
+    (``FILE_MODE``, whatever the umask)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)  # an existing file keeps its mode through O_CREAT
+        return os.fdopen(fd, mode, **kwargs)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def make_private_dir(path: str) -> None:
+    """``os.mkdir(path)`` with ``DIR_MODE`` whatever the umask."""
+    os.mkdir(path, DIR_MODE)
+    os.chmod(path, DIR_MODE)  # mkdir's mode is masked by the umask
+
+
+def describe_os_error(exc: OSError) -> str:
+    """'[EIO] Input/output error': the errno's name says what failed, for searching."""
+    if exc.errno is not None and exc.strerror:
+        return f"[{errno.errorcode.get(exc.errno, exc.errno)}] {exc.strerror}"
+    return str(exc)

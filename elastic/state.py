@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from elastic.checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_tree, load_latest
+from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, DurableWriter, Snapshot, clone_tree, load_latest
 
 from .contract.console import FILE_ONLY
 from .contract.errors import HostsUpdatedInterrupt, JobStopping
@@ -54,6 +54,7 @@ _RESERVED = ("model", "optimizer", "sampler")
 _COMMITS = "commits"  # key of the commit count in committed and durable trees
 _COMMIT_ROUND = "commit_round"  # key of the round the commit was made in
 _OBJECTS = "objects"  # key of the state_dicts of a TorchState's stateful objects (elastic/stateful.py)
+UNREADABLE_ADVICE = "run again once the storage reads, or pass --checkpoint-allow-fresh-start to go without them"
 
 
 def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
@@ -65,6 +66,8 @@ def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
         every_commits=config.checkpoint_every,
         every_seconds=config.checkpoint_interval,
         keep=config.checkpoint_keep,
+        skip_unreadable=bool(getattr(config, "checkpoint_allow_fresh_start", False)),
+        job_id=getattr(config, "job_id", None),
     )
 
 
@@ -267,7 +270,8 @@ class State:
             # and the events file; the writer logs the outcome itself, so no second console line.
             events = _runtime().events
             report = lambda name, **fields: events.emit(name, console=False, **fields)  # noqa: E731
-            object.__setattr__(self, "_writer", DurableWriter(self._policy, report=report))
+            object.__setattr__(self, "_writer", DurableWriter(self._policy, report=report,
+                                                              resumed_from=getattr(self, "_resumed_from", None)))
         return self._writer
 
     def _submit(self, writer: DurableWriter, runtime) -> None:
@@ -304,12 +308,14 @@ class State:
             return
         directory = self._policy.directory
         try:
-            found = load_latest(directory)
-        except OSError as exc:
-            # A failing checkpoint directory must not stop training (the writer
-            # reports each failed write too).
-            log.error("cannot read checkpoints in %s: %s; starting from the initial state", directory, exc)
-            return
+            # Checkpoints that exist but cannot be read now are retried, then fail the job
+            # (exit 1: a retryable fault). Starting from the initial state instead would
+            # lose them silently, and this run's writes would later bury them.
+            found = load_latest(directory, skip_unreadable=self._policy.skip_unreadable)
+        except CheckpointsUnreadable as exc:
+            raise CheckpointsUnreadable(exc.directory, exc.unreadable, advice=UNREADABLE_ADVICE) from None
+        # The directory's steps above this one are an earlier run's: this run's writer keeps them.
+        object.__setattr__(self, "_resumed_from", -1 if found is None else int(found[1].get("step") or 0))
         if found is None:
             log.info("no durable checkpoint in %s: starting from the initial state", directory)
             return

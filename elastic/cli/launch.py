@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from elastic.checkpoint import owner
 from elastic.rendezvous import (
     ConfigError,
     EmbeddedEtcd,
@@ -104,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--checkpoint-every", positive_int, help="write a durable checkpoint every N commits")
     opt("--checkpoint-interval", positive_float, help="and/or every S seconds")
     opt("--checkpoint-keep", positive_int, 3, "durable checkpoints to keep")
+    add_switch(p, "--checkpoint-allow-fresh-start", "resume from the newest checkpoint that can be read, or "
+               "from the initial state, when checkpoints exist but cannot be read (EIO, ESTALE, permissions) "
+               "after a minute of retries; without it the job fails (exit 1) naming them")
+    add_switch(p, "--checkpoint-take-over", "use a --checkpoint-dir that another job id claimed (its job.json): "
+               "resume an ended job's checkpoints under a new --job-id; that job's writes are no longer published")
     opt("--final-checkpoint-timeout", positive_float, 600.0,
         "seconds rank 0 may go on writing the final checkpoint once the job has ended")
     opt("--shard-replicas", non_negative_int, 1,
@@ -167,6 +173,17 @@ def _check_writable_dir(path: str) -> None:
         raise ConfigError(f"--checkpoint-dir {path} is not usable: {exc.strerror or exc}") from None
 
 
+def _claim_checkpoint_dir(path: str, job_id: str, take_over: bool) -> None:
+    """Make ``path`` this job's (checkpoint/owner.py): another job's directory is refused
+    before anything starts, so that two jobs never supersede and prune each other's steps."""
+    try:
+        owner.claim(path, job_id, take_over=take_over)
+    except owner.DirectoryTaken as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {path}: cannot record the job's claim: {exc.strerror or exc}") from None
+
+
 def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     parser = build_parser()
     argv = horovodrun.accept(argv, parser)  # horovodrun's spellings (-np, --reset-limit, python ...)
@@ -216,11 +233,13 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     checkpoint = {}
     if args.checkpoint_dir:
         _check_writable_dir(os.path.abspath(args.checkpoint_dir))
+        _claim_checkpoint_dir(os.path.abspath(args.checkpoint_dir), job_id, bool(args.checkpoint_take_over))
         checkpoint = dict(
             checkpoint_dir=os.path.abspath(args.checkpoint_dir),
             checkpoint_every=args.checkpoint_every,
             checkpoint_interval=args.checkpoint_interval,
             checkpoint_keep=args.checkpoint_keep,
+            checkpoint_allow_fresh_start=bool(args.checkpoint_allow_fresh_start),
         )
         if args.checkpoint_every is None and args.checkpoint_interval is None:
             checkpoint["checkpoint_every"] = 100

@@ -114,6 +114,9 @@ def apply(args: argparse.Namespace, env: Mapping[str, str]) -> None:
     if not args.rdzv_endpoint:
         args.rdzv_endpoint = found.rdzv_endpoint
         args.slurm_rendezvous = "serve" if found.serve_rendezvous else "reach"
+    if not args.job_id and found.job_id != f"slurm-{env['SLURM_JOB_ID']}":
+        # A requeued run of the job (its own id, -r<N>) takes over its checkpoint directory.
+        args.checkpoint_take_over = True
     args.job_id = args.job_id or found.job_id
     args.host_id = args.host_id or found.host_id
     if args.nproc_per_node is None:

@@ -45,6 +45,7 @@ class WorkerConfig:
     checkpoint_every: Optional[int] = None
     checkpoint_interval: Optional[float] = None
     checkpoint_keep: int = 3
+    checkpoint_allow_fresh_start: bool = False  # unreadable checkpoints are skipped, not a failure
     straggler_ratio: float = 1.5  # --straggler-ratio: compute time over the median that counts as slow
     device_slot: Optional[int] = None  # LOCAL_RANK and CUDA device for the life of the process (device_slots.py)
     shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
@@ -66,7 +67,9 @@ class WorkerConfig:
             if raw is None:
                 continue
             kind = str(field.type)
-            if "int" in kind and name != "checkpoint_interval":
+            if kind == "bool":
+                kwargs[name] = raw == "True"  # as to_env writes it
+            elif "int" in kind and name != "checkpoint_interval":
                 kwargs[name] = int(raw)
             elif "float" in kind:
                 kwargs[name] = float(raw)

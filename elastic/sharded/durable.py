@@ -16,6 +16,16 @@ loads it, and so does a plain FSDP2 script:
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id="<dir>/step-000000040")
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+What protects the directory is the plain writer's (checkpoint/durable.py): the temporary
+is named after rank 0's process (``.tmp-step-<n>-r<round>@<host>:<pid>``) and removed
+when a write fails, and the temporaries of writers that are gone are removed at the
+first write; ``state.pt``, the manifest and the temporary itself are fsynced before
+the rename; the fence and the directory's owner are asked right before and right after
+it; a prune goes by name (checkpoint/retention.py), never re-reading a checkpoint, and
+never deletes or supersedes an earlier run's step above the one this run resumed from.
+Checkpoints that exist but cannot be read at a resume are retried, then fail the job
+(checkpoint/restore.py), unless the policy skips them.
 """
 
 from __future__ import annotations
@@ -23,16 +33,21 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint import CheckpointPolicy
+from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, FenceRefusal
 from elastic.checkpoint import manifest as mf
-from elastic.checkpoint.restore import list_checkpoints
+from elastic.checkpoint import owner as ownership
+from elastic.checkpoint.restore import find_newest, with_retries
+from elastic.checkpoint.retention import checkpoint_names, names_to_prune, remove_stale_tmps, superseded_step
+
+from ..state import UNREADABLE_ADVICE
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +70,11 @@ class ShardedCheckpoints:
         self._group_key = None
         self._pending = None  # (future, publish thread or None)
         self._last_submit = time.monotonic()
+        self._swept = False  # the temporaries of writers that are gone removed (rank 0, once)
+        self._published: set[str] = set()  # names this process published
+        # The step this run resumed from (-1: the initial state); None: it took over a
+        # running job. The directory's steps above it are an earlier run's (retention.py).
+        self.resumed_from: Optional[int] = None
         self.last_error: Optional[BaseException] = None
 
     def due(self, commits: int) -> bool:
@@ -75,24 +95,30 @@ class ShardedCheckpoints:
             self._group_key = key
         return self._group
 
-    def submit(self, model, optimizer, values: dict, *, step: int, round_number: int, world: int) -> None:
-        """Write the live state (a commit) in the background; waits for the previous write first."""
+    def submit(self, model, optimizer, values: dict, *, step: int, round_number: int, world: int,
+               still_current: Optional[Callable[[], bool]] = None) -> None:
+        """Write the live state (a commit) in the background; waits for the previous write first.
+        ``still_current``: the fence, asked by rank 0 right before and after publishing."""
         dcp, get_state_dict, _ = _dcp()
         self.flush()
         self._last_submit = time.monotonic()
         msd, osd = get_state_dict(model, optimizer)
         # A copy taken now: the step after the commit changes the live tensors.
         state = {"model": _cloned(msd), "optim": _cloned(osd)}
-        temporary = os.path.join(self.policy.directory, f"{mf.TMP_PREFIX}{mf.step_dirname(step)}-r{round_number}")
-        rank = dist.get_rank()
+        rank, group = dist.get_rank(), self.group(round_number)
         if rank == 0:
-            shutil.rmtree(temporary, ignore_errors=True)
-        dist.barrier(group=self.group(round_number))
-        future = dcp.async_save(state, checkpoint_id=temporary, process_group=self.group(round_number))
+            self._sweep()
+        # Every rank writes into the temporary that rank 0 names after its own process, so
+        # that a later writer can tell whether the one that made it is gone.
+        writer = _broadcast_text(f"{socket.gethostname()}:{os.getpid()}" if rank == 0 else "", group)
+        temporary = os.path.join(self.policy.directory,
+                                 f"{mf.TMP_PREFIX}{mf.step_dirname(step)}-r{round_number}@{writer}")
+        future = dcp.async_save(state, checkpoint_id=temporary, process_group=group)
         publisher = None
         if rank == 0:
             publisher = threading.Thread(target=self._publish, args=(future, temporary, values, step, round_number,
-                                                                     world), name="sharded-checkpoint", daemon=True)
+                                                                     world, still_current),
+                                         name="sharded-checkpoint", daemon=True)
             publisher.start()
         self._pending = (future, publisher)
 
@@ -114,28 +140,77 @@ class ShardedCheckpoints:
         if publisher is not None:
             publisher.join()
 
-    def _publish(self, future, temporary: str, values: dict, step: int, round_number: int, world: int) -> None:
+    def _sweep(self) -> None:
+        """Once per process (rank 0): create the directory, remove the temporaries of writers that are gone."""
+        if self._swept:
+            return
+        self._swept = True
+        try:
+            os.makedirs(self.policy.directory, mode=mf.DIR_MODE, exist_ok=True)
+            remove_stale_tmps(self.policy.directory)
+        except OSError as exc:
+            log.warning("cannot clean up the temporaries in %s: %s", self.policy.directory, exc)
+
+    def _publish(self, future, temporary: str, values: dict, step: int, round_number: int, world: int,
+                 still_current: Optional[Callable[[], bool]] = None) -> None:
         started = time.monotonic()
+        directory = self.policy.directory
         try:
             future.result()
-            torch.save(values, os.path.join(temporary, mf.STATE_NAME))
+            with mf.open_private(os.path.join(temporary, mf.STATE_NAME)) as f:
+                torch.save(values, f)
+                f.flush()
+                os.fsync(f.fileno())
             files = {}
             for name in sorted(os.listdir(temporary)):
-                size, sha = mf.file_digest(os.path.join(temporary, name))
+                path = os.path.join(temporary, name)
+                os.chmod(path, mf.FILE_MODE)  # DCP's files follow the umask
+                size, sha = mf.file_digest(path)
                 files[name] = {"size": size, "sha256": sha}
             mf.write_manifest(temporary, mf.build_manifest(step=step, files=files, created=time.time(),
                                                            epoch=values.get("values", {}).get("epoch"),
                                                            round=round_number, world_size=world,
                                                            meta={"format": FORMAT}))
+            os.chmod(temporary, mf.DIR_MODE)
+            mf.fsync_dir(temporary)  # its entries (DCP's files, state.pt, the manifest) before the rename
+            refusal = self._refusal(still_current, round_number) or self._superseding(step)
+            if refusal is not None:
+                raise FenceRefusal(refusal)
             final = self._free_name(step)
             os.rename(temporary, final)
-            mf.fsync_dir(self.policy.directory)
-            self._prune()
+            refusal = self._refusal(still_current, round_number)  # the rename may have stalled meanwhile
+            if refusal is not None:
+                os.rename(final, temporary)  # loaders ignore a .tmp- name: taken back at once
+                raise FenceRefusal(f"taken back right after publishing: {refusal}")
+            self._published.add(os.path.basename(final))
+            mf.fsync_dir(directory)
+            self._prune(final)
             log.info("durable checkpoint step %d (DCP, world %d) in %s after %.3fs", step, world, final,
                      time.monotonic() - started)
         except Exception as exc:
             self.last_error = exc
+            shutil.rmtree(temporary, ignore_errors=True)  # its partial shards would fill the disk
             log.error("durable checkpoint of step %d not published: %s", step, exc)
+
+    def _refusal(self, still_current: Optional[Callable[[], bool]], round_number: int) -> Optional[str]:
+        """Why the write must not be (or stay) published: the directory is another job's
+        now, or its round is over. None to publish."""
+        why = ownership.refusal(self.policy.directory, self.policy.job_id)
+        if why is not None or still_current is None:
+            return why
+        try:
+            return None if still_current() else f"its round {round_number} is over"
+        except FenceRefusal as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - a fence that cannot be checked refuses
+            return f"cannot tell whether its round {round_number} is current ({exc})"
+
+    def _superseding(self, step: int) -> Optional[str]:
+        theirs = superseded_step(checkpoint_names(self.policy.directory), step, resumed_from=self.resumed_from,
+                                 published=self._published)
+        if theirs is None:
+            return None
+        return f"{theirs} is newer than step {self.resumed_from} this run resumed from: not superseding it"
 
     def _free_name(self, step: int) -> str:
         version = 0
@@ -143,19 +218,38 @@ class ShardedCheckpoints:
             version += 1
         return os.path.join(self.policy.directory, mf.checkpoint_dirname(step, version))
 
-    def _prune(self) -> None:
-        published = [info for info in list_checkpoints(self.policy.directory) if info.valid]
-        for info in published[self.policy.keep:]:
-            shutil.rmtree(info.path, ignore_errors=True)
+    def _prune(self, own: str) -> None:
+        """By name: never reads a checkpoint back (retention.names_to_prune)."""
+        try:
+            names = checkpoint_names(self.policy.directory)
+        except OSError as exc:
+            log.warning("cannot list %s to prune old checkpoints: %s", self.policy.directory, exc)
+            return
+        own_key = mf.parse_checkpoint_dirname(os.path.basename(own))
+        for name in names_to_prune(names, own_key, self.policy.keep, resumed_from=self.resumed_from,
+                                   published=self._published):
+            shutil.rmtree(os.path.join(self.policy.directory, name), ignore_errors=True)
 
 
-def newest_valid(directory: str) -> Optional[tuple[str, dict]]:
-    """(path, manifest) of the newest complete sharded checkpoint whose checksums hold."""
-    for info in list_checkpoints(directory):
-        if info.valid and (info.manifest.get("meta") or {}).get("format") == FORMAT:
-            return info.path, info.manifest
-        log.warning("skipping checkpoint %s: %s", info.path, info.reason or "not a sharded (DCP) checkpoint")
-    return None
+def newest_valid(directory: str, *, skip_unreadable: bool = False, **retries) -> Optional[tuple[str, dict]]:
+    """(path, manifest) of the newest complete sharded checkpoint whose checksums hold.
+
+    Checkpoints that cannot be read are scanned for again, then ``CheckpointsUnreadable``
+    (checkpoint/restore.py) names them, unless ``skip_unreadable``. ``retries``:
+    ``with_retries``'s ``delays`` and ``sleep``."""
+    def sharded(info) -> Optional[str]:
+        return None if (info.manifest.get("meta") or {}).get("format") == FORMAT else "not a sharded (DCP) checkpoint"
+
+    found = with_retries(lambda: find_newest(directory, accept=sharded, skip_unreadable=skip_unreadable), **retries)
+    return (found[0].path, found[0].manifest) if found is not None else None
+
+
+def newest_for_resume(policy: CheckpointPolicy) -> Optional[tuple[str, dict]]:
+    """Rank 0 at a resume: ``newest_valid`` per the policy; unreadable checkpoints fail the job (exit 1)."""
+    try:
+        return newest_valid(policy.directory, skip_unreadable=policy.skip_unreadable)
+    except CheckpointsUnreadable as exc:
+        raise CheckpointsUnreadable(exc.directory, exc.unreadable, advice=UNREADABLE_ADVICE) from None
 
 
 def load_into(path: str, model, optimizer, group) -> dict:
@@ -167,6 +261,17 @@ def load_into(path: str, model, optimizer, group) -> dict:
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return torch.load(os.path.join(path, mf.STATE_NAME), map_location="cpu", weights_only=True)
+
+
+def _broadcast_text(text: str, group) -> str:
+    """Rank 0's ``text`` on every rank of ``group``: plain bytes, never a pickle."""
+    size = torch.tensor([len(text.encode())], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return bytes(data.tolist()).decode()
 
 
 def _cloned(tree):

@@ -244,8 +244,10 @@ class ShardedState(State):
         self._hold_only(slots)
         self._release_model()  # a planned switch's: the new one is built from the copies
         if newest is None:
-            found = _broadcast(durable.newest_valid(checkpoints.policy.directory)
-                               if checkpoints is not None and rank == 0 else None, 0)
+            found = _broadcast(durable.newest_for_resume(checkpoints.policy) if checkpoints is not None and rank == 0
+                               else None, 0)
+            if checkpoints is not None:  # the directory's steps above it are an earlier run's
+                checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
             if not first_start:
                 lost = max(worlds)[0]
                 log.info("round %d: shards held (rank: (round, count, world, shard) ...): %s", runtime.round,
@@ -405,7 +407,8 @@ class ShardedState(State):
                   "sampler": self.sampler.state_dict() if self.sampler is not None else None,
                   "scheduler": modules.scheduler_state(self.scheduler), "commits": self._commits}
         self._durable.submit(self.model, self.optimizer, values, step=self._commits,
-                             round_number=runtime.round, world=runtime.world_size)
+                             round_number=runtime.round, world=runtime.world_size,
+                             still_current=runtime.durable_fence())
         object.__setattr__(self, "_durable_step", self._commits)
 
     def _build(self, runtime, mesh):

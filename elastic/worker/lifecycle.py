@@ -14,6 +14,7 @@ import sys
 import traceback
 from typing import Optional
 
+from elastic.checkpoint import CheckpointsUnreadable
 from elastic.rendezvous import RendezvousError
 
 from ..contract.console import WorkerFormatter
@@ -115,6 +116,13 @@ def _report_errors_to(path: str) -> None:
             # of report, so the agent neither fails the job nor drops this worker.
             with open(path, "w") as f:
                 f.write(PeersUnreachable.REPORT_PREFIX + str(value) + "\n")
+            print(f"elastic: {value}", file=sys.stderr)
+            return
+        if isinstance(value, CheckpointsUnreadable):
+            # A fault of the storage, not of the code: its one line (the agent fails the
+            # job with it, exit 1), no traceback that would read like a bug.
+            with open(path, "w") as f:
+                f.write(summarize(value) + "\n")
             print(f"elastic: {value}", file=sys.stderr)
             return
         try:

@@ -36,7 +36,8 @@ class Job:
         self.output = tmp / f"{name}.txt"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
         full_env.update(env or {})
-        full_env["PYTHONPATH"] = str(REPO)
+        # A test's own PYTHONPATH entries (a sitecustomize that injects faults) come first.
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [(env or {}).get("PYTHONPATH"), str(REPO)]))
         self._file = open(self.output, "wb")
         self.proc = subprocess.Popen(
             [*prefix, *ELASTIC_RUN, *args], cwd=REPO, env=full_env, stdout=self._file, stderr=subprocess.STDOUT,

@@ -33,6 +33,9 @@ def test_exit_status_of_each_ending(status, code):
     ("KeyError: 'labels'", CAUSE_USER_CODE),
     ("RuntimeError: ResetLimitExceeded: quoted by the user's own message", CAUSE_USER_CODE),
     (f"{ResetLimitExceeded.__name__}: ring re-formed 2 times within 600s (--max-resets 1 per --reset-window)", ""),
+    # the storage could not read the checkpoints at a restart: a later run may pass (exit 1)
+    ("CheckpointsUnreadable: checkpoints present but unreadable in /ckpt: step-000000100: [EIO] Input/output error",
+     ""),
 ])
 def test_failure_cause_of_a_workers_report(report, cause):
     assert failure_cause(report) == cause

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from elastic.checkpoint import owner
 from elastic.cli import launch as cli
 from elastic.rendezvous import ConfigError
 from tests.fakes.jobs import ELASTIC_RUN, REPO
@@ -108,4 +109,46 @@ def test_a_usable_checkpoint_dir_is_created_and_left_clean(tmp_path):
     target = tmp_path / "a" / "b"
     config, _ = cli.parse(["--np", "1", "--backend", "gloo", "--checkpoint-dir", str(target), str(script)])
     assert config.checkpoint["checkpoint_dir"] == str(target)
-    assert target.is_dir() and list(target.iterdir()) == []
+    # Nothing left but the job's claim on the directory (checkpoint/owner.py).
+    assert target.is_dir() and [p.name for p in target.iterdir()] == ["job.json"]
+    assert owner.owner_of(str(target)) == "local"
+
+
+def test_checkpoint_storage_options_and_their_environment_forms(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    base = ["--np", "1", "--backend", "gloo", "--checkpoint-dir", str(tmp_path / "c")]
+    config, _ = cli.parse([*base, str(script)])
+    assert config.checkpoint["checkpoint_allow_fresh_start"] is False
+    config, _ = cli.parse([*base, "--checkpoint-allow-fresh-start", str(script)])
+    assert config.checkpoint["checkpoint_allow_fresh_start"] is True
+    monkeypatch.setenv("ELASTIC_CHECKPOINT_ALLOW_FRESH_START", "1")
+    config, _ = cli.parse([*base, str(script)])
+    assert config.checkpoint["checkpoint_allow_fresh_start"] is True
+
+
+def test_another_jobs_checkpoint_dir_is_refused_in_one_line_unless_taken_over(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    ckpt = tmp_path / "ckpt"
+    base = ["--np", "1", "--backend", "gloo", "--checkpoint-dir", str(ckpt)]
+    cli.parse([*base, "--job-id", "first", "--rdzv-endpoint", "127.0.0.1:1", str(script)])
+    cli.parse([*base, "--job-id", "first", "--rdzv-endpoint", "127.0.0.1:1", str(script)])  # its own restart
+    with pytest.raises(ConfigError) as refused:
+        cli.parse([*base, "--job-id", "second", "--rdzv-endpoint", "127.0.0.1:1", str(script)])
+    assert "belongs to job 'first'" in str(refused.value) and "\n" not in str(refused.value)
+    cli.parse([*base, "--job-id", "second", "--rdzv-endpoint", "127.0.0.1:1", "--checkpoint-take-over", str(script)])
+    assert owner.owner_of(str(ckpt)) == "second"
+
+
+def test_a_refused_checkpoint_dir_exits_2_with_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    owner.claim(str(ckpt), "someone-else")
+    (tmp_path / "x.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+    env["PYTHONPATH"] = str(REPO)
+    result = subprocess.run([*ELASTIC_RUN, "--np", "1", "--checkpoint-dir", str(ckpt), "x.py"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "belongs to job 'someone-else'" in lines[0], result.stderr

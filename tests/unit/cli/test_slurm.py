@@ -135,3 +135,17 @@ def test_a_first_node_whose_etcd_never_listens_is_one_clear_error():
     with pytest.raises(RendezvousError, match=rf"embedded etcd at 127.0.0.1:{port} \(first node of the allocation\) "
                                               r"did not answer within 0.3s"):
         slurm._wait_for_listener("127.0.0.1", port, 0.3)
+
+
+def test_a_requeued_run_takes_its_checkpoint_directory_over(tmp_path, monkeypatch):
+    """A requeued run has its own job id (slurm-<id>-r<N>) and resumes the first run's
+    checkpoints: it takes the directory's claim over (checkpoint/owner.py)."""
+    from elastic.checkpoint import owner
+
+    ckpt = tmp_path / "ckpt"
+    config, _ = _parse(tmp_path, monkeypatch, STEP, ["--checkpoint-dir", str(ckpt)])
+    assert owner.owner_of(str(ckpt)) == config.job_id == "slurm-4321"
+    config, _ = _parse(tmp_path, monkeypatch, {**STEP, "SLURM_RESTART_COUNT": "1"}, ["--checkpoint-dir", str(ckpt)])
+    assert owner.owner_of(str(ckpt)) == config.job_id == "slurm-4321-r1"
+    with pytest.raises(ConfigError, match="belongs to job 'slurm-4321-r1'"):  # another job is still refused
+        _parse(tmp_path, monkeypatch, {**STEP, "SLURM_JOB_ID": "999"}, ["--checkpoint-dir", str(ckpt)])
