@@ -11,7 +11,7 @@ import os
 import shlex
 from typing import Sequence
 
-from rendezvous import RendezvousSettings
+from elastic.rendezvous import RendezvousSettings
 
 LOOPBACK_HOSTS = ("127.", "localhost", "[::1]", "::1")
 

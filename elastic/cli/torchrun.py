@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from rendezvous import ConfigError
+from elastic.rendezvous import ConfigError
 
 from . import horovodrun
 

@@ -13,7 +13,7 @@ from tests.fakes.jobs import REPO
 from elastic.cli import torchrun
 from elastic.cli.join_hint import join_hint
 from elastic.cli.launch import build_parser, main, parse
-from rendezvous import ConfigError, RendezvousSettings
+from elastic.rendezvous import ConfigError, RendezvousSettings
 
 VALUE_FLAGS = torchrun.value_flags(build_parser())
 DEVICES = lambda: torchrun.Devices(gpus=8, cpus=32)  # noqa: E731
