@@ -5,6 +5,9 @@
     timeline.py   elastic-run timeline LOG_DIR -o FILE.png: a picture of what a job did
     (checkpoints) elastic-run checkpoints DIR: checkpoint/cli.py, also ``python -m checkpoint``
     options.py    the options several commands share, and their environment forms
+    torchrun.py   torchrun's spellings (--nnodes, --rdzv-id, ...) translated or refused
+    horovodrun.py horovodrun's spellings (-np, --reset-limit, python ...) translated or refused
+    join_hint.py  the command the launcher prints for joining its job
 
 May import the agent, the contract, the timeline model, ``rendezvous`` and ``checkpoint``;
 never the worker runtime (a command runs no training).

@@ -33,6 +33,8 @@ from elastic.rendezvous import (
 
 from ..agent import addressing
 from . import horovodrun
+from .join_hint import join_hint
+from . import torchrun
 from . import slurm
 from .options import (
     ETCD_OPTIONS,
@@ -64,6 +66,8 @@ scripts are restarted together on any change. Every option can also be given as 
 environment variable: --min-np is ELASTIC_MIN_NP, and so on.
 
 Without --rdzv-endpoint an embedded etcd is started and all workers run on this host.
+torchrun's options (--nnodes, --rdzv-id, --nproc_per_node gpu, ...) and horovodrun's are
+read too, or refused with what to use instead: docs/torchrun.md lists them.
 `elastic-run checkpoints DIR` lists and verifies the checkpoints in DIR.
 `elastic-run status --rdzv-endpoint E --job-id J` shows what a job is doing (or how it ended).
 `elastic-run timeline LOG_DIR -o FILE.png` draws what a job did."""
@@ -186,6 +190,7 @@ def _claim_checkpoint_dir(path: str, job_id: str, take_over: bool) -> None:
 
 def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     parser = build_parser()
+    argv = torchrun.accept(argv, parser)  # torchrun's spellings (--nnodes, --rdzv-id, --nproc_per_node ...)
     argv = horovodrun.accept(argv, parser)  # horovodrun's spellings (-np, --reset-limit, python ...)
     launcher, script = _split_at_script(parser, argv)
     # "--" ends the options, so a SCRIPT such as "-x.py" is not taken for one.
@@ -198,7 +203,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     if not args.module and not os.path.isfile(args.script):
         raise ConfigError(f"script not found: {args.script}")
     if args.rdzv_endpoint and not args.job_id:
-        raise ConfigError("--job-id is required with --rdzv-endpoint")
+        raise ConfigError("--job-id is required with --rdzv-endpoint (torchrun's --rdzv-id)")
     np_ = args.np
     min_np = args.min_np or np_ or (args.max_np if args.max_np else None)
     max_np = args.max_np or np_ or min_np
@@ -331,10 +336,8 @@ def main(argv: Sequence[str]) -> int:
             embedded = EmbeddedEtcd().start()
             endpoints = embedded.endpoint
             config_of_etcd = EtcdConfig.from_string(endpoints, retry_deadline=args.etcd_retry_deadline)
-            logging.getLogger(__name__).info(
-                "embedded etcd at %s; join with: elastic-run --rdzv-endpoint %s --job-id %s ...",
-                endpoints, endpoints, config.job_id,
-            )
+            logging.getLogger(__name__).info("%s", join_hint(
+                endpoints, config.job_id, config.settings, config.command, config.nproc_per_node))
         etcd = Etcd(config_of_etcd)
         etcd.check()
         code = Agent(config, etcd, endpoints).run()

@@ -122,6 +122,10 @@ def test_user_error_fails_the_job_without_reform_loop(tmp_path):
         (["--rdzv-endpoint", "127.0.0.1:2379", "--np", "1", "x.py"], "--job-id is required"),
         (["--bogus", "x.py"], "unrecognized arguments: --bogus"),
         (["--rdzv-endpoint", "nohost:", "--job-id", "j", "--np", "1", "x.py"], "nohost:"),
+        # torchrun's spellings: named as typed (elastic/cli/torchrun.py)
+        (["--nproc_per_node=xpu", "x.py"], "--nproc_per_node xpu: expected a positive number, gpu, cpu or auto"),
+        (["--no_python", "x.py"], "torchrun's --no_python is not supported by elastic-run"),
+        (["--nnodes", "2", "--np", "2", "x.py"], "--nnodes counts hosts and --np workers"),
     ],
 )
 def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
