@@ -301,6 +301,16 @@ class Runtime:
             log.info("round %d: aborting the ring (%s)", current.round, why, extra=FILE_ONLY)
             ring.abort()
 
+    def abort_device_ring(self) -> None:
+        """After a failure, before the device check: abort the ring's NCCL part (a no-op if
+        the control thread did), so that none of its kernels is left for the check to
+        wait on (gpu review G1). The ring is released later, by ``reform``."""
+        with self._backend_lock:
+            ring = self._ring
+        if ring is not None and ring.backend_abort:
+            ring.abort()
+            ring.wait_aborted()  # bounded: past its deadline the worker exits broken
+
     def release_group(self, collect: bool = True, failed: bool = False) -> None:
         """Leave the current ring. After a failure an NCCL ring is aborted, never
         destroyed: ``destroy_process_group`` finalizes its communicators, which waits
