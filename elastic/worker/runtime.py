@@ -295,7 +295,8 @@ class Runtime:
             if status.state == "failed":
                 why = f"job failed: {status.reason}"
             elif _breaks(plan, current):
-                why = f"round {plan.round} lost {len(plan.lost)} worker(s)"
+                why = f"round {plan.round} lost {len(plan.lost)} worker(s)" if plan.lost else \
+                    f"round {plan.round} recovers from a failure (a reset request)"
             else:
                 return
             log.info("round %d: aborting the ring (%s)", current.round, why, extra=FILE_ONLY)
@@ -492,8 +493,12 @@ class Runtime:
 
 
 def _breaks(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
-    """Does ``newer`` declare lost a worker of ``plan`` (whose ring is then broken)?"""
-    return newer is not None and newer.round > plan.round and bool(set(newer.lost) & set(plan.worker_ids()))
+    """Does ``newer`` say that ``plan``'s ring is broken: a worker of it lost, or a round
+    formed to recover from a failure (a reset request names no one lost)? On NCCL nothing
+    else wakes the others' kernels: a peer's own abort does not (gpu review G4)."""
+    if newer is None or newer.round <= plan.round:
+        return False
+    return newer.recovers or bool(set(newer.lost) & set(plan.worker_ids()))
 
 
 def _forget_failed_init() -> None:
