@@ -8,6 +8,7 @@ environment form); bad input is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ from rendezvous import (
     validate_job_id,
 )
 
-from ..agent import addressing
+from ..agent import addressing, job_backend
 from . import horovodrun
 from . import slurm
 from .options import (
@@ -316,6 +317,9 @@ def main(argv: Sequence[str]) -> int:
             )
         etcd = Etcd(config_of_etcd)
         etcd.check()
+        # One backend for the whole job: the first host's choice (gpu review G7).
+        config = dataclasses.replace(config, backend=job_backend.settle(etcd, JobKeys(config.job_id), config.backend,
+                                                                        config.host_id))
         code = Agent(config, etcd, endpoints).run()
         if embedded is not None:
             _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)
