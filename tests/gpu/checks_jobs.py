@@ -64,7 +64,8 @@ def default_backend_e2e(ctx: Context) -> Outcome:
     train = ["--device", "cuda", "--steps", str(E2E_STEPS)]
     jobs = {"clean": _job(ctx, "clean", auto, train),
             "broken": _job(ctx, "broken", auto, [*train, "--break-ring-every", "3"]),
-            # --hang-timeout: without it the automatic device bound (5 s) kills the worker first (G3).
+            # --hang-timeout: a fixed bound well past the 6 s stall (the review ran it so; before the
+            # G3 fix the derived device bound, 5 s, killed the worker first).
             "stalled": _job(ctx, "stalled", [*auto, "--collective-timeout", "3", "--hang-timeout", "30"],
                             [*train, "--device-stall-step", "5", "--device-stall-s", "6"])}
     codes = _wait_all(ctx, jobs)
