@@ -409,8 +409,13 @@ class Runtime:
             addresses = sorted({addr for _, addr in plan.hosts.values()})
             raise PeersUnreachable(plan.round, addresses, summarize(exc)) from None
         with self._backend_lock:
-            self._forming = None
+            forming, self._forming = self._forming, None
             self._ring = prepare_ring(before=before, store_port=store_port)
+            if forming is not None and forming[1].aborted:
+                # A loss announced during the init aborted only the forming handle (its
+                # sockets); no later plan repeats the news, and NCCL's rings over IB never
+                # noticed: the formed ring is broken too (gpu review G5(a)).
+                self._ring.abort()
             self.plan = plan
             self.round = plan.round
         self._store = store
