@@ -101,10 +101,9 @@ def exit_join(ctx: Context) -> Outcome:
     children = run_children([python_c(_EXIT_AFTER_TIMEOUT)] * 2, [child_env(e) for e in cases.values()], ctx.left())
     figures = {}
     for name, child in zip(cases, children):
-        alive = child.lines("alive")
+        alive = [float(t) for t in child.lines("alive") if t.replace(".", "", 1).isdigit()]
         figures[f"{name}_rc"] = child.rc
-        figures[f"{name}_exit_after_s"] = round(child.ended - float(alive[0]), 2) if alive and child.rc is not None \
-            else None
+        figures[f"{name}_exit_after_s"] = round(child.ended - alive[0], 2) if alive and child.rc is not None else None
     lag = figures["workers_exit_after_s"]
     if lag is None:
         return Outcome(False, f"the workers' env child did not reach its end (rc {children[0].rc}): "
