@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from rendezvous import ConfigError, Etcd, JobKeys
-from rendezvous.etcd import CreateRevisionEquals, ModRevisionEquals, Put
+from elastic.rendezvous import ConfigError, Etcd, JobKeys
+from elastic.rendezvous.etcd import CreateRevisionEquals, ModRevisionEquals, Put
 
 from ..contract.devices import CPU_AND_CUDA
 

@@ -58,8 +58,8 @@ CHECKS: tuple[Check, ...] = (
 def probe() -> Probe:
     import torch
 
-    from rendezvous.embedded import find_etcd_binary
-    from rendezvous.errors import RendezvousError
+    from elastic.rendezvous.embedded import find_etcd_binary
+    from elastic.rendezvous.errors import RendezvousError
 
     try:
         find_etcd_binary()

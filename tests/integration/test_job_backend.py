@@ -12,8 +12,8 @@ import pytest
 
 from elastic.agent.job_backend import settle
 from elastic.contract.devices import CPU_AND_CUDA
-from rendezvous import ConfigError, JobKeys
-from rendezvous.etcd import Put
+from elastic.rendezvous import ConfigError, JobKeys
+from elastic.rendezvous.etcd import Put
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 
 from elastic.agent.job_backend import agree
 from elastic.contract.devices import CPU_AND_CUDA
-from rendezvous import ConfigError
+from elastic.rendezvous import ConfigError
 
 
 @pytest.mark.parametrize("mine, recorded, expected", [

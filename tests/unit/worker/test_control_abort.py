@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from elastic.worker.runtime import Runtime
-from rendezvous import JobStatus, RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import JobStatus, RoundPlan
+from elastic.rendezvous.rounds import Slot
 
 WORKERS = ("m.w0", "m.w1")
 
