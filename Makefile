@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-extended test-etcd-servers test-gpu venv clean
+.PHONY: demo test test-all test-extended test-etcd-servers test-gpu gpu-check venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,13 @@ GPU_PY ?= $(PY)
 test-gpu:
 	$(GPU_PY) -m pytest -q -m '' -p no:cacheprovider --timeout 600 -rs tests/gpu
 	$(GPU_PY) -m tests.gpu.reform_leaks --rounds 100 --params 50e6
+
+# The GPU path's checks that fit one GPU in 8 minutes (gpu review section 4, issue 31): one
+# PASS/FAIL/SKIP line per check, versions and figures in $(GPU_CHECK_JSON). Without CUDA
+# the CUDA checks are SKIP with their reason and it exits 0. Run it first on a lent GPU.
+GPU_CHECK_JSON ?= gpu-check.json
+gpu-check:
+	$(GPU_PY) -m tests.gpu.check --json $(GPU_CHECK_JSON)
 
 clean:
 	rm -rf $(VENV)

@@ -13,6 +13,9 @@ never read or watch each other's keys.
                                          only the newest KEEP_ROUNDS are kept.
     /elastic/<job>/control/plan          JSON RoundPlan of the newest round.
     /elastic/<job>/control/status        JSON JobStatus (running / succeeded / failed).
+    /elastic/<job>/control/backend       JSON {"backend", "host"}: the job's process-group backend,
+                                         written once by the first agent; the others use it
+                                         or refuse to start (elastic/agent/job_backend.py).
     /elastic/<job>/control/waiting       JSON WaitingNotice while fewer than min_np workers
                                          are present (waiting.py), on the coordinator's
                                          lease; deleted when the wait ends.
@@ -135,3 +138,7 @@ class JobKeys:
     @property
     def job_lease(self) -> str:
         return self.control + "lease"
+
+    @property
+    def backend(self) -> str:
+        return self.control + "backend"

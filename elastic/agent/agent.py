@@ -67,7 +67,7 @@ from .peer_probe import PeerProbe
 from .plain_store import PlainStores, prune_round_keys
 from .store_server import StoreServer
 from .straggler_eviction import on_straggler_event
-from .watchdog import HangPolicy, Watchdog
+from .watchdog import HangPolicy, Watchdog, device_floor
 from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor, SessionWatch
 from .metrics import AgentMetrics, round_change
@@ -116,7 +116,9 @@ class Agent:
         self.member_id = new_member_id(config.host_id)
         self._session_watch = SessionWatch(self.health, self.events.emit, self.member_id)
         self.metrics = AgentMetrics(config.host_id, self.member_id)  # fed by _on_event and the watchdog's reads
-        self._watchdog = Watchdog(HangPolicy(timeout=config.hang_timeout), self._scratch, self.events, config.log_dir,
+        policy = HangPolicy(timeout=config.hang_timeout,
+                            device_floor=device_floor(config.backend, config.collective_timeout))
+        self._watchdog = Watchdog(policy, self._scratch, self.events, config.log_dir,
                                   on_marks=self.metrics.observe_marks)
         self._health_server: Optional[HealthServer] = None
         self._session_monitor: Optional[SessionMonitor] = None

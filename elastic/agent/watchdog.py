@@ -60,6 +60,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ..contract.devices import uses_nccl
 from ..contract.events import EventLog
 from ..contract.progress import Marks, ProgressBoard
 
@@ -73,6 +74,11 @@ class HangPolicy:
     factor: float = 3.0
     first_interval: float = 300.0  # bound for a stuck main thread before any interval was seen
     grace: float = 1.0  # seconds a worker gets to dump its stacks before SIGKILL
+    # The least a derived bound on pending device work may be: on NCCL a worker waiting in
+    # a collective for a slow but healthy peer (rank 0 evaluating or saving alone) has
+    # device work pending as long as that peer is away, like a hung device. Its ring's own
+    # timeout ends that wait (a ring failure, re-formed), so the verdict waits for it.
+    device_floor: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -84,6 +90,17 @@ class HangPolicy:
         if stuck and slowest <= 0:
             return max(self.floor, self.first_interval)
         return max(self.floor, self.factor * slowest)
+
+    def device_bound(self, slowest: float) -> float:
+        if self.timeout is not None:
+            return self.timeout
+        return max(self.bound(slowest, stuck=True), self.device_floor)
+
+
+def device_floor(backend: str, collective_timeout: float) -> float:
+    """``HangPolicy.device_floor`` for workers of ``backend``: past the collective timeout
+    on NCCL (gpu review G3); nothing on gloo, whose collectives leave no device work."""
+    return collective_timeout + 5.0 if uses_nccl(backend) else 0.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +142,7 @@ def judge(marks: Marks, policy: HangPolicy, now: float, proc_state: str = "") ->
         if silent > bound:
             return Verdict(True, "gil-held", stalled, bound, f"no heartbeat for {silent:.1f}s{last}")
     if marks.progress and marks.device_since:
-        bound = policy.bound(marks.slowest, stuck=True)
+        bound = policy.device_bound(marks.slowest)
         pending = now - marks.device_since
         if pending > bound:
             return Verdict(True, "device", stalled, bound, f"device work queued {pending:.1f}s ago has not completed"

@@ -38,6 +38,17 @@ def nccl_env(backend: str) -> dict[str, str]:
         # NVLink SHARP buffers are not given back when a communicator is aborted; rings
         # re-formed in-process would leak them (NVIDIA's in-process restart sets 0 too).
         "NCCL_NVLS_ENABLE": "0",
+        # Any timeout seen by a watchdog writes "exception_dump" into the job's store, never
+        # deleted; with dumps on, every later process's first NCCL group (a replacement, a
+        # joiner) reads it and SIGABRTs itself after TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, and a
+        # group that dumped blocks its destructor as long (gpu review G2).
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        # A collective issued while a non-blocking communicator still forms holds its lock
+        # for up to this long (30 min unset), and an abort needs that lock: keep it under
+        # the abort's deadline (nccl_abort.ABORT_DEADLINE_S, 60 s), so the waiting collective
+        # raises first (a ring failure) and the abort goes through (gpu review G5(b)). It
+        # also bounds a healthy communicator's set-up: 30 s is ample at hundreds of ranks.
+        "TORCH_NCCL_NONBLOCKING_TIMEOUT": "30",
     }
 
 

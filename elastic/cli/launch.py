@@ -8,6 +8,7 @@ environment form); bad input is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -31,7 +32,7 @@ from elastic.rendezvous import (
     validate_job_id,
 )
 
-from ..agent import addressing
+from ..agent import addressing, job_backend
 from . import horovodrun
 from .join_hint import join_hint
 from . import torchrun
@@ -340,6 +341,9 @@ def main(argv: Sequence[str]) -> int:
                 endpoints, config.job_id, config.settings, config.command, config.nproc_per_node))
         etcd = Etcd(config_of_etcd)
         etcd.check()
+        # One backend for the whole job: the first host's choice (gpu review G7).
+        config = dataclasses.replace(config, backend=job_backend.settle(etcd, JobKeys(config.job_id), config.backend,
+                                                                        config.host_id))
         code = Agent(config, etcd, endpoints).run()
         if embedded is not None:
             _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)

@@ -13,6 +13,8 @@ combined string is never equal to "nccl".
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 BACKENDS = ("auto", "gloo", "nccl")
 CPU_AND_CUDA = "cpu:gloo,cuda:nccl"  # gloo for CPU tensors, NCCL for CUDA tensors, in one group
@@ -54,4 +56,40 @@ def choose_backend(requested: str, *, cuda_available: bool, device_count: int, n
 
 def uses_nccl(backend: str) -> bool:
     """Does ``backend`` (``nccl``, ``cpu:gloo,cuda:nccl``, ...) run any of its work on NCCL?"""
-    return any(part.split(":")[-1].strip() == "nccl" for part in backend.split(","))
+    return any(part.split(":")[-1].strip().lower() == "nccl" for part in backend.split(","))
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What a backend string lets a job do: where its model lives, and which tensors travel
+    over which part of its process group."""
+
+    backend: str
+    model_device: str  # "cuda" when CUDA tensors travel over NCCL, else "cpu"
+    host_backend: Optional[str]  # the part that carries CPU tensors (None: pure NCCL)
+    device_backend: Optional[str]  # the part that carries CUDA tensors
+
+    @property
+    def wire_device(self) -> str:
+        """Where the runtime's own small tensors (flags, holdings) and staged state
+        transfers must be to travel: the host when some part carries CPU tensors (no
+        device sync, no GPU memory), else the device."""
+        return "cpu" if self.host_backend is not None else "cuda"
+
+
+# torch's defaults for a backend named without devices (distributed_c10d.Backend).
+_PLAIN = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "mpi": ("cpu", "cuda"), "ucc": ("cpu", "cuda")}
+
+
+def capability(backend: str) -> Capability:
+    """``capability("cpu:gloo,cuda:nccl")``: the model on CUDA, host tensors over gloo,
+    CUDA tensors over NCCL. ValueError (one line) for a string torch would refuse."""
+    parts: dict[str, str] = {}
+    for part in (p.strip().lower() for p in backend.split(",")):
+        device, _, name = part.rpartition(":")
+        if not name or (not device and name not in _PLAIN) or (device and device not in ("cpu", "cuda")):
+            raise ValueError(f"backend {backend!r}: {part!r} is not <backend> or cpu:/cuda:<backend>")
+        for dev in (device,) if device else _PLAIN[name]:
+            parts.setdefault(dev, name)
+    device_backend = parts.get("cuda")
+    return Capability(backend, "cuda" if device_backend == "nccl" else "cpu", parts.get("cpu"), device_backend)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..contract.devices import capability
 from ..contract.errors import ElasticError
 from ..worker.lifecycle import current as _runtime
 
@@ -11,7 +12,15 @@ _cached: dict = {}  # {"key": (round, group), "mesh": DeviceMesh}
 
 
 def device_type(backend: str) -> str:
-    return "cuda" if backend == "nccl" else "cpu"
+    """Where the sharded model lives under ``backend``: CUDA when CUDA tensors travel over
+    NCCL (``nccl``, the default ``cpu:gloo,cuda:nccl``), else the CPU. A backend with no
+    part for host tensors is refused: the sharded state's commits live in host memory and
+    travel between ranks as host tensors."""
+    found = capability(backend)
+    if found.host_backend is None:
+        raise ElasticError(f"ShardedState needs a backend that carries host tensors, and {backend!r} has none: "
+                           f"run with --backend auto (cpu:gloo,cuda:nccl on GPU hosts)")
+    return found.model_device
 
 
 def device_mesh():

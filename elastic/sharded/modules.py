@@ -75,19 +75,27 @@ def layout_of(tensors: dict[str, torch.Tensor]) -> tuple[TensorLayout, ...]:
     return tuple(TensorLayout(key, tuple(t.shape), str(t.dtype).replace("torch.", "")) for key, t in tensors.items())
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory: the meta travels pickled, and a pickled CUDA tensor comes back
+    on the sender's GPU index (a context there, or an error where that index is not
+    visible). Loading copies buffers into the module's own, and the optimizer's
+    load_state_dict puts state on its parameter's device."""
+    return tensor.detach().to("cpu", copy=True)
+
+
 def describe(commit: CommitId, world: int, model, optimizer, tensors, values: dict, sampler, *,
              layout: Optional[tuple[TensorLayout, ...]] = None, names: Optional[dict] = None) -> CommitMeta:
     """The commit's meta: the layout and every small replicated value (copies). ``layout``
     and ``names`` (parameter -> fqn), when the caller has them, save walking the model."""
     meta = CommitMeta(commit, world, layout if layout is not None else layout_of(tensors), copy.deepcopy(values),
                       copy.deepcopy(sampler.state_dict()) if sampler is not None else None,
-                      {name: b.detach().clone() for name, b in model.named_buffers()})
+                      {name: _host_copy(b) for name, b in model.named_buffers()})
     if optimizer is not None:
         names = names if names is not None else {p: fqn for fqn, p in model.named_parameters()}
         meta.groups = [{**{k: copy.deepcopy(v) for k, v in group.items() if k != "params"},
                         "params": [names[p] for p in group["params"]]} for group in optimizer.param_groups]
         for p, entries in optimizer.state.items():
-            plain = {name: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+            plain = {name: (_host_copy(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                      for name, v in entries.items() if f"optim.{names[p]}.{name}" not in tensors}
             if plain:
                 meta.plain_state[names[p]] = plain

@@ -7,6 +7,12 @@ worker re-forms on CUDA it waits for its device to finish everything queued, in 
 thread, for a bounded time (NVIDIA's in-process restart does the same in its
 CudaHealthCheck): a CUDA error raised by the sync is a broken process
 (failures.py), and a sync still running past the bound is one too.
+
+The sync names this worker's own device (its slot). CUDA's current device is per host
+thread and a new thread starts on device 0, so a bare ``torch.cuda.synchronize()`` in
+the checking thread would sync GPU 0: nothing for the workers of slots 1-7, and a CUDA
+context of theirs left on GPU 0 (gpu review G1). The caller aborts the old ring first:
+a kernel of it waiting for a dead peer would otherwise hold the sync to its bound.
 """
 
 from __future__ import annotations
@@ -46,17 +52,21 @@ def bounded(call: Callable[[], object], timeout_s: float) -> bool:
     return True
 
 
-def check_device(backend: str, timeout_s: float, *, synchronize: Optional[Callable[[], object]] = None,
+def check_device(backend: str, timeout_s: float, *, slot: Optional[int] = None,
+                 synchronize: Optional[Callable[[torch.device], object]] = None,
                  cuda_available: Optional[Callable[[], bool]] = None) -> Optional[float]:
-    """Raise ``BrokenProcess`` unless this worker's device finishes its queued work within
-    ``timeout_s``; the seconds it took, or None without CUDA (nothing to check)."""
+    """Raise ``BrokenProcess`` unless this worker's device (``slot``; default: the calling
+    thread's current device) finishes its queued work within ``timeout_s``; the seconds it
+    took, or None without CUDA (nothing to check). ``synchronize(device)``: tests' fake."""
     available = cuda_available or torch.cuda.is_available
     if not uses_nccl(backend) or not available():
         return None
+    # Read here, on the caller's thread (set_device'd to the slot), never in the sync's thread.
+    device = torch.device("cuda", torch.cuda.current_device() if slot is None else slot)
+    sync = synchronize or torch.cuda.synchronize
     started = time.monotonic()
-    if not bounded(synchronize or torch.cuda.synchronize, timeout_s):
-        raise BrokenProcess(f"device health check: cuda:{torch.cuda.current_device()} did not finish its queued "
-                            f"work within {timeout_s:g}s")
+    if not bounded(lambda: sync(device), timeout_s):
+        raise BrokenProcess(f"device health check: {device} did not finish its queued work within {timeout_s:g}s")
     took = time.monotonic() - started
     log.debug("device health check: %.3fs", took)
     return took

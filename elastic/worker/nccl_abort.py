@@ -10,9 +10,12 @@ broken (a driver call that does not return) and exits with ``WORKER_BROKEN``, so
 that its agent replaces it (a broken process, not a user error).
 
 Every group of the process is aborted, not only the default one (DDP and user
-code may have made sub-groups), inside one ``ncclGroupStart/End`` as torch's own
-``_abort_process_group`` does (pytorch#119797: aborts of several communicators
-one after the other can deadlock). ``_world`` is left as it is here: the main
+code may have made sub-groups), each on a thread of its own and all at once
+(pytorch#119797: aborts of several communicators one after the other can deadlock,
+the first one's frees waiting for another's still-spinning kernel). torch's own
+``_abort_process_group`` wraps them in ``ncclGroupStart/End`` instead, which groups
+nothing: each ``ProcessGroupNCCL::abort`` runs ``ncclCommAbort`` on a thread of its
+own, and NCCL's group state is per thread (gpu review G9). ``_world`` is left as it is here: the main
 thread may be inside a collective, and a half-cleared ``_world`` would make its
 next call fail as a user error. The main thread clears it when it leaves the
 ring (``leave_aborted``).
@@ -24,7 +27,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -97,12 +100,25 @@ def abort_every_group(backend) -> None:
 
     world = distributed_c10d._world
     groups = sorted(list(world.pg_names.items()), key=lambda item: item[1], reverse=True)
-    backend._group_start()
-    try:
-        for group, _ in groups:
-            group.abort()
-    finally:
-        backend._group_end()
+    abort_all_at_once([group.abort for group, _ in groups])
+
+
+def abort_all_at_once(aborts: Sequence[Callable[[], None]]) -> None:
+    """Start every abort on a thread of its own, then wait for all of them (the caller's
+    deadline bounds the wait: ``run_with_deadline``). One that raises does not stop the others."""
+
+    def run(abort: Callable[[], None]) -> None:
+        try:
+            abort()
+        except Exception as exc:  # noqa: BLE001 - an abort that raises has still ended
+            log.warning("abort of a process group: %s: %s", type(exc).__name__, exc)
+
+    threads = [threading.Thread(target=run, args=(abort,), name=f"elastic-nccl-abort-{i}", daemon=True)
+               for i, abort in enumerate(aborts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def leave_aborted(deadline_s: float = ABORT_DEADLINE_S,

@@ -88,13 +88,20 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
             # -- we are outside the except block: the old ring can be freed now.
             if interruption.failed:
                 _spend(budget, runtime, interruption.reason, unreachable=interruption.unreachable)
-                # A device that no longer answers would break the next ring too: this
-                # process exits WORKER_BROKEN instead (device_health.py, lifecycle.py).
-                check_device(runtime.backend, runtime.config.collective_timeout if runtime.config else 60.0)
-                state.restore()
+                _check_and_restore(runtime, state)
             finished_reform = (interruption, _reform(runtime, interruption, budget))
 
     return wrapper
+
+
+def _check_and_restore(runtime, state) -> None:
+    """After a failure: the old ring aborted, this worker's own device checked, the last
+    commit restored. A device that no longer answers would break the next ring too: this
+    process exits WORKER_BROKEN instead (device_health.py, lifecycle.py)."""
+    runtime.abort_device_ring()
+    check_device(runtime.backend, runtime.config.collective_timeout if runtime.config else 60.0,
+                 slot=runtime.local_rank)
+    state.restore()
 
 
 def _reform(runtime, interruption: _Interruption, budget: ResetBudget):

@@ -295,11 +295,22 @@ class Runtime:
             if status.state == "failed":
                 why = f"job failed: {status.reason}"
             elif _breaks(plan, current):
-                why = f"round {plan.round} lost {len(plan.lost)} worker(s)"
+                why = f"round {plan.round} lost {len(plan.lost)} worker(s)" if plan.lost else \
+                    f"round {plan.round} recovers from a failure (a reset request)"
             else:
                 return
             log.info("round %d: aborting the ring (%s)", current.round, why, extra=FILE_ONLY)
             ring.abort()
+
+    def abort_device_ring(self) -> None:
+        """After a failure, before the device check: abort the ring's NCCL part (a no-op if
+        the control thread did), so that none of its kernels is left for the check to
+        wait on (gpu review G1). The ring is released later, by ``reform``."""
+        with self._backend_lock:
+            ring = self._ring
+        if ring is not None and ring.backend_abort:
+            ring.abort()
+            ring.wait_aborted()  # bounded: past its deadline the worker exits broken
 
     def release_group(self, collect: bool = True, failed: bool = False) -> None:
         """Leave the current ring. After a failure an NCCL ring is aborted, never
@@ -398,8 +409,13 @@ class Runtime:
             addresses = sorted({addr for _, addr in plan.hosts.values()})
             raise PeersUnreachable(plan.round, addresses, summarize(exc)) from None
         with self._backend_lock:
-            self._forming = None
+            forming, self._forming = self._forming, None
             self._ring = prepare_ring(before=before, store_port=store_port)
+            if forming is not None and forming[1].aborted:
+                # A loss announced during the init aborted only the forming handle (its
+                # sockets); no later plan repeats the news, and NCCL's rings over IB never
+                # noticed: the formed ring is broken too (gpu review G5(a)).
+                self._ring.abort()
             self.plan = plan
             self.round = plan.round
         self._store = store
@@ -482,8 +498,12 @@ class Runtime:
 
 
 def _breaks(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
-    """Does ``newer`` declare lost a worker of ``plan`` (whose ring is then broken)?"""
-    return newer is not None and newer.round > plan.round and bool(set(newer.lost) & set(plan.worker_ids()))
+    """Does ``newer`` say that ``plan``'s ring is broken: a worker of it lost, or a round
+    formed to recover from a failure (a reset request names no one lost)? On NCCL nothing
+    else wakes the others' kernels: a peer's own abort does not (gpu review G4)."""
+    if newer is None or newer.round <= plan.round:
+        return False
+    return newer.recovers or bool(set(newer.lost) & set(plan.worker_ids()))
 
 
 def _forget_failed_init() -> None:

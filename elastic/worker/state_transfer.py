@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..contract.devices import capability
 from .sync_plan import CommitId, Holding, SyncPlan, Transfer
 
 # The plan cuts stripes into chunks of at most this size: NCCL's staging buffer per
@@ -40,9 +41,11 @@ _LAYOUT_TAG = 1 << 30
 
 
 def _device(backend: str) -> torch.device:
-    # Only a pure NCCL ring needs device tensors; a mixed one ("cpu:gloo,cuda:nccl")
-    # sends host tensors through its gloo part.
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    # Only a ring with no part for host tensors (pure NCCL) needs device tensors; a mixed
+    # one ("cpu:gloo,cuda:nccl") sends host tensors through its gloo part.
+    if capability(backend).wire_device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def gather_holdings(rank: int, world_size: int, commit: Optional[CommitId], backend: str) -> list[Holding]:
@@ -85,7 +88,7 @@ def run_transfers(plan: SyncPlan, rank: int, buffers: list[torch.Tensor], backen
     """Send or receive this rank's share of ``plan``; returns the bytes it moved."""
     sending = rank in plan.holders
     mine = plan.sends(rank) if sending else plan.receives(rank)
-    if backend == "nccl":
+    if capability(backend).wire_device == "cuda":
         _transfer_staged(mine, sending, buffers)
     else:
         works = []

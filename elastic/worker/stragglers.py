@@ -61,6 +61,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..contract.devices import capability
 from ..contract.progress import WAITING, classify, main_thread_frames, stdlib_prefixes
 from ..contract.straggler_policy import remaining_after
 
@@ -238,7 +239,7 @@ class StragglerWatch:
         if rt.world_size == 1:
             return [(elapsed, blocked)]
         mine = torch.tensor([elapsed, blocked], dtype=torch.float64)
-        if rt.backend == "nccl":
+        if capability(rt.backend).wire_device == "cuda":
             mine = mine.cuda()
         every = [torch.zeros_like(mine) for _ in range(rt.world_size)]
         dist.all_gather(every, mine)  # a broken ring raises here, like any collective

@@ -20,6 +20,7 @@ Files written to --out (one line per event, flushed at once, so tests can watch)
   slots.jsonl     with --record-slots: {"pid", "rank", "round", "local_rank", "env_local_rank",
                   "local_world_size"} at every (re-)entry
   accelerator-error-<step>  written (its pid) by --accelerator-error-rank right before it raises
+  device-stall-<step>  written ({"pid", "time"}) by --device-stall-rank right before it queues its device sleep
 """
 
 import argparse
@@ -86,6 +87,11 @@ p.add_argument("--accelerator-error-rank", type=int, default=None,
                help="this rank raises torch.AcceleratorError (a sticky CUDA error, as on an illegal address) ...")
 p.add_argument("--accelerator-error-step", type=int, default=None,
                help="... at this step, once per job (a marker file: its replacement trains on)")
+p.add_argument("--device-stall-rank", type=int, default=0,
+               help="with --device cuda: this rank queues a device-side sleep (once per job) ...")
+p.add_argument("--device-stall-step", type=int, default=None, help="... before the all-reduce of this step ...")
+p.add_argument("--device-stall-s", type=float, default=0.0, help="... of at least this many seconds (gpu review "
+               "section 4: a collective stalled on the device, a hung device)")
 p.add_argument("--record-slots", action="store_true", help="slots.jsonl: {pid, rank, round, local_rank, "
                "env_local_rank, local_world_size} at every (re-)entry: a worker's device slot through rounds")
 p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -224,6 +230,21 @@ def sleep_forever():
         time.sleep(1)
 
 
+def maybe_stall_the_device(step: int) -> None:
+    """--device-stall-*: queue a device sleep, so the step's all-reduce waits behind it (the
+    host returns at once; only the device, then NCCL's watchdog or a sync, sees it)."""
+    if step != args.device_stall_step or elastic.rank() != args.device_stall_rank or device.type != "cuda":
+        return
+    marker = os.path.join(args.out, f"device-stall-{step}")
+    if os.path.exists(marker):
+        return
+    with open(marker, "w") as f:
+        json.dump({"pid": os.getpid(), "time": time.time()}, f)
+    # _sleep counts clock cycles; 2e9 per second is at or above an H100's boost clock, so
+    # the stall lasts at least --device-stall-s.
+    torch.cuda._sleep(int(args.device_stall_s * 2e9))
+
+
 def told_to_stop() -> bool:
     """Rank 0 looks for --stop-file and tells the ring, so every rank stops at the same step."""
     if args.stop_file is None:
@@ -306,6 +327,7 @@ def train(state):
                 with open(marker, "w") as f:
                     f.write(str(os.getpid()))
                 raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        maybe_stall_the_device(state.step)
         one_step(ddp, rows)
         maybe_die("after-allreduce", state.step + 1)  # trained by the ring, recorded by nobody yet
         state.step += 1

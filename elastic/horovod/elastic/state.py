@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ...contract.devices import capability
 from ...contract.errors import HostsUpdatedInterrupt
 from ...state import State, _copy_into
 from ...stateful import is_stateful, load_state
@@ -89,7 +90,8 @@ def _ring_change_ready(runtime) -> bool:
     mine = bool(ask()) if ask is not None and runtime.rank == 0 else False
     if runtime.world_size <= 1:
         return mine
-    device = torch.device("cuda", torch.cuda.current_device()) if runtime.backend == "nccl" else torch.device("cpu")
+    on_device = capability(runtime.backend).wire_device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_device else torch.device("cpu")
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
     dist.broadcast(flag, src=0)
     return bool(flag.item())

@@ -33,9 +33,11 @@ def test_local_rank_is_the_device_slot_not_the_position_in_the_plan():
 @pytest.mark.parametrize("backend, expected", [
     ("gloo", {}),
     ("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
-              "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1", "NCCL_NVLS_ENABLE": "0"}),
+              "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1", "NCCL_NVLS_ENABLE": "0",
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "30"}),
     (CPU_AND_CUDA, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
-                    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1", "NCCL_NVLS_ENABLE": "0"}),
+                    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1", "NCCL_NVLS_ENABLE": "0",
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "30"}),
 ])
 def test_nccl_settings_only_with_nccl(backend, expected):
     assert nccl_env(backend) == expected
@@ -52,3 +54,16 @@ def test_the_users_nccl_settings_win():
     env = _env("nccl", base=mine)
     assert {k: env[k] for k in mine} == mine
     assert env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "1000"
+
+
+def test_a_communicator_that_still_forms_lets_the_abort_through_before_its_deadline():
+    # gpu review G5(b): a collective waiting for a forming communicator holds its lock for
+    # TORCH_NCCL_NONBLOCKING_TIMEOUT; the abort must get it before nccl_abort's deadline.
+    from elastic.worker.nccl_abort import ABORT_DEADLINE_S
+
+    assert float(nccl_env(CPU_AND_CUDA)["TORCH_NCCL_NONBLOCKING_TIMEOUT"]) < ABORT_DEADLINE_S
+
+
+def test_the_users_own_nccl_settings_win():
+    env = _env(CPU_AND_CUDA, base={"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"})
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.contract.devices import CPU_AND_CUDA, choose_backend, may_have_cuda, uses_nccl
+from elastic.contract.devices import CPU_AND_CUDA, capability, choose_backend, may_have_cuda, uses_nccl
 
 
 @pytest.mark.parametrize("requested, cuda, devices, nproc, expected", [
@@ -54,3 +54,29 @@ def test_uses_nccl_reads_combined_strings(backend, expected):
 def test_may_have_cuda_is_false_only_where_torch_certainly_sees_no_gpu(present, visible, expected):
     environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     assert may_have_cuda(exists=lambda path: path in present, environ=environ) is expected
+
+
+# (backend, model on, host tensors over, CUDA tensors over, the runtime's own tensors on)
+@pytest.mark.parametrize("backend, model, host, device, wire", [
+    (CPU_AND_CUDA, "cuda", "gloo", "nccl", "cpu"),  # the default on GPU hosts (gpu review G6)
+    ("cuda:nccl,cpu:gloo", "cuda", "gloo", "nccl", "cpu"),
+    ("nccl", "cuda", None, "nccl", "cuda"),
+    ("cuda:nccl", "cuda", None, "nccl", "cuda"),
+    ("gloo", "cpu", "gloo", "gloo", "cpu"),  # gloo carries CUDA tensors too, through the host
+    ("cpu:gloo", "cpu", "gloo", None, "cpu"),
+    ("cpu:gloo,cuda:gloo", "cpu", "gloo", "gloo", "cpu"),
+    ("mpi", "cpu", "mpi", "mpi", "cpu"),
+    (" CPU:gloo , cuda:NCCL ", "cuda", "gloo", "nccl", "cpu"),
+])
+def test_what_a_backend_string_carries(backend, model, host, device, wire):
+    found = capability(backend)
+    assert (found.model_device, found.host_backend, found.device_backend, found.wire_device) == \
+        (model, host, device, wire)
+    assert uses_nccl(backend) is (device == "nccl" or host == "nccl")
+
+
+@pytest.mark.parametrize("backend", ["", "foo", "tpu:nccl", "cpu:", "nccl,,gloo"])
+def test_a_backend_string_torch_would_refuse_is_one_line(backend):
+    with pytest.raises(ValueError, match="is not <backend> or cpu:/cuda:<backend>") as caught:
+        capability(backend)
+    assert "\n" not in str(caught.value)

@@ -41,7 +41,7 @@ def test_check_device_on_a_hung_device_is_a_broken_process(monkeypatch):
     release = threading.Event()
     try:
         with pytest.raises(BrokenProcess, match="cuda:1 did not finish its queued work within 0.2s") as caught:
-            check_device("nccl", 0.2, synchronize=lambda: release.wait(30), cuda_available=lambda: True)
+            check_device("nccl", 0.2, synchronize=lambda device: release.wait(30), cuda_available=lambda: True)
         assert is_broken_process(caught.value)
     finally:
         release.set()
@@ -55,6 +55,67 @@ def test_check_device_on_a_hung_device_is_a_broken_process(monkeypatch):
 ])
 def test_check_device_runs_only_on_cuda(backend, cuda, expected_calls):
     calls = []
-    took = check_device(backend, 5.0, synchronize=lambda: calls.append(1), cuda_available=lambda: cuda)
+    took = check_device(backend, 5.0, slot=0, synchronize=lambda device: calls.append(1), cuda_available=lambda: cuda)
     assert len(calls) == expected_calls
     assert (took is None) == (expected_calls == 0)
+
+
+def _cuda_like_current_device(main_thread_device: int):
+    """As CUDA keeps it: the current device is per host thread, and a new thread starts on 0."""
+    return lambda: main_thread_device if threading.current_thread() is threading.main_thread() else 0
+
+
+@pytest.mark.parametrize("slot, expected", [(3, 3), (None, 5)])
+def test_the_check_syncs_this_workers_own_device_from_its_thread(monkeypatch, slot, expected):
+    # gpu review G1: torch.cuda.synchronize() with no device, in a fresh thread, syncs cuda:0.
+    monkeypatch.setattr(torch.cuda, "current_device", _cuda_like_current_device(5))
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(
+        (device, threading.current_thread() is threading.main_thread())))
+    check_device("cpu:gloo,cuda:nccl", 5, slot=slot, cuda_available=lambda: True)
+    assert synced == [(torch.device("cuda", expected), False)]
+
+
+class _Ring:
+    def __init__(self, calls, backend_abort=True):
+        self.calls, self.backend_abort = calls, backend_abort
+
+    def abort(self):
+        self.calls.append("abort")
+
+    def wait_aborted(self):
+        self.calls.append("wait_aborted")
+        return True
+
+
+@pytest.mark.parametrize("backend_abort, expected", [(True, ["abort", "wait_aborted"]), (False, [])])
+def test_the_runtime_aborts_only_a_ring_with_an_nccl_part_before_the_check(backend_abort, expected):
+    from elastic.worker.runtime import Runtime
+
+    calls = []
+    runtime = Runtime(None)
+    runtime._ring = _Ring(calls, backend_abort)
+    runtime.abort_device_ring()
+    assert calls == expected and runtime._ring is not None  # released later, by reform
+    runtime._ring = None
+    runtime.abort_device_ring()  # no ring: nothing to do
+
+
+def test_recovery_aborts_the_old_ring_before_checking_the_device_then_restores(monkeypatch):
+    from elastic.worker import recovery
+
+    calls = []
+
+    class FakeRuntime:
+        backend, config, local_rank = "cpu:gloo,cuda:nccl", None, 3
+
+        def abort_device_ring(self):
+            calls.append("abort")
+
+    class FakeState:
+        def restore(self):
+            calls.append("restore")
+
+    monkeypatch.setattr(recovery, "check_device", lambda backend, timeout_s, slot: calls.append(("check", slot)))
+    recovery._check_and_restore(FakeRuntime(), FakeState())
+    assert calls == ["abort", ("check", 3), "restore"]

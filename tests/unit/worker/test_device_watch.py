@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import types
 
-from elastic.agent.watchdog import HangPolicy, judge
+import pytest
+
+from elastic.agent.watchdog import HangPolicy, device_floor, judge
 from elastic.contract.progress import Marks, ProgressBoard
 from elastic.worker.device_watch import DeviceWatch, commit_mark
 
@@ -95,3 +97,20 @@ def test_the_watchdog_judges_device_work_pending_past_the_bound():
     assert not judge(_marks(now, slowest=0.0, device_since=now - 60.0), policy, now).hung
     # Outside the training function nothing is judged.
     assert not judge(_marks(now, progress=0, device_since=now - 60.0), policy, now).hung
+
+
+# gpu review G3: on NCCL, a rank waiting in a collective for a slow but healthy peer (rank 0
+# evaluating alone) has device work pending as long as the peer is away.
+# (backend, --hang-timeout, device pending s, slowest commit interval s, hung?)
+@pytest.mark.parametrize("backend, timeout, pending, slowest, hung", [
+    ("cpu:gloo,cuda:nccl", None, 6.0, 0.2, False),  # the victim of a 6 s pause on rank 0
+    ("cpu:gloo,cuda:nccl", None, 60.0, 0.2, False),  # still within the collective timeout (60 s)
+    ("cpu:gloo,cuda:nccl", None, 66.0, 0.2, True),  # past it: the ring would have failed by now
+    ("nccl", None, 66.0, 0.2, True),
+    ("gloo", None, 6.0, 0.2, True),  # gloo leaves no device work behind a peer: 5 s floor
+    ("cpu:gloo,cuda:nccl", 8.0, 9.0, 0.2, True),  # --hang-timeout is the user's bound
+])
+def test_the_device_verdict_waits_past_the_collective_timeout_on_nccl(backend, timeout, pending, slowest, hung):
+    policy, now = HangPolicy(timeout=timeout, device_floor=device_floor(backend, 60.0)), 1000.0
+    verdict = judge(_marks(now, slowest=slowest, device_since=now - pending), policy, now)
+    assert verdict.hung is hung and (not hung or verdict.kind == "device")

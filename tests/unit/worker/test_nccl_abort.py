@@ -121,3 +121,31 @@ def test_nonblocking_communicators_are_asked_for_unless_the_user_chose():
     env = {"TORCH_NCCL_USE_COMM_NONBLOCKING": "0"}
     nccl_abort.nonblocking_env(env)
     assert env["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "0"
+
+
+def test_every_groups_abort_starts_before_any_of_them_ends():
+    # gpu review G9: an abort that frees its communicator can wait on another one's kernel
+    # until that one is aborted too; one after the other, the first never returns.
+    groups = 3
+    all_started = threading.Barrier(groups, timeout=10)
+    ended = []
+
+    def abort(i):
+        def run():
+            all_started.wait()  # one after the other: BrokenBarrierError after 10 s
+            ended.append(i)
+        return run
+
+    started = time.monotonic()
+    nccl_abort.abort_all_at_once([abort(i) for i in range(groups)])
+    assert sorted(ended) == [0, 1, 2] and time.monotonic() - started < 8
+
+
+def test_one_abort_that_raises_does_not_stop_the_others():
+    ended = []
+
+    def fails():
+        raise RuntimeError("NCCL error: remote process exited")
+
+    nccl_abort.abort_all_at_once([fails, lambda: ended.append(1), lambda: ended.append(2)])
+    assert sorted(ended) == [1, 2]

@@ -178,3 +178,22 @@ def test_after_a_round_failed_to_form_the_worker_asks_for_the_next_one(runtime, 
     del runtime._enter
     runtime._enter(plan(3, live_store))
     assert dist.group.WORLD.group_name == "0"
+
+
+def test_a_loss_announced_during_the_init_aborts_the_ring_it_forms(runtime, live_store, monkeypatch):
+    # gpu review G5(a): the abort landed on the forming handle only; the formed ring went on.
+    control = FakeControl(plan(2, live_store))
+    runtime._control = control
+    real_init = dist.init_process_group
+
+    def init_and_a_loss_meanwhile(*args, **kwargs):
+        real_init(*args, **kwargs)
+        control.publish(RoundPlan(round=3, slots=(Slot("m", WORKER),), hosts={"m": ("h", "127.0.0.1")},
+                                  store_addr=live_store, created=time.time(), lost=("m.w9",), recovers=True))
+        runtime._on_control(control.plan, control.status)  # the control thread's delivery
+
+    monkeypatch.setattr(dist, "init_process_group", init_and_a_loss_meanwhile)
+    thread, outcome = enter_in_thread(runtime, control.plan)
+    thread.join(60)
+    assert outcome.get("round") == 2, outcome
+    assert runtime._ring.aborted

@@ -1,0 +1,55 @@
+"""One backend for the whole job: the first agent's choice, which every later agent uses.
+
+``--backend auto`` is resolved on each host from its own GPUs (contract/devices.py). A
+host that lost a GPU, or sees fewer through CUDA_VISIBLE_DEVICES, would pick gloo while
+the others pick ``cpu:gloo,cuda:nccl``, and ranks that call ``init_process_group`` with
+different backends never form a ring (gpu review G7). So the first agent records its
+resolved backend in the job's keys (one create-if-absent transaction), and each later
+agent compares: the same backend is fine; a GPU host asked for ``auto`` in a gloo job
+runs gloo too (any host can); any other difference refuses to start with one line.
+A record on a lease is an ended job's history (history.py): a new job of that id
+starts afresh.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from elastic.rendezvous import ConfigError, Etcd, JobKeys
+from elastic.rendezvous.etcd import CreateRevisionEquals, ModRevisionEquals, Put
+
+from ..contract.devices import CPU_AND_CUDA
+
+
+def agree(mine: str, recorded: Optional[tuple[str, str]]) -> str:
+    """The backend this host's workers use: ``recorded`` (backend, host that chose it) if
+    this host can run it, else ConfigError (one line). ``mine``: this host's resolved one."""
+    if recorded is None or recorded[0] == mine:
+        return mine
+    theirs, host = recorded
+    if theirs == "gloo" and mine == CPU_AND_CUDA:
+        return "gloo"  # auto on a GPU host, in a job whose first host had no GPU per worker
+    if mine == "gloo" and theirs == CPU_AND_CUDA:
+        why = "this host cannot give each of its workers a GPU of its own (CUDA_VISIBLE_DEVICES, a lost GPU?)"
+    else:
+        why = "every host of a job must use one backend"
+    raise ConfigError(f"--backend: the job runs {theirs} (chosen by host {host}) but this host resolved {mine}: "
+                      f"{why}; fix the host or give --backend gloo to every host")
+
+
+def settle(etcd: Etcd, keys: JobKeys, mine: str, host: str, *, deadline: float = 30.0) -> str:
+    """Record ``mine`` as the job's backend if none is, and return the one to use (``agree``)."""
+    record = json.dumps({"backend": mine, "host": host}).encode()
+    for _ in range(5):  # another agent may write between our read and our write: read again
+        kv = etcd.get(keys.backend, retry_deadline=deadline)
+        if kv is not None and not kv.lease:
+            found = json.loads(kv.value)
+            return agree(mine, (found["backend"], found.get("host", "?")))
+        compare = CreateRevisionEquals(keys.backend, 0) if kv is None else ModRevisionEquals(keys.backend,
+                                                                                             kv.mod_revision)
+        written, _ = etcd.txn([compare], [Put(keys.backend, record)], retry_deadline=deadline)
+        if written:
+            return mine
+    raise ConfigError(f"--backend: could not agree on the job's backend in etcd ({keys.backend} keeps changing)")
+

@@ -1,0 +1,43 @@
+"""Which newer plans make the control thread abort the current ring (Runtime._on_control),
+as a table: a loss of one of its workers, and any round formed to recover from a failure
+(gpu review G4: a reset request names no one lost, and on NCCL nothing else wakes the
+other workers' kernels)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.worker.runtime import Runtime
+from elastic.rendezvous import JobStatus, RoundPlan
+from elastic.rendezvous.rounds import Slot
+
+WORKERS = ("m.w0", "m.w1")
+
+
+def plan(round_, workers=WORKERS, lost=(), recovers=False):
+    return RoundPlan(round_, tuple(Slot("m", w) for w in workers), {"m": ("h", "127.0.0.1")}, "127.0.0.1:1", 0.0,
+                     lost=tuple(lost), recovers=recovers)
+
+
+class FakeRing:
+    def __init__(self):
+        self.aborts = 0
+
+    def abort(self):
+        self.aborts += 1
+
+
+@pytest.mark.parametrize("newer, status, aborts", [
+    (plan(3, lost=("m.w1",), recovers=True), JobStatus(), 1),  # a worker of ours lost
+    (plan(3, recovers=True), JobStatus(), 1),  # G4: a reset request, no one lost
+    (plan(3, WORKERS + ("m.w2",)), JobStatus(), 0),  # a planned switch (a joiner): switch at a commit
+    (plan(3, lost=("other.w9",)), JobStatus(), 0),  # a loss outside our ring, not a recovery
+    (plan(2, recovers=True), JobStatus(), 0),  # our own round again
+    (plan(1, recovers=True), JobStatus(), 0),  # an older one
+    (plan(2), JobStatus(state="failed", reason="user error"), 1),  # the job failed
+])
+def test_which_plans_abort_the_ring(newer, status, aborts):
+    runtime = Runtime(None)
+    runtime.plan, runtime._ring = plan(2), FakeRing()
+    runtime._on_control(newer, status)
+    assert runtime._ring.aborts == aborts
