@@ -74,6 +74,7 @@ class Runtime:
         self.local_world_size = 1
         self.round = 0
         self.plan: Optional[RoundPlan] = None
+        self.previous_plan: Optional[RoundPlan] = None  # the ring before: bounds its commits (sync_plan.ClaimBounds)
         self.events = EventLog(
             config.events_file if config else None, host=config.host_id if config else "local"
         )
@@ -400,7 +401,7 @@ class Runtime:
         with self._backend_lock:
             self._forming = None
             self._ring = prepare_ring(before=before, store_port=store_port)
-            self.plan = plan
+            self.previous_plan, self.plan = self.plan, plan
             self.round = plan.round
         self._store = store
         self._switch_at = None
