@@ -44,7 +44,7 @@ from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from .failures import is_communication_error, summarize
-from . import device_watch, fault_points, nccl_abort, round_store
+from . import device_watch, fault_points, nccl_abort, round_store, switch_points
 from ..contract.events import EventLog
 from .joiners import JoinerWatch
 from ..contract.progress import Progress
@@ -243,9 +243,17 @@ class Runtime:
                     self._switch_at = self._switch_points.next_point(commits)
                     self._store.set("switch_at", f"{self._switch_at} {self._switch_action}")
             elif self._switch_points.is_point(commits) and self._store.check(["switch_at"]):
-                at, action = self._store.get("switch_at").decode().split()
-                self._switch_at, self._switch_action = int(at), action
+                at, action = switch_points.parse_switch_at(self._store.get("switch_at"), commits)
+                switch_points.confirm(action, lambda: self._grounds_for(action))  # the store is not the job
+                self._switch_at, self._switch_action = at, action
         return self._switch_at is not None and commits >= self._switch_at
+
+    def _grounds_for(self, action: str) -> bool:
+        """Whether this worker's own view of etcd shows why rank 0 would decide ``action``."""
+        if action == "stop":
+            return self._control.status.state == STOPPING
+        newest = self._control.plan
+        return newest is not None and newest.round > self.round
 
     def ring_change_ready(self) -> bool:
         """Rank 0's view, asked between commits (``hvd.elastic``'s ``check_host_updates``):
