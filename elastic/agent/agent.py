@@ -27,7 +27,6 @@ semantics: on any change of round they are restarted together.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import queue
@@ -38,8 +37,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
-
-import torch.distributed as dist
 
 from rendezvous import (
     FAILED,
@@ -66,6 +63,7 @@ from .device_slots import DeviceSlots
 from ..contract.reset_budget import ResetBudget, RoundFailures
 from .event_tail import EventTail
 from .peer_probe import PeerProbe
+from . import bound_store
 from .plain_store import PlainStores, prune_round_keys
 from .straggler_eviction import on_straggler_event
 from .watchdog import HangPolicy, Watchdog
@@ -132,12 +130,11 @@ class Agent:
         cfg = self.config
         # The store that rounds use when one of our workers is rank 0. It lives as
         # long as the agent, so a worker crash never takes the store down with it.
-        self._store = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=cfg.settings.timeout),
-        )
+        # Bound to --host-addr, the address peers use: never every interface (bound_store.py).
+        self._store = bound_store.serve(cfg.host_addr, cfg.settings.timeout)
         if cfg.health_port is not None:
-            self._health_server = HealthServer(cfg.health_port, self.health.probe, metrics=self.metrics.exposition).start()
+            self._health_server = HealthServer(cfg.health_port, self.health.probe, host=cfg.health_addr or cfg.host_addr,
+                                               metrics=self.metrics.exposition).start()
         self._wanted = [self._new_worker_id() for _ in range(cfg.nproc_per_node)]
         member = Member(
             member_id=self.member_id,

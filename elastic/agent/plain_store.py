@@ -11,13 +11,14 @@ every agent reads it before starting a worker of that round.
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import torch.distributed as dist
 
 from rendezvous import Etcd, JobKeys, RoundPlan
 from rendezvous.errors import RendezvousTimeoutError
+
+from . import bound_store
 
 _KEEP_ROUNDS = 2  # the current round's store, and the previous one while it drains
 
@@ -35,10 +36,7 @@ class PlainStores:
         """If rank 0 of ``plan`` is ours, start the round's store and publish it."""
         if plan.slots[0].member_id != self._member_id or plan.round in self._served:
             return
-        store = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self._timeout),
-        )
+        store = bound_store.serve(self._host_addr, self._timeout)  # the job's address, not every interface
         self._served[plan.round] = store
         self._etcd.put(self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode())
         for old in sorted(self._served)[:-_KEEP_ROUNDS]:
