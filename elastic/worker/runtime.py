@@ -251,7 +251,8 @@ class Runtime:
     def _grounds_for(self, action: str) -> bool:
         """Whether this worker's own view of etcd shows why rank 0 would decide ``action``."""
         if action == "stop":
-            return self._control.status.state == STOPPING
+            status = self._control.status
+            return status.state == STOPPING or status.over
         newest = self._control.plan
         return newest is not None and newest.round > self.round
 
@@ -308,6 +309,14 @@ class Runtime:
             else:
                 return
             log.info("round %d: aborting the ring (%s)", current.round, why, extra=FILE_ONLY)
+            ring.abort()
+
+    def abort_ring(self) -> None:
+        """Shut the current ring down under its peers (a fault only this worker saw): their
+        pending operations fail at once, as when the control thread aborts it."""
+        with self._backend_lock:
+            ring = self._ring
+        if ring is not None:
             ring.abort()
 
     def release_group(self, collect: bool = True, failed: bool = False) -> None:
