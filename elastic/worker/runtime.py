@@ -244,17 +244,10 @@ class Runtime:
                     self._store.set("switch_at", f"{self._switch_at} {self._switch_action}")
             elif self._switch_points.is_point(commits) and self._store.check(["switch_at"]):
                 at, action = switch_points.parse_switch_at(self._store.get("switch_at"), commits)
-                switch_points.confirm(action, lambda: self._grounds_for(action))  # the store is not the job
+                # The store is not the job: act once our own view of etcd shows why.
+                switch_points.confirm(action, lambda: switch_points.has_grounds(action, self._control, self.round))
                 self._switch_at, self._switch_action = at, action
         return self._switch_at is not None and commits >= self._switch_at
-
-    def _grounds_for(self, action: str) -> bool:
-        """Whether this worker's own view of etcd shows why rank 0 would decide ``action``."""
-        if action == "stop":
-            status = self._control.status
-            return status.state == STOPPING or status.over
-        newest = self._control.plan
-        return newest is not None and newest.round > self.round
 
     def ring_change_ready(self) -> bool:
         """Rank 0's view, asked between commits (``hvd.elastic``'s ``check_host_updates``):
@@ -312,8 +305,7 @@ class Runtime:
             ring.abort()
 
     def abort_ring(self) -> None:
-        """Shut the current ring down under its peers (a fault only this worker saw): their
-        pending operations fail at once, as when the control thread aborts it."""
+        """Fail the peers' pending operations at once (a fault only this worker saw)."""
         with self._backend_lock:
             ring = self._ring
         if ring is not None:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from rendezvous import STOPPING
+
 from ..contract.errors import PeerDataInvalid
 
 SPACING_S = 0.25  # seconds of steps between two switch points, at the agreed pace
@@ -55,6 +57,15 @@ def parse_switch_at(value: bytes, commits: int) -> tuple[int, str]:
     if action not in ACTIONS or at < commits:
         raise PeerDataInvalid(f"switch_at in the round's store is impossible at commit {commits}: {value[:40]!r}")
     return at, action
+
+
+def has_grounds(action: str, control, current_round: int) -> bool:
+    """Whether this worker's own view of etcd (``control``) shows why rank 0 would decide
+    ``action``: the job stopping (or over) for a stop, a newer plan for a switch."""
+    if action == "stop":
+        return control.status.state == STOPPING or control.status.over
+    newest = control.plan
+    return newest is not None and newest.round > current_round
 
 
 def confirm(action: str, grounds: Callable[[], bool], timeout_s: Optional[float] = None, poll_s: float = 0.01) -> None:
