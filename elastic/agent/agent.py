@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from rendezvous import (
+from elastic.rendezvous import (
     FAILED,
     RUNNING,
     STOPPING,

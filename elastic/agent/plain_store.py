@@ -15,8 +15,8 @@ import time
 
 import torch.distributed as dist
 
-from rendezvous import Etcd, JobKeys, RoundPlan
-from rendezvous.errors import RendezvousTimeoutError
+from elastic.rendezvous import Etcd, JobKeys, RoundPlan
+from elastic.rendezvous.errors import RendezvousTimeoutError
 
 from . import bound_store
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from checkpoint.snapshot import Layout, TensorSpec
+from elastic.checkpoint.snapshot import Layout, TensorSpec
 
 from ..contract.errors import PeerDataInvalid
 from . import wire

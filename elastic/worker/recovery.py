@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
-from rendezvous import RendezvousError
+from elastic.rendezvous import RendezvousError
 
 from ..contract.errors import (
     HostsUpdatedInterrupt,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from rendezvous import STOPPING
+from elastic.rendezvous import STOPPING
 
 from ..contract.errors import PeerDataInvalid
 

@@ -17,8 +17,8 @@ import uuid
 import pytest
 import torch.distributed as dist
 
-from rendezvous import Etcd, JobKeys
-from rendezvous.rounds import RoundPlan
+from elastic.rendezvous import Etcd, JobKeys
+from elastic.rendezvous.rounds import RoundPlan
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(300)

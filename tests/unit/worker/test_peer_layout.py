@@ -13,14 +13,14 @@ import sys
 import pytest
 import torch
 
-from checkpoint.snapshot import Snapshot
+from elastic.checkpoint.snapshot import Snapshot
 from elastic.contract.errors import PeerDataInvalid
 from elastic.worker import layout_wire, wire
 from elastic.worker.failures import RING, classify
 
 _COMMON = """
 import datetime, json, os, pathlib, pickle, sys, torch, torch.distributed as dist
-from checkpoint.snapshot import Snapshot
+from elastic.checkpoint.snapshot import Snapshot
 from elastic.worker import layout_wire, state_transfer
 rank, store_path, marker = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,

@@ -17,8 +17,8 @@ from elastic.contract.errors import PeerDataInvalid
 from elastic.worker import switch_points
 from elastic.worker.failures import RING, classify
 from elastic.worker.runtime import Runtime
-from rendezvous import STOPPING, JobStatus, RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import STOPPING, JobStatus, RoundPlan
+from elastic.rendezvous.rounds import Slot
 
 
 class DictStore:
