@@ -163,10 +163,11 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """Picklable description of a snapshot: structure, tensor specs, plain values.
+    """Description of a snapshot: structure, tensor specs, plain values.
 
-    A newcomer receives this (e.g. by broadcast_object_list), builds
-    ``Snapshot.from_layout(layout)``, receives the buffers and reads ``.tree()``.
+    A newcomer receives this (as checked plain data: ``elastic/worker/layout_wire.py``,
+    never a pickle), builds ``Snapshot.from_layout(layout)``, receives the buffers and
+    reads ``.tree()``.
     """
 
     treedef: tuple

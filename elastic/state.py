@@ -44,7 +44,8 @@ from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, DurableW
 from .contract.console import FILE_ONLY
 from .contract.errors import HostsUpdatedInterrupt, JobStopping
 from .stateful import check_plain, is_stateful, load_state, state_of
-from .worker.state_transfer import CHUNK_BYTES, gather_holdings, receive_layout, run_transfers, send_layout
+from .worker.state_transfer import (CHUNK_BYTES, claim_bounds, gather_holdings, receive_layout, run_transfers,
+                                     send_layout)
 from .worker.lifecycle import current as _runtime  # the process-wide runtime, set by elastic.init()
 from .worker.sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
 
@@ -175,7 +176,8 @@ class State:
             object.__setattr__(self, "_synced", True)
             return SyncPlan(self.commit_id, (0,), (), ())
         started = time.monotonic()
-        holdings = gather_holdings(runtime.rank, runtime.world_size, self.commit_id, runtime.backend)
+        holdings = gather_holdings(runtime.rank, runtime.world_size, self.commit_id, runtime.backend,
+                                   claim_bounds(runtime, self.commit_id))
         newest, holders, receivers = choose_holders(holdings)
         if not receivers:  # every worker holds the newest commit: nothing to move
             object.__setattr__(self, "_synced", True)
@@ -323,7 +325,9 @@ class State:
         self._load(tree)
         step = int(manifest.get("step") or 0)
         object.__setattr__(self, "_commits", step)  # the manifest names the step
-        object.__setattr__(self, "_commit_round", int(manifest.get("round") or 0))
+        # The round of the run that wrote it, unless that is later than ours (a new job id
+        # numbers rounds afresh): no commit may claim a round after the current one.
+        object.__setattr__(self, "_commit_round", min(int(manifest.get("round") or 0), _runtime().round))
         object.__setattr__(self, "_durable_step", step)
         log.info("resumed from durable checkpoint step %s (epoch %s) in %s", step, manifest.get("epoch"), directory)
 

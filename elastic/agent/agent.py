@@ -137,7 +137,8 @@ class Agent:
         # port is known at once; torch starts it in the background (store_server.py).
         self._store = StoreServer(cfg.host_addr, cfg.settings.timeout, "round-store")
         if cfg.health_port is not None:
-            self._health_server = HealthServer(cfg.health_port, self.health.probe, metrics=self.metrics.exposition).start()
+            self._health_server = HealthServer(cfg.health_port, self.health.probe, host=cfg.health_addr or cfg.host_addr,
+                                               metrics=self.metrics.exposition).start()
         self._wanted = [self._new_worker_id() for _ in range(cfg.nproc_per_node)]
         member = Member(
             member_id=self.member_id,

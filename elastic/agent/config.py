@@ -31,6 +31,7 @@ class AgentConfig:
     grace_period: float
     log_dir: Optional[str] = None
     health_port: Optional[int] = None
+    health_addr: Optional[str] = None  # where the health server listens (default: host_addr)
     checkpoint: dict = field(default_factory=dict)  # checkpoint_dir/every/interval/keep
     socket_ifname: Optional[str] = None  # the interface holding host_addr, for gloo/NCCL (addressing.py)
     etcd_options: dict = field(default_factory=dict)  # etcd_ca/cert/key/user/password/retry_deadline

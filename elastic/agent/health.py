@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import http.server
 import logging
+import socket
 import threading
 import time
 from typing import Callable
@@ -233,35 +234,61 @@ class _ProbeServer(http.server.ThreadingHTTPServer):
     """One thread per request, as daemons (a stuck prober must never keep the agent from
     exiting), but remembered: ``stop()`` waits for them, bounded by the handler's socket
     timeout, so nothing of the server runs once it has stopped. (With plain daemon
-    threads a request thread could still be closing its connection after ``stop()``.)"""
+    threads a request thread could still be closing its connection after ``stop()``.)
+
+    Bounded (security review, finding 9): at most ``MAX_REQUESTS`` at once, further
+    connections are closed at once; and a request that has not ended ``deadline_s``
+    after it arrived (a client that sends a byte every few seconds: the handler's
+    timeout is per read) has its connection shut down when the next one arrives."""
 
     daemon_threads = True
+    MAX_REQUESTS = 16
+    deadline_s = 10.0
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._requests: list[threading.Thread] = []
+        self._requests: list[tuple[threading.Thread, socket.socket, float]] = []
         self._requests_lock = threading.Lock()
 
     def process_request(self, request, client_address) -> None:
         thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
                                   name="health-request", daemon=True)
+        now = time.monotonic()
         with self._requests_lock:
-            self._requests = [t for t in self._requests if t.is_alive()]
-            self._requests.append(thread)
+            current = []
+            for entry in self._requests:
+                if not entry[0].is_alive():
+                    continue
+                if now - entry[2] > self.deadline_s:
+                    _shut(entry[1])  # its thread ends at its next read
+                else:
+                    current.append(entry)
+            if len(current) >= self.MAX_REQUESTS:
+                self._requests = current
+                self.shutdown_request(request)
+                return
+            self._requests = current + [(thread, request, now)]
         thread.start()
 
     def join_requests(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._requests_lock:
-            requests = list(self._requests)
+            requests = [entry[0] for entry in self._requests]
         for thread in requests:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _shut(connection: socket.socket) -> None:
+    try:
+        connection.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by its handler
 
 
 class HealthServer:
     """Tiny HTTP server (stdlib http.server in a daemon thread) for pod probes."""
 
-    def __init__(self, port: int, probe: Probe, host: str = "0.0.0.0", metrics: "Exposition | None" = None,
+    def __init__(self, port: int, probe: Probe, host: str = "127.0.0.1", metrics: "Exposition | None" = None,
                  request_timeout: float = 5.0) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"health port must be in 0..65535, got {port!r}")

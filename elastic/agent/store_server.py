@@ -10,9 +10,10 @@ torch and hands the socket to ``TCPStore(master_listen_fd=...)``: a client that 
 before that waits in the listen backlog and is served once the store is up (torch 2.13,
 libuv backend).
 
-The socket is bound to the job's address (``--host-addr``), not to every interface: the
-store holds what a round's workers trust (its keys decide switches and stops), so only
-the job's network should reach it. Where this host does not hold that address (NAT,
+The socket is bound to the job's address (``--host-addr``), not to every interface:
+torch's store server binds the wildcard address whatever host it is given, and the store
+has no authentication while its keys decide switches and stops (security review, finding
+2), so only the job's network should reach it. Where this host does not hold that address (NAT,
 where peers reach us through a translated one) it falls back to every interface, and
 says so once.
 """
@@ -34,12 +35,17 @@ _BACKLOG = 512  # every worker of a large job may connect before the store is up
 def _listening_socket(addr: str) -> tuple[socket.socket, str]:
     """A listening socket on ``addr`` (or every interface), and the address at which
     this process reaches it: torch's store connects a client of its own to it."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:  # an address or a name (--host-addr may be either)
+        family, _, _, _, address = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        family, address = (socket.AF_INET6 if ":" in addr else socket.AF_INET), None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((addr, 0))
+            if address is None:
+                raise OSError(f"cannot resolve {addr}")
+            sock.bind(address)
             local = addr
         except OSError as exc:
             log.warning("the store cannot bind %s (%s): it listens on every interface", addr, exc)

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "else gloo), gloo or nccl (one GPU per worker, else refused)")
     opt("--log-dir", help="per-worker logs and events.jsonl")
     opt("--health-port", int, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
+    opt("--health-addr", help="address the health/metrics server listens on (default: --host-addr; "
+                              "0.0.0.0 for every interface)")
     opt("--grace-period", positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
     opt("--leave-exit-code", exit_code, 0, "exit status after leaving a job that goes on (SIGTERM/SIGINT); "
         "a Kubernetes Job sets one its podFailurePolicy ignores, so that a preempted pod is recreated")
@@ -271,6 +273,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         grace_period=args.grace_period,
         log_dir=os.path.abspath(args.log_dir) if args.log_dir else None,
         health_port=args.health_port,
+        health_addr=args.health_addr,
         checkpoint=checkpoint,
         etcd_options=etcd_options,
         final_checkpoint_timeout=args.final_checkpoint_timeout,

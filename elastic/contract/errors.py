@@ -58,6 +58,13 @@ class LeftBehind(ElasticError):
     ring is gone: a ring failure, after which it joins the job again (commit_fence.py)."""
 
 
+class PeerDataInvalid(ElasticError):
+    """A value that a peer of the ring or the round's store gave is malformed or impossible
+    (a layout that does not parse, a commit newer than the ring's history allows, a
+    ``switch_at`` that is no commit number). It came from another process, so it is never
+    the user's bug: a ring failure, after which the ring re-forms (within --max-resets)."""
+
+
 class BrokenProcess(ElasticError):
     """This process cannot go on, though the ring could: its device no longer answers (a
     health check that timed out). It exits with ``WORKER_BROKEN``; its agent replaces it."""

@@ -9,7 +9,9 @@ from typing import Iterable
 import torch
 
 from . import basics
-from .gather_ops import broadcast_object, start_broadcast
+from ..contract.errors import PeerDataInvalid
+from ..worker import wire
+from .gather_ops import broadcast_plain, start_broadcast
 from .ops import wait
 
 _CHUNK_BYTES = 64 << 20  # one broadcast carries up to this much of a dtype's tensors
@@ -103,12 +105,13 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
             entries = []
             for key, value in optimizer.state.get(p, {}).items():
                 if torch.is_tensor(value):
-                    entries.append((key, "tensor", tuple(value.shape), value.dtype))
+                    entries.append((key, "tensor", tuple(value.shape), str(value.dtype)))
                 else:
                     entries.append((key, "value", value))
             states.append(entries)
         layout = (options, states)
-    options, states = broadcast_object(layout, root_rank)
+    # Plain data, not a pickle: every rank believes the root's layout (wire.py).
+    options, states = _checked_layout(broadcast_plain(layout, root_rank))
     if len(options) != len(optimizer.param_groups) or len(states) != len(params):
         raise ValueError("broadcast_optimizer_state: the root's optimizer has other parameter groups than this one's")
     tensors = []
@@ -123,10 +126,30 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
                 if not is_root:
                     state[key] = entry[2]
                 continue
-            shape, dtype = entry[2], entry[3]
+            shape, dtype = entry[2], wire.dtype_named(entry[3], "optimizer state from the root")
             current = state.get(key)
             if not torch.is_tensor(current) or tuple(current.shape) != shape or current.dtype != dtype:
                 device = p.device if len(shape) else (current.device if torch.is_tensor(current) else "cpu")
                 state[key] = current = torch.zeros(shape, dtype=dtype, device=device)
             tensors.append(current)
     broadcast_tensors_(tensors, root_rank)
+
+
+def _checked_layout(layout) -> tuple[list, list]:
+    """(options, states) of the root's optimizer as ``broadcast_optimizer_state`` sends them;
+    PeerDataInvalid unless every entry has that form."""
+    what = "optimizer layout from the root"
+    if type(layout) is not tuple or len(layout) != 2 or type(layout[0]) is not list or type(layout[1]) is not list:
+        raise PeerDataInvalid(f"{what}: expected (options, states)")
+    options, states = layout
+    if any(type(o) is not dict for o in options) or any(type(e) is not list for e in states):
+        raise PeerDataInvalid(f"{what}: expected a dict per group and a list per parameter")
+    for entries in states:
+        for entry in entries:
+            ok = type(entry) is tuple and len(entry) >= 2 and (
+                (entry[1] == "value" and len(entry) == 3)
+                or (entry[1] == "tensor" and len(entry) == 4 and type(entry[2]) is tuple
+                    and all(type(d) is int and d >= 0 for d in entry[2])))
+            if not ok:
+                raise PeerDataInvalid(f"{what}: malformed entry {str(entry)[:60]}")
+    return options, states

@@ -12,6 +12,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from ..worker import wire
 from . import basics
 from .common import Average, Compression, check_process_set, global_process_set
 from .ops import Pending, divide_, issue, ring_size, scale_, start_allreduce, synchronize, torch_op
@@ -297,6 +298,22 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     if basics.rank() == root_rank:
         return obj
     return pickle.load(io.BytesIO(payload.numpy().tobytes()))
+
+
+MAX_PLAIN_BYTES = 256 << 20  # what broadcast_plain accepts from the root
+
+
+def broadcast_plain(obj, root_rank=0):
+    """The root's value on every rank, as checked plain data (``elastic/worker/wire.py``):
+    what the runtime itself broadcasts, so that a peer can make no rank unpickle anything.
+    A malformed value is PeerDataInvalid, a ring failure."""
+    _check_root(root_rank)
+    device = torch.device("cpu")
+    with translated_errors():
+        body = wire.broadcast_bytes(wire.dumps(obj, tensors=True) if basics.rank() == root_rank else None,
+                                    root_rank, basics.rank(), device, f"value from rank {root_rank}",
+                                    MAX_PLAIN_BYTES)
+    return wire.loads(body, f"value from rank {root_rank}", limit=MAX_PLAIN_BYTES, tensors=True)
 
 
 def allgather_object(obj, name=None):

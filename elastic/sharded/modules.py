@@ -21,7 +21,7 @@ from .reshard_plan import TensorLayout
 
 @dataclass
 class CommitMeta:
-    """What every rank of a ring holds the same of one commit (small, pickled)."""
+    """What every rank of a ring holds the same of one commit (small; travels as plain data, meta_wire.py)."""
 
     commit: CommitId
     world: int  # the ring that made it: its shards are ``shard_rows(n, world, s)``

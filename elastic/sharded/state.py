@@ -48,7 +48,7 @@ from ..state import State, checkpoint_policy
 from ..worker import fault_points
 from ..worker.lifecycle import current as _runtime
 from ..worker.sync_plan import CommitId, SyncPlan
-from . import durable, modules
+from . import durable, meta_wire, modules
 from .mesh import device_mesh, device_type
 from .placement import replica_holders, replicas_of
 from .reshard_plan import Piece, newest_covered, plan_reshard
@@ -234,7 +234,7 @@ class ShardedState(State):
         if checkpoints is not None:
             checkpoints.abandon()  # a write of the broken ring is never waited for
             group = checkpoints.group(runtime.round)
-        slots, reports, held, worlds, chosen = self._agree_on_commit(world)
+        slots, reports, held, worlds, chosen = self._agree_on_commit(runtime)
         newest = chosen[0] if chosen is not None else None
         first_start = newest is None and not worlds
         # Only the chosen commit's copies matter from here on: the others go before the new
@@ -244,8 +244,8 @@ class ShardedState(State):
         self._hold_only(slots)
         self._release_model()  # a planned switch's: the new one is built from the copies
         if newest is None:
-            found = _broadcast(durable.newest_for_resume(checkpoints.policy) if checkpoints is not None and rank == 0
-                               else None, 0)
+            found = meta_wire.broadcast_found(durable.newest_for_resume(checkpoints.policy)
+                                              if checkpoints is not None and rank == 0 else None, rank, runtime.backend)
             if checkpoints is not None:  # the directory's steps above it are an earlier run's
                 checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
             if not first_start:
@@ -266,11 +266,12 @@ class ShardedState(State):
             if self._init is None and rank == 0:
                 meta, sources[0] = self._whole_model_on_rank0(newest)
             holders = {0: [0]}
-            meta = _broadcast(meta, 0)
+            meta = meta_wire.broadcast_meta(meta, 0, rank, runtime.round, runtime.backend)
         else:
             wanted = (newest.round, newest.count, chosen[1])
             source_rank = min(r for r, rep in enumerate(reports) if wanted in rep[1])
-            meta = _broadcast(self._metas.get(chosen) if rank == source_rank else None, source_rank)
+            meta = meta_wire.broadcast_meta(self._metas.get(chosen) if rank == source_rank else None, source_rank,
+                                            rank, runtime.round, runtime.backend)
             holders: dict[int, list[int]] = {}
             for r, pairs in held.items():
                 for key, shard in pairs:
@@ -317,7 +318,7 @@ class ShardedState(State):
         holding_ranks = tuple(sorted({r for ranks in holders.values() for r in ranks}))
         return SyncPlan(newest, holding_ranks, tuple(r for r in range(world) if r not in holding_ranks), ())
 
-    def _agree_on_commit(self, world: int):
+    def _agree_on_commit(self, runtime):
         """Every rank's holdings, and the newest commit they cover. Copies still in flight when
         the ring broke are waited for (2 s at most, then asked again) only if their arrival
         would cover a newer commit: after a loss mid-step the pending copies are of a commit
@@ -330,8 +331,7 @@ class ShardedState(State):
                        ] if replication is not None else []
             report = ([(s.commit.round, s.commit.count, s.world, s.shard) for s in slots],
                       [(c.round, c.count, w) for c, w in self._metas], pending)
-            reports: list = [None] * world
-            dist.all_gather_object(reports, report)
+            reports = meta_wire.gather_reports(report, runtime.world_size, runtime.round, runtime.backend)
             held = {r: [((CommitId(a, b), w), s) for a, b, w, s in rep[0]] for r, rep in enumerate(reports)}
             worlds = {(CommitId(a, b), w): w for rep in reports for a, b, w, _ in rep[0]}
             chosen = newest_covered(held, worlds)
@@ -467,12 +467,6 @@ class ShardedState(State):
         if final and self._durable_step != self._commits and self.model is not None:
             self._write_durable(_runtime())
             self._durable.flush()
-
-
-def _broadcast(value, src: int):
-    box = [value]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def _run_pieces(pieces: list[Piece], rank: int, sources: dict[int, ShardSlot], targets: dict[str, torch.Tensor],

@@ -29,7 +29,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from ..contract.errors import BrokenProcess, HostsUpdatedInterrupt, LeftBehind, PeersUnreachable
+from ..contract.errors import BrokenProcess, HostsUpdatedInterrupt, LeftBehind, PeerDataInvalid, PeersUnreachable
 
 RING, PROCESS, USER = "broken ring", "broken process", "user error"
 
@@ -85,7 +85,7 @@ _COMMUNICATION_MARKERS = (
 
 def classify(exc: BaseException) -> str:
     """``RING``, ``PROCESS`` or ``USER``: what the failure ``exc`` asks for (see above)."""
-    if isinstance(exc, (HostsUpdatedInterrupt, PeersUnreachable, LeftBehind)):
+    if isinstance(exc, (HostsUpdatedInterrupt, PeersUnreachable, LeftBehind, PeerDataInvalid)):
         return RING
     if isinstance(exc, BrokenProcess):
         return PROCESS

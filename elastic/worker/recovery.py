@@ -39,6 +39,7 @@ from ..contract.errors import (
     HostsUpdatedInterrupt,
     JobStopping,
     LeftJob,
+    PeerDataInvalid,
     PeersUnreachable,
     ResetLimitExceeded,
 )
@@ -61,6 +62,7 @@ class _Interruption:
     stop: bool = False  # the job was told to stop: save the last commit and leave
     left: bool = False  # this worker is no longer part of the job (withdrawn, job over)
     unreachable: Optional[PeersUnreachable] = None  # the peers could not connect (no traceback kept)
+    alone: bool = False  # a fault only this worker saw (a peer's or the store's bad value)
 
 
 def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
@@ -86,6 +88,10 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
                 runtime.shutdown()
                 raise SystemExit(0)
             # -- we are outside the except block: the old ring can be freed now.
+            if interruption.alone:
+                # The peers sit in the ring's next operation, unaware: fail it for them
+                # now rather than after the collective timeout.
+                runtime.abort_ring()
             if interruption.failed:
                 _spend(budget, runtime, interruption.reason, unreachable=interruption.unreachable)
                 _check_and_restore(runtime, state)
@@ -219,5 +225,6 @@ def _call(body, *args) -> Optional[_Interruption]:
         whole = summarize(exc) if isinstance(exc, PeersUnreachable) else f"{type(exc).__name__}: {str(exc).strip()}"
         log.warning("ring broken: %s", whole, extra=FILE_ONLY)
         unreachable = exc.detached() if isinstance(exc, PeersUnreachable) else None
-        return _Interruption(summarize(exc), failed=True, detected=time.monotonic(), unreachable=unreachable)
+        return _Interruption(summarize(exc), failed=True, detected=time.monotonic(), unreachable=unreachable,
+                             alone=isinstance(exc, PeerDataInvalid))
 

@@ -45,6 +45,8 @@ from typing import Callable, Dict, FrozenSet, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from elastic.rendezvous import RoundPlan
+
 from ..contract.console import FILE_ONLY
 from ..contract.devices import uses_nccl
 from . import nccl_abort
@@ -332,3 +334,23 @@ def prepare_ring(group=None, *, before: SocketSnapshot, store_port: Optional[int
     # A gloo part next to NCCL's: every new connection is shut (gloo's mesh, the store's
     # and NCCL's bootstrap sockets: NCCL's abort needs none of them), then NCCL aborted.
     return RingHandle(new, other_backend=other)
+
+
+def ring_breaks(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
+    """Does ``newer`` say that ``plan``'s ring is broken: a worker of it lost, or a round
+    formed to recover from a failure (a reset request names no one lost)? On NCCL nothing
+    else wakes the others' kernels: a peer's own abort does not (gpu review G4)."""
+    if newer is None or newer.round <= plan.round:
+        return False
+    return newer.recovers or bool(set(newer.lost) & set(plan.worker_ids()))
+
+
+def forget_failed_init() -> None:
+    """torch names process groups by a counter that only destroying the default group
+    resets; a failed init took a number without making a group. Give it back, or our
+    next group would be named unlike the same group in a fresh process (a joiner's):
+    gloo's init keys carry the name, so the two would wait for each other in vain."""
+    if not dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = 0

@@ -44,13 +44,14 @@ from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from .failures import is_communication_error, summarize
-from . import device_watch, fault_points, nccl_abort, round_store
+from . import device_watch, fault_points, nccl_abort, round_store, switch_points
 from ..contract.events import EventLog
 from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
-from .ring_abort import RingHandle, check_ring, forming_ring, leave_ring, prepare_ring, socket_snapshot
+from .ring_abort import (RingHandle, check_ring, forget_failed_init, forming_ring, leave_ring, prepare_ring,
+                         ring_breaks, socket_snapshot)
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
@@ -74,6 +75,7 @@ class Runtime:
         self.local_world_size = 1
         self.round = 0
         self.plan: Optional[RoundPlan] = None
+        self.previous_plan: Optional[RoundPlan] = None  # the ring before: bounds its commits (sync_plan.ClaimBounds)
         self.events = EventLog(
             config.events_file if config else None, host=config.host_id if config else "local"
         )
@@ -242,8 +244,10 @@ class Runtime:
                     self._switch_at = self._switch_points.next_point(commits)
                     self._store.set("switch_at", f"{self._switch_at} {self._switch_action}")
             elif self._switch_points.is_point(commits) and self._store.check(["switch_at"]):
-                at, action = self._store.get("switch_at").decode().split()
-                self._switch_at, self._switch_action = int(at), action
+                at, action = switch_points.parse_switch_at(self._store.get("switch_at"), commits)
+                # The store is not the job: act once our own view of etcd shows why.
+                switch_points.confirm(action, lambda: switch_points.has_grounds(action, self._control, self.round))
+                self._switch_at, self._switch_action = at, action
         return self._switch_at is not None and commits >= self._switch_at
 
     def ring_change_ready(self) -> bool:
@@ -294,7 +298,7 @@ class Runtime:
                 return
             if status.state == "failed":
                 why = f"job failed: {status.reason}"
-            elif _breaks(plan, current):
+            elif ring_breaks(plan, current):
                 why = f"round {plan.round} lost {len(plan.lost)} worker(s)" if plan.lost else \
                     f"round {plan.round} recovers from a failure (a reset request)"
             else:
@@ -311,6 +315,13 @@ class Runtime:
         if ring is not None and ring.backend_abort:
             ring.abort()
             ring.wait_aborted()  # bounded: past its deadline the worker exits broken
+
+    def abort_ring(self) -> None:
+        """Fail the peers' pending operations at once (a fault only this worker saw)."""
+        with self._backend_lock:
+            ring = self._ring
+        if ring is not None:
+            ring.abort()
 
     def release_group(self, collect: bool = True, failed: bool = False) -> None:
         """Leave the current ring. After a failure an NCCL ring is aborted, never
@@ -402,8 +413,8 @@ class Runtime:
         except Exception as exc:
             with self._backend_lock:
                 self._forming = None
-            _forget_failed_init()
-            if not is_communication_error(exc) or _breaks(self._control.plan, plan):
+            forget_failed_init()
+            if not is_communication_error(exc) or ring_breaks(self._control.plan, plan):
                 raise  # a peer died: one more failure of the ring, not a network fault
             # Everyone reached the store, but not each other: name the addresses.
             addresses = sorted({addr for _, addr in plan.hosts.values()})
@@ -416,7 +427,7 @@ class Runtime:
                 # sockets); no later plan repeats the news, and NCCL's rings over IB never
                 # noticed: the formed ring is broken too (gpu review G5(a)).
                 self._ring.abort()
-            self.plan = plan
+            self.previous_plan, self.plan = self.plan, plan
             self.round = plan.round
         self._store = store
         self._switch_at = None
@@ -496,22 +507,3 @@ class Runtime:
             self._stragglers.close()
             self._stragglers = None
 
-
-def _breaks(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
-    """Does ``newer`` say that ``plan``'s ring is broken: a worker of it lost, or a round
-    formed to recover from a failure (a reset request names no one lost)? On NCCL nothing
-    else wakes the others' kernels: a peer's own abort does not (gpu review G4)."""
-    if newer is None or newer.round <= plan.round:
-        return False
-    return newer.recovers or bool(set(newer.lost) & set(plan.worker_ids()))
-
-
-def _forget_failed_init() -> None:
-    """torch names process groups by a counter that only destroying the default group
-    resets; a failed init took a number without making a group. Give it back, or our
-    next group would be named unlike the same group in a fresh process (a joiner's):
-    gloo's init keys carry the name, so the two would wait for each other in vain."""
-    if not dist.is_initialized():
-        from torch.distributed import distributed_c10d
-
-        distributed_c10d._world.group_count = 0

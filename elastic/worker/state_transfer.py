@@ -1,7 +1,7 @@
 """The collectives of a state sync (``State.sync``): who holds what, and moving it.
 
     holdings = gather_holdings(rank, commit, backend)   # all_gather of 3 integers per rank
-    send_layout(layout, receivers, backend)             # holders[0]: the pickled structure ...
+    send_layout(layout, receivers, backend)             # holders[0]: the structure, as plain data ...
     layout = receive_layout(src, backend)               # ... to the receivers, point to point
     moved = run_transfers(plan, rank, buffers, backend) # the plan's slices, point to point
 
@@ -23,14 +23,15 @@ moves the host buffers through its gloo part, like gloo.
 
 from __future__ import annotations
 
-import pickle
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..contract.devices import capability
-from .sync_plan import CommitId, Holding, SyncPlan, Transfer
+from ..contract.errors import PeerDataInvalid
+from . import layout_wire, wire
+from .sync_plan import ClaimBounds, CommitId, Holding, SyncPlan, Transfer, implausible_claim
 
 # The plan cuts stripes into chunks of at most this size: NCCL's staging buffer per
 # peer, and on gloo the size of one message.
@@ -38,6 +39,10 @@ CHUNK_BYTES = 32 << 20
 # The layout's messages (its size, then its bytes) are tagged apart from the transfers,
 # whose tags count from 0 per (holder, receiver) pair: a receiver takes them first.
 _LAYOUT_TAG = 1 << 30
+# The most bytes a layout may take on the wire (it holds the plain values: a sampler's
+# processed indices of a large epoch among them). A peer announcing more is refused
+# before anything is allocated (layout_wire.py checks the rest).
+MAX_LAYOUT_BYTES = 512 << 20
 
 
 def _device(backend: str) -> torch.device:
@@ -48,8 +53,21 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def gather_holdings(rank: int, world_size: int, commit: Optional[CommitId], backend: str) -> list[Holding]:
-    """Every rank's commit identity: one all_gather of (holds, round, count)."""
+def claim_bounds(runtime, mine: Optional[CommitId]) -> ClaimBounds:
+    """What ``runtime`` knows of the commits its ring may claim (sync_plan.ClaimBounds)."""
+    plan, previous = getattr(runtime, "plan", None), getattr(runtime, "previous_plan", None)
+    current = getattr(runtime, "round", 0)
+    if mine is None or plan is None or previous is None or mine.round != previous.round:
+        return ClaimBounds(current, mine=mine)
+    before = set(previous.worker_ids())
+    members = frozenset(r for r, worker in enumerate(plan.worker_ids()) if worker in before)
+    return ClaimBounds(current, previous.round, members, mine)
+
+
+def gather_holdings(rank: int, world_size: int, commit: Optional[CommitId], backend: str,
+                    bounds: Optional[ClaimBounds] = None) -> list[Holding]:
+    """Every rank's commit identity: one all_gather of (holds, round, count). A claim the
+    ring's history does not allow (``bounds``) is PeerDataInvalid, a ring failure."""
     mine = torch.tensor([commit is not None, commit.round if commit else 0, commit.count if commit else 0],
                         dtype=torch.int64, device=_device(backend))
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
@@ -57,31 +75,28 @@ def gather_holdings(rank: int, world_size: int, commit: Optional[CommitId], back
     holdings = []
     for r, values in enumerate(everyone):
         holds, round_, count = (int(v) for v in values.cpu())
+        if holds not in (0, 1):
+            raise PeerDataInvalid(f"rank {r} sent a malformed holding ({holds}, {round_}, {count})")
         holdings.append(Holding(r, CommitId(round_, count) if holds else None))
     assert holdings[rank].commit == commit
+    why = implausible_claim(holdings, bounds) if bounds is not None else None
+    if why is not None:
+        raise PeerDataInvalid(f"state sync: {why}")
     return holdings
 
 
 def send_layout(layout, receivers: Sequence[int], backend: str) -> None:
     """Send the newest commit's layout (structure, sizes, plain values) to ``receivers``."""
-    device = _device(backend)
-    body = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8).to(device)
-    size = torch.tensor([body.numel()], dtype=torch.int64, device=device)
     # Blocking sends in the receivers' order: each receiver already waits for exactly
     # these two messages from us, so none of them waits on another (NCCL included).
-    for receiver in receivers:
-        dist.send(size, dst=receiver, tag=_LAYOUT_TAG)
-        dist.send(body, dst=receiver, tag=_LAYOUT_TAG + 1)
+    wire.send_bytes(layout_wire.encode(layout), receivers, _device(backend), _LAYOUT_TAG)
 
 
 def receive_layout(src: int, backend: str):
-    """The layout that ``send_layout`` sends, from rank ``src``."""
-    device = _device(backend)
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, src=src, tag=_LAYOUT_TAG)
-    body = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(body, src=src, tag=_LAYOUT_TAG + 1)
-    return pickle.loads(body.cpu().numpy().tobytes())
+    """The layout that ``send_layout`` sends, from rank ``src``, checked (layout_wire.py):
+    PeerDataInvalid, a ring failure, if it is not one."""
+    data = wire.recv_bytes(src, _device(backend), _LAYOUT_TAG, f"state layout from rank {src}", MAX_LAYOUT_BYTES)
+    return layout_wire.decode(data, limit=MAX_LAYOUT_BYTES)
 
 
 def run_transfers(plan: SyncPlan, rank: int, buffers: list[torch.Tensor], backend: str) -> int:

@@ -27,8 +27,56 @@ little later, a graceful leave takes a little longer); nothing is rolled back.
 
 from __future__ import annotations
 
+import time
+from typing import Callable, Optional
+
+from elastic.rendezvous import STOPPING
+
+from ..contract.errors import PeerDataInvalid
+
 SPACING_S = 0.25  # seconds of steps between two switch points, at the agreed pace
 MAX_EVERY = 16  # the most commits between two switch points
+ACTIONS = ("switch", "stop")
+# How long a worker waits for its own view of etcd to show why rank 0 decided a switch
+# (a newer plan) or a stop (the job's status). Both watch the same keys: the lag is
+# milliseconds, unless this worker is cut off from etcd.
+CONFIRM_S = 5.0
+
+
+def parse_switch_at(value: bytes, commits: int) -> tuple[int, str]:
+    """(commit, action) of a ``switch_at`` value read at this worker's commit ``commits``.
+
+    The round's store is reachable by more than the ring, so the value is checked:
+    "<commit> <switch|stop>" with a commit this worker has not passed (it reads at
+    every point, so it sees rank 0's value at or before the point it names)."""
+    try:
+        at, action = value.decode("ascii").split()
+        at = int(at)
+    except (UnicodeDecodeError, ValueError):
+        raise PeerDataInvalid(f"switch_at in the round's store is malformed: {value[:40]!r}") from None
+    if action not in ACTIONS or at < commits:
+        raise PeerDataInvalid(f"switch_at in the round's store is impossible at commit {commits}: {value[:40]!r}")
+    return at, action
+
+
+def has_grounds(action: str, control, current_round: int) -> bool:
+    """Whether this worker's own view of etcd (``control``) shows why rank 0 would decide
+    ``action``: the job stopping (or over) for a stop, a newer plan for a switch."""
+    if action == "stop":
+        return control.status.state == STOPPING or control.status.over
+    newest = control.plan
+    return newest is not None and newest.round > current_round
+
+
+def confirm(action: str, grounds: Callable[[], bool], timeout_s: Optional[float] = None, poll_s: float = 0.01) -> None:
+    """Return once ``grounds()`` (this worker's own view of etcd) shows the reason for
+    ``action``; PeerDataInvalid after ``timeout_s`` (``CONFIRM_S``): rank 0 did not write it."""
+    timeout_s = CONFIRM_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    while not grounds():
+        if time.monotonic() > deadline:
+            raise PeerDataInvalid(f"the round's store says {action}, but etcd shows no reason to within {timeout_s:g}s")
+        time.sleep(poll_s)
 
 
 class SwitchPoints:

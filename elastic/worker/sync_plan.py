@@ -85,6 +85,47 @@ def choose_holders(holdings: Sequence[Holding]) -> tuple[Optional[CommitId], tup
     return newest, holders, receivers
 
 
+@dataclass(frozen=True)
+class ClaimBounds:
+    """What a worker knows, without asking anybody, about the commits its ring may hold.
+
+    ``current``: the round being synced. ``previous``: the round this worker trained in
+    last, when the commit it holds was made there (it is a survivor of that ring), with
+    ``members``, the current ranks that were in that ring, and ``mine``, its commit."""
+
+    current: int
+    previous: Optional[int] = None
+    members: frozenset = frozenset()
+    mine: Optional[CommitId] = None
+
+
+def implausible_claim(holdings: Sequence[Holding], bounds: ClaimBounds) -> Optional[str]:
+    """Why one of ``holdings`` cannot be true, or None. A commit is made in a round that
+    formed, so never in a later round than the current one. The ring of one round
+    commits in lockstep (each step has a collective), so none of its members is more
+    than one commit ahead of another, and only its members made commits in it.
+
+    Not caught (it would take asking etcd or the peers): a member of the previous ring
+    that claims one commit more than the survivors hold; a claim of a round between
+    the survivor's last one and the current one (rounds that may have formed without
+    it); a peer whose commit is the real one in identity but not in content."""
+    for h in holdings:
+        c = h.commit
+        if c is None:
+            continue
+        if c.round < 0 or c.count < 0:
+            return f"rank {h.rank} claims commit {c.count} of round {c.round}: negative"
+        if c.round > bounds.current:
+            return f"rank {h.rank} claims a commit of round {c.round}, after the current round {bounds.current}"
+        if bounds.previous is not None and c.round == bounds.previous:
+            if h.rank not in bounds.members:
+                return f"rank {h.rank} claims a commit of round {c.round}, whose ring it was not in"
+            if bounds.mine is not None and c.count > bounds.mine.count + 1:
+                return (f"rank {h.rank} claims commit {c.count} of round {c.round}, more than one ahead "
+                        f"of this worker's {bounds.mine.count} in the same ring")
+    return None
+
+
 def stripes(buffer_bytes: Sequence[int], parts: int) -> list[list[tuple[int, int, int]]]:
     """Per part, its (buffer, start byte, end byte) pieces; the parts cover every byte once."""
     if parts < 1:

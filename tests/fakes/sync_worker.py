@@ -128,6 +128,9 @@ for _name in ("broadcast", "broadcast_object_list", "recv", "irecv", "all_gather
               "all_to_all_single", "reduce_scatter", "batch_isend_irecv"):
     setattr(dist, _name, count_received(_name, getattr(dist, _name)))
 
+# Every rank syncs in the same round, after every round its commits were made in (a
+# commit of a later round than the current one is a claim the sync refuses).
+runtime.round = 3 if args.scenario == "mixed" else 2
 outcome = "synced"
 try:
     plan = state.sync()

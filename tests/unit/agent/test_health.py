@@ -219,3 +219,30 @@ def test_session_watch_reports_a_loss_once_and_the_return_once():
     watch.check(session)
     watch.check(session)
     assert events[1:] == [("member_joined", {"member": "m1", "rejoined": True})] and state.probe()[0]
+
+
+def test_connections_beyond_the_bound_are_closed_and_slow_ones_cut_after_the_deadline(monkeypatch):
+    """Security review, finding 9: slow clients cannot take a thread each without limit."""
+    from elastic.agent import health as health_module
+
+    monkeypatch.setattr(health_module._ProbeServer, "MAX_REQUESTS", 4)
+    monkeypatch.setattr(health_module._ProbeServer, "deadline_s", 1.0)
+    srv = HealthServer(port=0, probe=lambda: (True, "x"), host="127.0.0.1", request_timeout=30).start()
+    try:
+        before = threading.active_count()
+        slow = []
+        for _ in range(20):  # each sends a byte and then nothing: a request that never ends
+            conn = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            conn.sendall(b"G")
+            slow.append(conn)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and threading.active_count() - before < 4:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert threading.active_count() - before <= 4
+        time.sleep(1.2)  # past the deadline: the next connection cuts the slow ones
+        assert get(srv.port, "/healthz") == (200, "ok: x\n")
+        for conn in slow:
+            conn.close()
+    finally:
+        srv.stop()

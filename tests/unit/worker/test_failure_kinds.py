@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.contract.errors import BrokenProcess, HostsUpdatedInterrupt, LeftBehind, PeersUnreachable
+from elastic.contract.errors import BrokenProcess, HostsUpdatedInterrupt, LeftBehind, PeerDataInvalid, PeersUnreachable
 from elastic.worker.failures import PROCESS, RING, USER, classify, is_broken_process, is_communication_error
 
 CASES = [
@@ -28,6 +28,7 @@ CASES = [
     (RuntimeError("Timed out waiting 60000ms for send operation to complete"), RING),
     (HostsUpdatedInterrupt("round 3"), RING),
     (LeftBehind("left behind"), RING),
+    (PeerDataInvalid("round 3: the layout from rank 0 is malformed"), RING),
     (PeersUnreachable(2, ["10.0.0.1"], "connect"), RING),
     # -- a bug in user code: the job fails
     (torch.AcceleratorError("CUDA error: device-side assert triggered"), USER),

@@ -8,10 +8,14 @@ lead rank 0's. Here against an in-memory store and a fake control channel.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from elastic.contract.errors import PeerDataInvalid
+from elastic.worker import switch_points
+from elastic.worker.failures import RING, classify
 from elastic.worker.runtime import Runtime
 from elastic.rendezvous import STOPPING, JobStatus, RoundPlan
 from elastic.rendezvous.rounds import Slot
@@ -74,7 +78,10 @@ def test_the_other_ranks_do_what_rank_0_published_not_what_their_own_status_says
     # Published at the first commit, for the next one: every rank reads it in between.
     assert (at, action) == (2, expected)
     assert store.data["switch_at"] == f"2 {expected}".encode()
-    # The other rank, whatever its own status says, acts at the same commit the same way.
+    # The other rank's status lags (its watch delivers the stop a moment later): it waits
+    # for its own view of etcd to show the reason, then acts as rank 0 published.
+    if rank0_sees_stop:
+        threading.Timer(0.2, lambda: setattr(other._control, "status", JobStatus(STOPPING))).start()
     assert commit_until_acting(other) == (2, expected)
 
 
@@ -85,3 +92,37 @@ def test_nothing_is_published_while_rank_0_sees_neither_a_stop_nor_a_round():
     assert commit_until_acting(rank0, limit=5) == (None, None)
     assert commit_until_acting(other, limit=5) == (None, None), "a rank stopped on its own status"
     assert "switch_at" not in store.data
+
+
+# -- a value written into the round's store by a stranger (security review, finding 2) ----
+
+@pytest.mark.parametrize("value", [b"0 stop", b"x", b"2 explode", b"2", b"\xff stop", b"-1 switch"])
+def test_a_malformed_or_past_switch_at_is_a_ring_failure_not_a_stop(value):
+    store = DictStore()
+    store.set("switch_at", value)
+    other = runtime(1, store, Control(CURRENT), CURRENT)
+    with pytest.raises(PeerDataInvalid) as raised:
+        other.should_switch(1)  # every commit of a fresh round is a point: it reads the value
+    assert classify(raised.value) == RING
+    assert other._switch_action == "switch" and other._switch_at is None
+
+
+@pytest.mark.parametrize("action", ["stop", "switch"])
+def test_a_well_formed_switch_at_that_etcd_gives_no_reason_for_is_a_ring_failure(action, monkeypatch):
+    monkeypatch.setattr(switch_points, "CONFIRM_S", 0.2)
+    store = DictStore()
+    store.set("switch_at", f"3 {action}")  # a stranger's: rank 0 saw neither a stop nor a newer plan
+    other = runtime(1, store, Control(CURRENT), CURRENT)
+    started = time.monotonic()
+    with pytest.raises(PeerDataInvalid, match="etcd shows no reason"):
+        commit_until_acting(other, limit=3)
+    assert time.monotonic() - started < 5
+    assert other._switch_at is None
+
+
+@pytest.mark.parametrize("value, commits, expected", [
+    (b"5 stop", 5, (5, "stop")),
+    (b"9 switch", 2, (9, "switch")),
+])
+def test_parse_switch_at(value, commits, expected):
+    assert switch_points.parse_switch_at(value, commits) == expected

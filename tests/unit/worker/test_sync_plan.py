@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from elastic.worker.sync_plan import ALIGN, CommitId, Holding, choose_holders, plan_sync, stripes
+from elastic.worker.sync_plan import (ALIGN, ClaimBounds, CommitId, Holding, choose_holders, implausible_claim,
+                                       plan_sync, stripes)
 
 
 def holdings(*commits):
@@ -102,3 +103,29 @@ def test_the_plan_is_the_same_on_every_rank():
 def test_chunk_size_must_be_aligned():
     with pytest.raises(ValueError):
         plan_sync(holdings((1, 1), None), [(10, 4)], 100)
+
+
+# -- what the ring's history allows a peer to claim (implausible_claim) -----------------
+
+_SURVIVOR = ClaimBounds(current=6, previous=5, members=frozenset({0, 1, 2}), mine=CommitId(5, 40))
+
+
+@pytest.mark.parametrize("claims, bounds, why", [
+    # honest rings: survivors one commit apart, a joiner, an older history, a fresh start
+    (((5, 40), (5, 41), (5, 40), None), _SURVIVOR, None),
+    (((5, 40), (3, 90), None), _SURVIVOR, None),
+    ((None, None), ClaimBounds(current=1), None),
+    (((1, 0), None), ClaimBounds(current=1), None),  # committed before the first sync
+    (((4, 12), (4, 12)), ClaimBounds(current=6, mine=CommitId(4, 12)), None),  # not a survivor of round 5
+    # the review's attacker: a commit of a round that has not happened
+    (((5, 40), None, None, (10 ** 6, 10 ** 6)), _SURVIVOR, "after the current round 6"),
+    (((5, 40), None, None, (6, 1)), _SURVIVOR, None),  # the current round itself is not after it
+    # a joiner claiming the previous ring's commit: it was not in that ring
+    (((5, 40), None, None, (5, 41)), _SURVIVOR, "whose ring it was not in"),
+    # a member of the previous ring far ahead of the others
+    (((5, 40), (5, 10 ** 6)), _SURVIVOR, "more than one ahead"),
+    (((5, 40), (-1, 3)), _SURVIVOR, "negative"),
+])
+def test_claims_the_rings_history_does_not_allow(claims, bounds, why):
+    found = implausible_claim(holdings(*claims), bounds)
+    assert (found is None) if why is None else (why in found), found

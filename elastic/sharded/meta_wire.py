@@ -1,0 +1,117 @@
+"""What a sharded re-shard exchanges besides the shards, as checked plain data (no pickle).
+
+Three messages: each rank's report of the shards it holds (all-gathered), the chosen
+commit's ``CommitMeta`` (broadcast from a rank that holds it) and the newest durable
+checkpoint rank 0 found (broadcast). Each travels as JSON through
+``elastic.worker.wire`` and is checked on arrival: a malformed or impossible one is
+``PeerDataInvalid``, a ring failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..contract.errors import PeerDataInvalid
+from ..worker import wire
+from ..worker.state_transfer import _device
+from ..worker.sync_plan import CommitId
+from .modules import CommitMeta
+from .reshard_plan import TensorLayout
+
+MAX_REPORT_BYTES = 16 << 20  # a rank's report: a few integers per shard it holds
+MAX_META_BYTES = 512 << 20  # module buffers and the optimizer's small state travel in the meta
+
+
+def _ints(value: Any, arity: int, what: str) -> tuple[int, ...]:
+    if type(value) is not list or len(value) != arity or any(type(v) is not int or v < 0 for v in value):
+        raise PeerDataInvalid(f"{what}: expected {arity} counts, got {str(value)[:60]}")
+    return tuple(value)
+
+
+def gather_reports(report: tuple, world: int, current_round: int, backend: str) -> list[tuple]:
+    """Every rank's (held shards, metas, pending copies), each checked (``decode_report``)."""
+    data = wire.dumps([[list(t) for t in part] for part in report])
+    bodies = wire.all_gather_bytes(data, world, _device(backend), "shard report", MAX_REPORT_BYTES)
+    return [decode_report(body, rank, current_round) for rank, body in enumerate(bodies)]
+
+
+def decode_report(body: bytes, rank: int, current_round: int) -> tuple:
+    """A rank's report: counts only, worlds of one or more, shards inside their world, and
+    no commit of a round after ``current_round``; else PeerDataInvalid."""
+    what = f"shard report of rank {rank}"
+    parts = wire.loads(body, what, limit=MAX_REPORT_BYTES)
+    if type(parts) is not list or len(parts) != 3 or any(type(p) is not list for p in parts):
+        raise PeerDataInvalid(f"{what}: expected three lists")
+    held = [_ints(t, 4, what) for t in parts[0]]
+    metas = [_ints(t, 3, what) for t in parts[1]]
+    pending = [_ints(t, 4, what) for t in parts[2]]
+    for round_, _, w, shard in held + pending + [m + (0,) for m in metas]:
+        if round_ > current_round or w < 1 or shard >= w:
+            raise PeerDataInvalid(f"{what}: a commit of round {round_}, world {w}, shard {shard} is impossible "
+                                  f"in round {current_round}")
+    return held, metas, pending
+
+
+def _meta_plain(meta: CommitMeta) -> dict:
+    return {"commit": [meta.commit.round, meta.commit.count], "world": meta.world,
+            "layout": [[t.key, list(t.shape), t.dtype] for t in meta.layout], "values": meta.values,
+            "sampler": meta.sampler, "buffers": meta.buffers, "groups": meta.groups, "plain_state": meta.plain_state}
+
+
+def _meta(value: Any, current_round: int) -> CommitMeta:
+    what = "commit meta"
+    fields = {"commit", "world", "layout", "values", "sampler", "buffers", "groups", "plain_state"}
+    if type(value) is not dict or set(value) != fields:
+        raise PeerDataInvalid(f"{what}: expected the fields {sorted(fields)}")
+    round_, count = _ints(value["commit"], 2, what)
+    world = value["world"]
+    if round_ > current_round or type(world) is not int or world < 1:
+        raise PeerDataInvalid(f"{what}: commit of round {round_} by a world of {str(world)[:20]} is impossible")
+    if type(value["layout"]) is not list:
+        raise PeerDataInvalid(f"{what}: the layout must be a list")
+    layout = []
+    for entry in value["layout"]:
+        if type(entry) is not list or len(entry) != 3 or type(entry[0]) is not str or type(entry[1]) is not list:
+            raise PeerDataInvalid(f"{what}: a tensor must be [key, shape, dtype]")
+        wire.dtype_named(f"torch.{entry[2]}", what)
+        layout.append(TensorLayout(entry[0], _ints(entry[1], len(entry[1]), what), entry[2]))
+    for name, kind in (("values", dict), ("buffers", dict), ("plain_state", dict)):
+        if type(value[name]) is not kind:
+            raise PeerDataInvalid(f"{what}: {name} must be a {kind.__name__}")
+    if value["sampler"] is not None and type(value["sampler"]) is not dict:
+        raise PeerDataInvalid(f"{what}: sampler must be a dict")
+    if value["groups"] is not None and (type(value["groups"]) is not list
+                                        or any(type(g) is not dict for g in value["groups"])):
+        raise PeerDataInvalid(f"{what}: groups must be a list of dicts")
+    return CommitMeta(CommitId(round_, count), world, tuple(layout), value["values"], value["sampler"],
+                      value["buffers"], value["groups"], value["plain_state"])
+
+
+def broadcast_meta(meta: Optional[CommitMeta], src: int, rank: int, current_round: int,
+                   backend: str) -> Optional[CommitMeta]:
+    """``src``'s commit meta (or None) on every rank, checked (``decode_meta``)."""
+    body = wire.broadcast_bytes(encode_meta(meta) if rank == src else None, src, rank, _device(backend),
+                                "commit meta", MAX_META_BYTES)
+    return decode_meta(body, src, current_round)
+
+
+def encode_meta(meta: Optional[CommitMeta]) -> bytes:
+    return wire.dumps(_meta_plain(meta) if meta is not None else None, tensors=True)
+
+
+def decode_meta(body: bytes, src: int, current_round: int) -> Optional[CommitMeta]:
+    value = wire.loads(body, f"commit meta from rank {src}", limit=MAX_META_BYTES, tensors=True)
+    return None if value is None else _meta(value, current_round)
+
+
+def broadcast_found(found: Optional[tuple[str, dict]], rank: int, backend: str) -> Optional[tuple[str, dict]]:
+    """Rank 0's newest durable checkpoint, (path, manifest) or None, on every rank."""
+    data = wire.dumps(list(found) if found is not None else None) if rank == 0 else None
+    body = wire.broadcast_bytes(data, 0, rank, _device(backend), "durable checkpoint", MAX_REPORT_BYTES)
+    value = wire.loads(body, "durable checkpoint from rank 0", limit=MAX_REPORT_BYTES)
+    if value is None:
+        return None
+    if type(value) is not list or len(value) != 2 or type(value[0]) is not str or type(value[1]) is not dict:
+        raise PeerDataInvalid("durable checkpoint from rank 0: expected [path, manifest]")
+    return value[0], value[1]
+
