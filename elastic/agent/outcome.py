@@ -11,19 +11,6 @@ from rendezvous import FAILED, STOPPING, SUCCEEDED, JobStatus
 from rendezvous.control import CAUSE_USER_CODE
 
 from ..contract import exit_codes
-from ..contract.errors import ResetLimitExceeded
-
-
-def failure_cause(worker_error: str) -> str:
-    """The cause to record for a worker's own one-line error report (its error file).
-
-    An uncaught exception in the training script is the user's error; the reset budget
-    running out (the ring kept breaking: hosts, network) is reported the same way by
-    the worker, but it is a fault of the infrastructure and leaves the cause unsaid.
-    """
-    if worker_error.startswith(f"{ResetLimitExceeded.__name__}:"):
-        return ""
-    return CAUSE_USER_CODE
 
 
 def exit_status(status: JobStatus) -> int:
