@@ -60,6 +60,7 @@ from .chaos import ChaosMonkey
 from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
 from ..contract.events import EventLog
+from ..contract.faults import Fault
 from .device_slots import DeviceSlots
 from ..contract.reset_budget import ResetBudget, RoundFailures
 from .event_tail import EventTail
@@ -327,10 +328,11 @@ class Agent:
         del self._workers[exited.worker_id]
         self._watchdog.forget(exited.worker_id)
         fault = exited.record.fault if exited.record is not None else None
+        status = self.participant.control.status
         decided = fate(Exit(exited.worker_id, exited.exit_code, exited.signal, exited.record), View(
             leaving=self._leaving_since is not None,
             wanted=exited.worker_id in self._wanted,
-            job_stopping=self.participant.control.status.state == STOPPING,
+            job_ending=status.state == STOPPING or status.over,
             elastic=proc.elastic,
             lost_reason=proc.lost_reason,
             replaced_fault=self._faults.replaced_fault(exited.worker_id),
@@ -351,7 +353,7 @@ class Agent:
         elif decided.action == REPLACE:
             self._replace(exited.worker_id, decided.reason, fault)
 
-    def _replace(self, worker_id: str, reason: str, fault) -> None:
+    def _replace(self, worker_id: str, reason: str, fault: Optional[Fault]) -> None:
         """Drop a lost worker; offer a new one in its place within --max-restarts."""
         self.events.emit("failure_detected", reason=reason)
         self._wanted.remove(worker_id)

@@ -11,7 +11,8 @@ carries it out. The rules, in order:
   (``finished``), or when a torchrun-style script ended (it has no other end). An
   elastic worker that exits 0 otherwise (``os._exit(0)`` or ``sys.exit(0)``
   mid-training, a stop nobody decided) did not finish: it is a lost worker, replaced
-  like a crash. A stop at the job's last commit is the job's own ending;
+  like a crash. A stop at the job's last commit, or a job already over, is the
+  job's own ending;
 * peers unreachable: a round of the network, nobody dropped (the budget is the agent's);
 * an error in user code, or the reset budget used up: the job fails, once;
 * a broken process: replaced within ``--max-restarts``, unless the same fault (same
@@ -58,7 +59,7 @@ class View:
 
     leaving: bool = False  # the agent withdraws its workers (SIGTERM)
     wanted: bool = True  # the worker is still one the agent offers the job
-    job_stopping: bool = False  # the job stops at a commit (every worker exits 0)
+    job_ending: bool = False  # the job stops at a commit (every worker exits 0), or has ended
     elastic: bool = True  # the worker called elastic.init() (else a torchrun-style script)
     lost_reason: Optional[str] = None  # why the agent killed it (a hang), if it did
     replaced_fault: Optional[Fault] = None  # the fault of the worker this one replaced
@@ -80,8 +81,8 @@ def fate(exit: Exit, view: View) -> Fate:
     if view.leaving or not view.wanted:
         return Fate(IGNORE)
     if exit.exit_code == 0:
-        if view.job_stopping:
-            return Fate(IGNORE)  # it stopped at the job's last commit
+        if view.job_ending:
+            return Fate(IGNORE)  # it stopped at the job's last commit, or left a job already over
         if (record is not None and record.finished and fault is None) or not view.elastic:
             return Fate(SUCCEED, f"worker {worker} finished")
         return _lost(exit, view, "exited 0 before its training function returned")

@@ -133,7 +133,7 @@ def _try_reform(runtime, reason: str, failed: bool):
         fault = classify(exc)
         if not fault.reforms:
             raise
-        return _ReformFailed(fault.reason, unreachable=_detached(exc) if fault.kind == NETWORK else None)
+        return _ReformFailed(fault.reason, unreachable=_detached(exc))
 
 
 def _spend(budget: ResetBudget, runtime, reason: str, unreachable: Optional[PeersUnreachable] = None) -> None:

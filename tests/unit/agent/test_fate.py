@@ -40,7 +40,8 @@ CASES = [
      Fate(REPLACE, "worker w0 died (exited 0 before its training function returned)")),
     ("exit 0 with a fault", Exit("w0", 0, record=_failed(USER, "ValueError: x")), View(),
      Fate(REPLACE, "worker w0 died (exited 0 before its training function returned)")),
-    ("stopped at the job's last commit", Exit("w0", 0), View(job_stopping=True), Fate(IGNORE)),
+    ("stopped at the job's last commit", Exit("w0", 0), View(job_ending=True), Fate(IGNORE)),
+    ("left a job already over", Exit("w0", 0), View(job_ending=True), Fate(IGNORE)),
     ("finished while the agent leaves", Exit("w0", 0, record=FINISHED), View(leaving=True), Fate(IGNORE)),
     ("withdrawn (a straggler evicted)", Exit("w0", 0), View(wanted=False), Fate(IGNORE)),
     # -- the worker's own record of a fault
