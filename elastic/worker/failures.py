@@ -20,11 +20,11 @@ The kinds:
 Out of memory counts as a broken process: when one rank runs out while its peers
 do not (fragmentation, a leak, a neighbour on the GPU), a fresh process on the same
 GPU starts clean. When every rank runs out (the batch does not fit), every
-replacement runs out again: each agent's ``--max-restarts`` runs out, and without
-replacements the ring shrinks below ``--min-np``. A worker cannot tell the two cases
+replacement would run out again. A worker cannot tell the two cases
 apart alone, and counting the first as the user's would end jobs for one bad GPU; the
 agent can: the same fault on all of its workers, or again on a replacement, fails the
 job (``agent/fate.py``).
+
 A device-side assert is CUDA's report of a bug in user code (an index out of
 range): every replacement would hit it again, so it stays a user error.
 """
