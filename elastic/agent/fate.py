@@ -14,7 +14,8 @@ carries it out. The rules, in order:
   like a crash. A stop at the job's last commit, or a job already over, is the
   job's own ending;
 * peers unreachable: a round of the network, nobody dropped (the budget is the agent's);
-* an error in user code, or the reset budget used up: the job fails, once;
+* an error in user code, the reset budget used up, or storage that cannot be read:
+  the job fails, once (as the user's error only for the first);
 * a broken process: replaced within ``--max-restarts``, unless the same fault (same
   kind, same line) hit every worker of this agent within ``SAME_FAULT_WINDOW_S``, or
   hits a replacement again: then
@@ -31,7 +32,7 @@ from typing import Optional
 
 from rendezvous.control import CAUSE_USER_CODE
 
-from ..contract.faults import BUDGET, NETWORK, PROCESS, USER, ExitRecord, Fault
+from ..contract.faults import BUDGET, NETWORK, PROCESS, STORAGE, USER, ExitRecord, Fault
 
 IGNORE, SUCCEED, REPLACE, NETWORK_ROUND, FAIL, RESTART_PLAIN = (
     "ignore", "succeed", "replace", "network round", "fail", "restart plain",
@@ -88,7 +89,7 @@ def fate(exit: Exit, view: View) -> Fate:
         return _lost(exit, view, "exited 0 before its training function returned")
     if fault is not None and fault.kind == NETWORK:
         return Fate(NETWORK_ROUND, fault.reason)
-    if fault is not None and fault.kind in (USER, BUDGET):
+    if fault is not None and fault.kind in (USER, BUDGET, STORAGE):
         return Fate(FAIL, f"worker {worker} failed: {fault.reason}", CAUSE_USER_CODE if fault.kind == USER else "")
     if fault is not None and fault.kind == PROCESS:
         if fault == view.replaced_fault:

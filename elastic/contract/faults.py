@@ -12,6 +12,8 @@ A ``Fault`` is what a failure means, decided once by the classifier
     user      an error in the user's code: running it again would meet it again
     budget    the ring kept breaking beyond ``--max-resets``: the job fails, not as
               the user's error
+    storage   the storage failed the job (checkpoints that exist cannot be read):
+              the job fails, not as the user's error (a later run may pass)
 
 A worker leaves one ``ExitRecord`` in its record file (one JSON object) before it
 ends: ``finished`` when the training function returned, else the fault that ended
@@ -26,8 +28,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-RING, NETWORK, PROCESS, USER, BUDGET = "ring", "network", "process", "user", "budget"
-KINDS = (RING, NETWORK, PROCESS, USER, BUDGET)
+RING, NETWORK, PROCESS, USER, BUDGET, STORAGE = "ring", "network", "process", "user", "budget", "storage"
+KINDS = (RING, NETWORK, PROCESS, USER, BUDGET, STORAGE)
 
 # A record is a few hundred bytes; anything much larger was not written by a worker.
 _MAX_RECORD_BYTES = 64 * 1024

@@ -19,7 +19,7 @@ from rendezvous import RendezvousError
 from ..contract.console import WorkerFormatter
 from ..contract.errors import ElasticError, LeftJob
 from ..contract.exit_codes import WORKER_BROKEN
-from ..contract.faults import NETWORK, PROCESS, Fault
+from ..contract.faults import NETWORK, PROCESS, STORAGE, Fault
 from ..contract.worker_config import WorkerConfig
 from .failures import classify
 from . import exit_record, step_signals
@@ -113,8 +113,9 @@ def _report_errors_to(path: str) -> None:
             traceback.print_exception(kind, value, tb, file=sys.__stderr__)  # for the log file
             exit_broken(fault)
         exit_record.failed(fault)
-        if fault.kind == NETWORK:
-            # A network fault, not a crash and not a bug: one line, no traceback.
+        if fault.kind in (NETWORK, STORAGE):
+            # A fault of the network or the storage, not a crash and not a bug: one line,
+            # no traceback that would read like a bug.
             print(f"elastic: {value}", file=sys.stderr)
             return
         previous(kind, value, tb)

@@ -21,7 +21,7 @@ from elastic.agent.fate import (
     fate,
 )
 from elastic.contract.exit_codes import WORKER_BROKEN
-from elastic.contract.faults import BUDGET, NETWORK, PROCESS, RING, USER, ExitRecord, Fault
+from elastic.contract.faults import BUDGET, NETWORK, PROCESS, RING, STORAGE, USER, ExitRecord, Fault
 from rendezvous.control import CAUSE_USER_CODE
 
 FINISHED = ExitRecord(finished=True)
@@ -51,6 +51,8 @@ CASES = [
      Fate(FAIL, "worker w0 failed: ValueError: bad batch", CAUSE_USER_CODE)),
     ("the reset budget used up", Exit("w0", 1, record=_failed(BUDGET, "ResetLimitExceeded: 3 times")), View(),
      Fate(FAIL, "worker w0 failed: ResetLimitExceeded: 3 times", "")),
+    ("checkpoints that cannot be read", Exit("w0", 1, record=_failed(STORAGE, "CheckpointsUnreadable: EIO")),
+     View(), Fate(FAIL, "worker w0 failed: CheckpointsUnreadable: EIO", "")),
     ("a broken process", Exit("w0", WORKER_BROKEN, record=ExitRecord(fault=OOM)), View(local_workers=4),
      Fate(REPLACE, f"worker w0 died (broken process: {OOM.reason})")),
     ("a broken ring that escaped @run", Exit("w0", 1, record=_failed(RING, "DistNetworkError: reset")), View(),

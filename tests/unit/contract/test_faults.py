@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.contract.faults import BUDGET, NETWORK, PROCESS, RING, USER, ExitRecord, Fault, read_record, write_record
+from elastic.contract.faults import (
+    BUDGET,
+    NETWORK,
+    PROCESS,
+    RING,
+    STORAGE,
+    USER,
+    ExitRecord,
+    Fault,
+    read_record,
+    write_record,
+)
 
 
 @pytest.mark.parametrize("record", [
@@ -13,6 +24,7 @@ from elastic.contract.faults import BUDGET, NETWORK, PROCESS, RING, USER, ExitRe
     ExitRecord(fault=Fault(PROCESS, "OutOfMemoryError: CUDA out of memory")),
     ExitRecord(fault=Fault(NETWORK, "round 2: workers could not connect to each other")),
     ExitRecord(fault=Fault(BUDGET, "ResetLimitExceeded: ring re-formed 3 times")),
+    ExitRecord(fault=Fault(STORAGE, "CheckpointsUnreadable: /ckpt/step-40: EIO")),
     ExitRecord(fault=Fault(RING, 'DistNetworkError: "quoted", \\ and unicode \u00e9')),
 ])
 def test_a_record_round_trips(tmp_path, record):
@@ -48,4 +60,4 @@ def test_a_fault_of_an_unknown_kind_cannot_be_made():
 
 
 def test_only_a_broken_ring_and_unreachable_peers_re_form():
-    assert [k for k in (RING, NETWORK, PROCESS, USER, BUDGET) if Fault(k, "x").reforms] == [RING, NETWORK]
+    assert [k for k in (RING, NETWORK, PROCESS, USER, BUDGET, STORAGE) if Fault(k, "x").reforms] == [RING, NETWORK]
