@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, Snapshot
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, Snapshot
 
 CAPTURE_TARGET = 1.4
 STALL_TARGET = 0.10

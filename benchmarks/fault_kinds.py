@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from rendezvous import EmbeddedEtcd, EmbeddedEtcdCluster, Etcd, JobKeys
+from elastic.rendezvous import EmbeddedEtcd, EmbeddedEtcdCluster, Etcd, JobKeys
 
 from . import harness
 

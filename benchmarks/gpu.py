@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from checkpoint import Snapshot
+from elastic.checkpoint import Snapshot
 
 
 def _state(mb: int, device: str) -> dict:

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from rendezvous import EmbeddedEtcd
+from elastic.rendezvous import EmbeddedEtcd
 
 from .harness import WORKLOAD_MODULE, BIN, Job, PeakMemory, benchmark_env, read_timings, wait_for
 

@@ -46,7 +46,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from rendezvous import EmbeddedEtcd, Etcd, JobKeys, Member, Participant, RendezvousSettings, RoundPlan
+from elastic.rendezvous import EmbeddedEtcd, Etcd, JobKeys, Member, Participant, RendezvousSettings, RoundPlan
 
 log = logging.getLogger(__name__)
 

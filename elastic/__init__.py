@@ -19,18 +19,29 @@ The rooms of this package (each ``__init__.py`` says what it holds and may impor
     elastic/sharded/    ShardedState: FSDP2 models re-sharded in-process, shards kept on peers
 
 Imports run one way: the API -> worker -> contract; agent -> contract; cli -> agent;
-all of them may use ``rendezvous`` and ``checkpoint``, which import nothing of ``elastic``
-(checked by tests/test_layout.py).
+all of them may use ``elastic.rendezvous`` and ``elastic.checkpoint`` (the repository's
+top-level ``rendezvous/`` and ``checkpoint/`` folders), which import nothing else of
+``elastic`` (checked by tests/test_layout.py).
 """
 
 from __future__ import annotations
 
-from .contract.errors import ElasticError, HostsUpdatedInterrupt, ResetLimitExceeded
-from .global_batch import accumulate
-from .sampler import ElasticSampler
-from .state import ObjectState, State, TorchState
-from .worker import lifecycle
-from .worker.recovery import run
+import importlib
+
+# Every name is imported on first use (PEP 562). The launcher, the agent and the
+# `rendezvous`/`checkpoint` rooms (elastic.rendezvous, elastic.checkpoint) live in this
+# namespace too, and importing any of them runs this file: an eager import of the API
+# would cost every `elastic-run` start, agent and joiner the 1.4 s of importing torch.
+_LAZY = {
+    "ElasticError": ".contract.errors", "HostsUpdatedInterrupt": ".contract.errors",
+    "ResetLimitExceeded": ".contract.errors",
+    "accumulate": ".global_batch",
+    "ElasticSampler": ".sampler",
+    "ObjectState": ".state", "State": ".state", "TorchState": ".state",
+    "run": ".worker.recovery",
+    # FSDP2's modules take a second or more to import: only jobs that shard pay for them.
+    "ShardedState": ".sharded", "device_mesh": ".sharded",
+}
 
 __all__ = [
     "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "ResetLimitExceeded",
@@ -39,36 +50,45 @@ __all__ = [
 ]
 
 
+def _lifecycle():
+    from .worker import lifecycle
+
+    return lifecycle
+
+
 def init() -> None:
     """Join the job this worker was started for (a world of one without a launcher)."""
-    lifecycle.start()
+    _lifecycle().start()
 
 
 def shutdown() -> None:
-    lifecycle.shutdown()
+    _lifecycle().shutdown()
 
 
 def rank() -> int:
-    return lifecycle.current().rank
+    return _lifecycle().current().rank
 
 
 def size() -> int:
-    return lifecycle.current().world_size
+    return _lifecycle().current().world_size
 
 
 def local_rank() -> int:
-    return lifecycle.current().local_rank
+    return _lifecycle().current().local_rank
 
 
 def round() -> int:  # noqa: A001 - mirrors the event field name
-    return lifecycle.current().round
+    return _lifecycle().current().round
 
 
 def __getattr__(name: str):
-    # FSDP2's modules take a second or more to import: only jobs that shard pay for them
-    # (every worker imports this package, joiners and replacements on the recovery path).
-    if name in ("ShardedState", "device_mesh"):
-        from . import sharded
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
 
-        return getattr(sharded, name)
-    raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

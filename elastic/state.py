@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_tree, load_latest
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, Snapshot, clone_tree, load_latest
 
 from .contract.console import FILE_ONLY
 from .contract.errors import HostsUpdatedInterrupt, JobStopping

@@ -10,10 +10,10 @@ import uuid
 
 import pytest
 
-from rendezvous import embedded
-from rendezvous.embedded import EmbeddedEtcd, find_etcd_binary
-from rendezvous.errors import RendezvousError
-from rendezvous.etcd import Etcd
+from elastic.rendezvous import embedded
+from elastic.rendezvous.embedded import EmbeddedEtcd, find_etcd_binary
+from elastic.rendezvous.errors import RendezvousError
+from elastic.rendezvous.etcd import Etcd
 from tests.fakes.netns import netns_hosts, netns_unavailable  # noqa: F401 - fixtures: hosts as namespaces
 
 # Servers that outlive one test (session scope): their processes are not leaks.

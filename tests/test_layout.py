@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("elastic", "rendezvous", "checkpoint")
-ROOMS = ("worker", "contract", "agent", "cli", "timeline")
+# Folder -> the package it installs as (pyproject.toml's package-dir): rendezvous/ and
+# checkpoint/ keep their folders but live under the elastic namespace.
+PACKAGES = {"elastic": "elastic", "rendezvous": "elastic.rendezvous", "checkpoint": "elastic.checkpoint"}
+ROOMS = ("worker", "contract", "agent", "cli", "timeline", "rendezvous", "checkpoint")
 
 # Which rooms each room may import (besides itself).
 MAY_IMPORT = {
@@ -33,9 +35,9 @@ MAY_IMPORT = {
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             found[".".join(parts)] = path
@@ -47,8 +49,6 @@ MODULES = _modules()
 
 def room_of(module: str) -> str:
     parts = module.split(".")
-    if parts[0] != "elastic":
-        return parts[0]
     return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "api"
 
 
@@ -123,7 +123,7 @@ def test_the_reader_itself_sees_imports():
     assert "elastic.worker.runtime" in GRAPH["elastic.worker.recovery"] or \
         "elastic.worker.lifecycle" in GRAPH["elastic.worker.recovery"]
     assert "elastic.contract.events" in GRAPH["elastic.agent.agent"]
-    assert "rendezvous.watch" in GRAPH["rendezvous.etcd"]
+    assert "elastic.rendezvous.watch" in GRAPH["elastic.rendezvous.etcd"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -142,8 +142,22 @@ def test_each_room_imports_only_what_it_may(room):
     assert broken == []
 
 
+def test_nothing_imports_the_rooms_by_their_folder_names():
+    # A user's own checkpoint.py or rendezvous.py beside their script comes first on
+    # sys.path; the runtime must only ever name elastic.checkpoint / elastic.rendezvous.
+    bare = sorted(
+        f"{module} imports {name}"
+        for module, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        for name in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if name.split(".")[0] in ("rendezvous", "checkpoint")
+    )
+    assert bare == []
+
+
 def test_every_room_has_a_docstring_saying_what_it_holds_and_may_import():
-    for room in ROOMS:
+    for room in ("worker", "contract", "agent", "cli", "timeline"):
         doc = ast.get_docstring(ast.parse((ROOT / "elastic" / room / "__init__.py").read_text())) or ""
         assert "import" in doc.lower(), f"elastic/{room}/__init__.py does not say what it may import"
 

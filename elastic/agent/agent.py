@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from rendezvous import (
+from elastic.rendezvous import (
     FAILED,
     RUNNING,
     STOPPING,

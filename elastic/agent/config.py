@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rendezvous import RendezvousSettings
+from elastic.rendezvous import RendezvousSettings
 
 from ..contract.straggler_policy import StragglerOptions
 from ..contract.worker_config import WorkerConfig

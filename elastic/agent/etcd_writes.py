@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from rendezvous import RendezvousError
+from elastic.rendezvous import RendezvousError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rendezvous.control import CAUSE_USER_CODE
+from elastic.rendezvous.control import CAUSE_USER_CODE
 
 from ..contract.faults import BUDGET, NETWORK, PROCESS, STORAGE, USER, ExitRecord, Fault
 

@@ -7,8 +7,8 @@ Kubernetes Job's ``podFailurePolicy``, a Slurm script) sees one kind of ending.
 
 from __future__ import annotations
 
-from rendezvous import FAILED, STOPPING, SUCCEEDED, JobStatus
-from rendezvous.control import CAUSE_USER_CODE
+from elastic.rendezvous import FAILED, STOPPING, SUCCEEDED, JobStatus
+from elastic.rendezvous.control import CAUSE_USER_CODE
 
 from ..contract import exit_codes
 

@@ -39,8 +39,8 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
-from rendezvous import Etcd, Member, Participant, RendezvousError
-from rendezvous.reachability import ReachReport
+from elastic.rendezvous import Etcd, Member, Participant, RendezvousError
+from elastic.rendezvous.reachability import ReachReport
 
 from ..contract.events import EventLog
 from ..contract.progress import Marks

@@ -16,8 +16,8 @@ import time
 
 import torch.distributed as dist
 
-from rendezvous import Etcd, JobKeys, RoundPlan
-from rendezvous.errors import RendezvousTimeoutError
+from elastic.rendezvous import Etcd, JobKeys, RoundPlan
+from elastic.rendezvous.errors import RendezvousTimeoutError
 
 _KEEP_ROUNDS = 2  # the current round's store, and the previous one while it drains
 

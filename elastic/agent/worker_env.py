@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from rendezvous import RoundPlan
+from elastic.rendezvous import RoundPlan
 
 from ..contract.devices import uses_nccl
 from ..contract.worker_config import WorkerConfig

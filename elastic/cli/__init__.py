@@ -23,7 +23,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Each command is imported only when asked for: `status` needs no agent.
     if argv[:1] == ["checkpoints"]:
-        from checkpoint.cli import main as checkpoints
+        from elastic.checkpoint.cli import main as checkpoints
 
         return checkpoints(argv[1:])
     if argv[:1] == ["status"]:

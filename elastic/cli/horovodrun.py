@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from rendezvous import ConfigError
+from elastic.rendezvous import ConfigError
 
 log = logging.getLogger(__name__)
 

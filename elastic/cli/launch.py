@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from rendezvous import (
+from elastic.rendezvous import (
     ConfigError,
     EmbeddedEtcd,
     Etcd,

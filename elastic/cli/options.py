@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from rendezvous import ConfigError, EtcdConfig
+from elastic.rendezvous import ConfigError, EtcdConfig
 
 # The commands import it from here; its value is the contract's (exit_codes.py).
 from ..contract.exit_codes import USAGE_ERROR  # noqa: F401

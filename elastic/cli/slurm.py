@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from rendezvous import ConfigError, EmbeddedEtcd, RendezvousError
+from elastic.rendezvous import ConfigError, EmbeddedEtcd, RendezvousError
 
 log = logging.getLogger(__name__)
 

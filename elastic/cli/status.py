@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from rendezvous import ConfigError, Etcd, JobKeys, RendezvousError, validate_job_id
-from rendezvous.job_view import JobView, job_view, read_job
+from elastic.rendezvous import ConfigError, Etcd, JobKeys, RendezvousError, validate_job_id
+from elastic.rendezvous.job_view import JobView, job_view, read_job
 
 from .options import ETCD_OPTIONS, JOB_OPTIONS, USAGE_ERROR, OptionParser, add_option, coerce_env_values, etcd_config
 

@@ -69,7 +69,7 @@ HEARTBEAT_INTERVAL = 0.25  # seconds between heartbeats; the agent's bounds are 
 # stuck there is a victim, not a culprit.
 WAITING_MODULES = (
     "torch.distributed", "torch.nn.parallel", "torch.autograd", "torch.cuda", "torch.utils.data",
-    "elastic", "rendezvous", "checkpoint",
+    "elastic",  # the runtime's own rooms, rendezvous and checkpoint included
 )
 # Libraries our rendezvous calls (etcd's client and its retries): like the standard
 # library they do not decide; the frame that called them does (ours while re-forming

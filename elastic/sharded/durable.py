@@ -30,9 +30,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointPolicy
-from checkpoint import manifest as mf
-from checkpoint.restore import list_checkpoints
+from elastic.checkpoint import CheckpointPolicy
+from elastic.checkpoint import manifest as mf
+from elastic.checkpoint.restore import list_checkpoints
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from rendezvous import Etcd, JobKeys, RendezvousError, RoundPlan
+from elastic.rendezvous import Etcd, JobKeys, RendezvousError, RoundPlan
 
 from ..contract.errors import LeftBehind
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from checkpoint import FenceRefusal
-from rendezvous import FAILED, Etcd, JobKeys, JobStatus, RendezvousError, RoundPlan
+from elastic.checkpoint import FenceRefusal
+from elastic.rendezvous import FAILED, Etcd, JobKeys, JobStatus, RendezvousError, RoundPlan
 
 
 def refusal(etcd: Etcd, keys: JobKeys, worker: str, round_number: int) -> Optional[str]:

@@ -36,7 +36,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from rendezvous import RendezvousError
+from elastic.rendezvous import RendezvousError
 
 from ..contract.errors import (
     BrokenProcess,

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from rendezvous import RoundPlan
+from elastic.rendezvous import RoundPlan
 
 from . import round_store
 

@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Optional
 
-from rendezvous import RendezvousError
+from elastic.rendezvous import RendezvousError
 
 from ..contract.console import WorkerFormatter
 from ..contract.errors import ElasticError, LeftJob
@@ -74,14 +74,17 @@ def shutdown() -> None:
 
 def _configure_logging(*, marks: bool) -> None:
     # The runtime's packages log one line per event; user code's logging is left alone.
-    for name in ("elastic", "checkpoint", "rendezvous"):
+    # Lines keep their room's short name as prefix ("rendezvous: ..."), as before the
+    # rooms moved under the elastic namespace.
+    for name, prefix in (("elastic", "elastic"), ("elastic.checkpoint", "checkpoint"),
+                         ("elastic.rendezvous", "rendezvous")):
         logger = logging.getLogger(name)
         if not logger.handlers:
             handler = logging.StreamHandler(sys.stderr)
             # Under an agent, the details of a failure go to the log file only (console.py).
-            handler.setFormatter(WorkerFormatter(f"{name}: %(message)s", marks=marks))
+            handler.setFormatter(WorkerFormatter(f"{prefix}: %(message)s", marks=marks))
             logger.addHandler(handler)
-            logger.setLevel(logging.INFO if name != "rendezvous" else logging.WARNING)
+            logger.setLevel(logging.INFO if prefix != "rendezvous" else logging.WARNING)
             logger.propagate = False
 
 

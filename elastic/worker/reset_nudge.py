@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from rendezvous import ControlChannel, Etcd, JobKeys, RendezvousError, evict_if_dead
+from elastic.rendezvous import ControlChannel, Etcd, JobKeys, RendezvousError, evict_if_dead
 
 from ..contract.worker_config import WorkerConfig
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from rendezvous.errors import RendezvousTimeoutError
+from elastic.rendezvous.errors import RendezvousTimeoutError
 
 from ..contract.console import FILE_ONLY
 from .ring_abort import shutdown_connections_to, socket_snapshot

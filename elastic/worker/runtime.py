@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rendezvous import (
+from elastic.rendezvous import (
     STOPPING,
     ControlChannel,
     Etcd,
@@ -35,7 +35,7 @@ from rendezvous import (
     JobKeys,
     RoundPlan,
 )
-from rendezvous.errors import RendezvousTimeoutError
+from elastic.rendezvous.errors import RendezvousTimeoutError
 
 from .commit_fence import CommitFence
 from ..contract.console import FILE_ONLY

@@ -75,7 +75,7 @@ SAMPLE_INTERVAL = 0.01  # seconds between samples of the main thread (jittered +
 # Frames in these modules, on a main thread that uses no CPU, are waits on peers.
 # Not torch.cuda (a GPU sync waits for this rank's own kernels: compute), nor
 # torch.utils.data (a slow input pipeline is this rank's own slowness).
-COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd", "elastic", "rendezvous")
+COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd", "elastic")
 
 
 # -- the pure decision ----------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rendezvous.embedded import EmbeddedEtcdCluster
+from elastic.rendezvous.embedded import EmbeddedEtcdCluster
 from tests.fakes.jobs import REPO, TRAIN_JOB, read_jsonl
 
 

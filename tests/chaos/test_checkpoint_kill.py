@@ -20,8 +20,8 @@ import time
 import pytest
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints, load_latest
-from checkpoint import manifest as mf
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints, load_latest
+from elastic.checkpoint import manifest as mf
 from tests.fakes.waiting import poll
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -37,7 +37,7 @@ from typing import Optional
 import pytest
 import torch
 
-from rendezvous.embedded import EmbeddedEtcdCluster
+from elastic.rendezvous.embedded import EmbeddedEtcdCluster
 from tests.chaos.soak_bed import Fleet, single_process_reference
 from tests.fakes.jobs import wait_until
 from tests.fakes.steps import missing_steps, step_attempts, steps_run_again

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from rendezvous.embedded import EmbeddedEtcdCluster
+from elastic.rendezvous.embedded import EmbeddedEtcdCluster
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-from rendezvous.embedded import BINARY_ENV, find_etcd_binary
+from elastic.rendezvous.embedded import BINARY_ENV, find_etcd_binary
 
 
 def _version(binary: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from rendezvous import Etcd, JobKeys, Member, Participant, RendezvousSettings, RoundPlan
+from elastic.rendezvous import Etcd, JobKeys, Member, Participant, RendezvousSettings, RoundPlan
 
 
 def worker(member_id: str, index: int = 0) -> str:

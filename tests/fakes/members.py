@@ -29,9 +29,9 @@ import threading
 import time
 from pathlib import Path
 
-from rendezvous import Etcd, EtcdConfig, JobKeys, Member, Participant, RendezvousSettings, new_member_id
-from rendezvous.control import JobStatus
-from rendezvous.rounds import RoundPlan
+from elastic.rendezvous import Etcd, EtcdConfig, JobKeys, Member, Participant, RendezvousSettings, new_member_id
+from elastic.rendezvous.control import JobStatus
+from elastic.rendezvous.rounds import RoundPlan
 from tests.fakes.jsonl import read_jsonl
 
 

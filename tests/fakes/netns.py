@@ -54,7 +54,7 @@ from typing import Optional, Sequence
 
 import pytest
 
-from rendezvous.embedded import EmbeddedEtcd
+from elastic.rendezvous.embedded import EmbeddedEtcd
 
 PREFIX = "netns-"  # every namespace, bridge and veth we create starts with this
 IFNAME = "eth0"  # the interface inside each host

@@ -61,7 +61,7 @@ def make_pki(directory: Path) -> dict[str, str]:
 def tls_etcd_server(binary: str, pki: dict[str, str]):
     """An (unstarted) embedded etcd that wants TLS with a client certificate from ``pki``,
     and a client configured to present it."""
-    from rendezvous.embedded import EmbeddedEtcd
+    from elastic.rendezvous.embedded import EmbeddedEtcd
 
     return EmbeddedEtcd(
         binary=binary,

@@ -29,8 +29,8 @@ def pytest_collection_modifyitems(config, items):
 def etcd_binary_or_skip() -> str:
     """An etcd server binary found the way tests/conftest.py finds one (a lent GPU
     machine may have none: then the test says so and skips)."""
-    from rendezvous.embedded import find_etcd_binary
-    from rendezvous.errors import RendezvousError
+    from elastic.rendezvous.embedded import find_etcd_binary
+    from elastic.rendezvous.errors import RendezvousError
 
     try:
         return find_etcd_binary()

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from checkpoint import Snapshot
+from elastic.checkpoint import Snapshot
 from elastic.state import State, TorchState
 from elastic.worker import lifecycle
 from tests.gpu.conftest import NEEDS_CUDA

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, load_latest
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, load_latest
 from elastic.state import TorchState
 from tests.gpu.conftest import NEEDS_CUDA
 

@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from rendezvous.embedded import EmbeddedEtcdCluster
+from elastic.rendezvous.embedded import EmbeddedEtcdCluster
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(420)

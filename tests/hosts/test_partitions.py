@@ -31,9 +31,9 @@ from typing import Optional
 import pytest
 import torch
 
-from checkpoint import list_checkpoints
-from checkpoint.durable import TEST_GATE_HELD_PREFIX, TEST_WRITE_GATE_ENV
-from rendezvous import Etcd, EtcdConfig, JobKeys, RoundPlan
+from elastic.checkpoint import list_checkpoints
+from elastic.checkpoint.durable import TEST_GATE_HELD_PREFIX, TEST_WRITE_GATE_ENV
+from elastic.rendezvous import Etcd, EtcdConfig, JobKeys, RoundPlan
 from tests.fakes.jobs import TRAIN_JOB, read_jsonl, wait_until
 
 pytestmark = pytest.mark.timeout(420)

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints
-from checkpoint import manifest as mf
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints
+from elastic.checkpoint import manifest as mf
 from tests.fakes.jobs import ELASTIC_RUN, REPO, Job
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rendezvous import Etcd, JobKeys, RendezvousSettings
-from rendezvous.etcd import CreateRevisionEquals, ModRevisionEquals, Put
+from elastic.rendezvous import Etcd, JobKeys, RendezvousSettings
+from elastic.rendezvous.etcd import CreateRevisionEquals, ModRevisionEquals, Put
 from tests.fakes.local_members import has_workers, rounds_in_etcd, worker
 from tests.fakes.waiting import poll as wait_until
 

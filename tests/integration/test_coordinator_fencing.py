@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from rendezvous import (
+from elastic.rendezvous import (
     FAILED,
     SUCCEEDED,
     Coordinator,
@@ -25,8 +25,8 @@ from rendezvous import (
     RendezvousSettings,
     Session,
 )
-from rendezvous.control import STOPPING
-from rendezvous.etcd import CreateRevisionEquals, Put
+from elastic.rendezvous.control import STOPPING
+from elastic.rendezvous.etcd import CreateRevisionEquals, Put
 from tests.fakes.waiting import poll
 from tests.fakes.local_members import has_workers, worker
 

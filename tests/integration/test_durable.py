@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints, load_latest
-from checkpoint import manifest as mf
-from checkpoint.cli import main as cli_main
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints, load_latest
+from elastic.checkpoint import manifest as mf
+from elastic.checkpoint.cli import main as cli_main
 
 WAIT = 30.0  # bound on every flush
 
@@ -85,7 +85,7 @@ def test_flipped_byte_falls_back_to_the_previous_with_one_warning(tmp_path, capl
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    caplog.set_level(logging.WARNING, logger="checkpoint")
+    caplog.set_level(logging.WARNING, logger="elastic.checkpoint")
     tree, manifest = load_latest(str(tmp_path))
     assert manifest["step"] == 2 and tree["values"]["step"] == 2
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -107,7 +107,7 @@ def test_partial_or_damaged_checkpoints_are_skipped(tmp_path, caplog, damage):
             f.write(os.urandom(64))
     else:
         os.remove(_state_path(tmp_path, 2))
-    caplog.set_level(logging.WARNING, logger="checkpoint")
+    caplog.set_level(logging.WARNING, logger="elastic.checkpoint")
     assert load_latest(str(tmp_path))[1]["step"] == 1
     assert len(caplog.records) == 1 and newest_dir in caplog.records[0].getMessage()
     infos = list_checkpoints(str(tmp_path))
@@ -122,7 +122,7 @@ def test_valid_checkpoint_that_is_not_weights_only_is_skipped(tmp_path, caplog):
     torch.save({"obj": threading.Lock}, str(bad_dir / mf.STATE_NAME))
     size, sha = mf.file_digest(str(bad_dir / mf.STATE_NAME))
     mf.write_manifest(str(bad_dir), mf.build_manifest(step=2, files={mf.STATE_NAME: {"size": size, "sha256": sha}}, created=0.0))
-    caplog.set_level(logging.WARNING, logger="checkpoint")
+    caplog.set_level(logging.WARNING, logger="elastic.checkpoint")
     assert load_latest(str(tmp_path))[1]["step"] == 1
     assert len(caplog.records) == 1 and "cannot be loaded" in caplog.records[0].getMessage()
 
@@ -165,7 +165,7 @@ class _GatedWriter(DurableWriter):
 
 
 def test_submit_while_a_write_runs_is_skipped_and_logged_once(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="checkpoint")
+    caplog.set_level(logging.INFO, logger="elastic.checkpoint")
     writer = _GatedWriter(CheckpointPolicy(str(tmp_path)))
     source = {"x": torch.full((10,), 1.0)}
     assert writer.submit(source, step=1)
@@ -217,7 +217,7 @@ def test_full_file_system_keeps_the_previous_checkpoint(tiny_tmpfs, caplog):
     writer = DurableWriter(CheckpointPolicy(directory))
     assert writer.submit({"x": torch.full((100,), 1.0)}, step=1) and writer.flush(WAIT)
     assert writer.last_error is None
-    caplog.set_level(logging.ERROR, logger="checkpoint")
+    caplog.set_level(logging.ERROR, logger="elastic.checkpoint")
     assert writer.submit({"x": torch.full((100_000,), 2.0)}, step=2)  # 400 KB > 64 KiB: does not raise
     assert writer.flush(WAIT)
     _assert_failure_logged_once(caplog, writer, directory, 2, "No space left on device")
@@ -233,7 +233,7 @@ def test_read_only_file_system_keeps_the_previous_checkpoint(tiny_tmpfs, caplog)
     writer = DurableWriter(CheckpointPolicy(directory))
     assert writer.submit({"x": torch.full((100,), 1.0)}, step=1) and writer.flush(WAIT)
     subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], check=True, timeout=30)
-    caplog.set_level(logging.ERROR, logger="checkpoint")
+    caplog.set_level(logging.ERROR, logger="elastic.checkpoint")
     assert writer.submit({"x": torch.full((100,), 2.0)}, step=2)
     assert writer.flush(WAIT)
     _assert_failure_logged_once(caplog, writer, directory, 2, "Read-only file system")
@@ -244,7 +244,7 @@ def test_directory_under_a_regular_file_fails_without_raising(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     directory = str(blocker / "ckpt")
-    caplog.set_level(logging.ERROR, logger="checkpoint")
+    caplog.set_level(logging.ERROR, logger="elastic.checkpoint")
     writer = DurableWriter(CheckpointPolicy(directory))  # does not raise either
     assert "Not a directory" in writer.last_error
     assert writer.submit({"x": torch.ones(1)}, step=1) and writer.flush(WAIT)

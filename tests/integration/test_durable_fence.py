@@ -19,13 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, FenceRefusal, list_checkpoints
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, FenceRefusal, list_checkpoints
 from elastic.worker.runtime import Runtime
-from rendezvous import Etcd, EtcdConfig, JobKeys, JobStatus, RoundPlan
-from rendezvous.control import FAILED, SUCCEEDED
-from rendezvous.etcd import Delete, Put
-from rendezvous.keys import KEEP_ROUNDS
-from rendezvous.rounds import Slot
+from elastic.rendezvous import Etcd, EtcdConfig, JobKeys, JobStatus, RoundPlan
+from elastic.rendezvous.control import FAILED, SUCCEEDED
+from elastic.rendezvous.etcd import Delete, Put
+from elastic.rendezvous.keys import KEEP_ROUNDS
+from elastic.rendezvous.rounds import Slot
 
 ME = "hostA-1-aaaaaa.w0"  # the writing worker
 OTHERS = ("hostB-2-bbbbbb.w0", "hostC-3-cccccc.w0")

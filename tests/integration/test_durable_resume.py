@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import list_checkpoints, load_latest
+from elastic.checkpoint import list_checkpoints, load_latest
 from elastic import ElasticSampler
 from tests.fakes.jobs import REPO, TRAIN_JOB, Job, wait_until
 

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints, load_latest
-from checkpoint import manifest as mf
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, list_checkpoints, load_latest
+from elastic.checkpoint import manifest as mf
 
 WAIT = 30.0
 

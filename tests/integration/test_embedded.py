@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from rendezvous import embedded
-from rendezvous.embedded import EmbeddedEtcd, EmbeddedEtcdCluster, find_etcd_binary
-from rendezvous.errors import RendezvousError
-from rendezvous.etcd import Etcd
+from elastic.rendezvous import embedded
+from elastic.rendezvous.embedded import EmbeddedEtcd, EmbeddedEtcdCluster, find_etcd_binary
+from elastic.rendezvous.errors import RendezvousError
+from elastic.rendezvous.etcd import Etcd
 from tests.fakes.waiting import poll as wait_until
 from tests.fakes.waiting import readline_within
 
@@ -127,7 +127,7 @@ def test_etcd_dies_with_its_owner(tmp_path):
     script = textwrap.dedent(
         """
         import sys, time
-        from rendezvous.embedded import EmbeddedEtcd
+        from elastic.rendezvous.embedded import EmbeddedEtcd
         server = EmbeddedEtcd().start()
         print(server.pid, server.data_dir, flush=True)
         time.sleep(60)

@@ -9,8 +9,8 @@ import time
 import pytest
 from etcd3 import etcdrpc
 
-from rendezvous.errors import LeaseLostError, RendezvousConnectionError, RendezvousError
-from rendezvous.etcd import (
+from elastic.rendezvous.errors import LeaseLostError, RendezvousConnectionError, RendezvousError
+from elastic.rendezvous.etcd import (
     CreateRevisionEquals,
     Delete,
     Etcd,

@@ -8,9 +8,9 @@ import grpc
 import pytest
 from etcd3 import etcdrpc
 
-from rendezvous.embedded import EmbeddedEtcd
-from rendezvous.errors import RendezvousAuthError, RendezvousConnectionError
-from rendezvous.etcd import Etcd
+from elastic.rendezvous.embedded import EmbeddedEtcd
+from elastic.rendezvous.errors import RendezvousAuthError, RendezvousConnectionError
+from elastic.rendezvous.etcd import Etcd
 from tests.fakes.pki import make_pki, tls_etcd_server
 
 from ..conftest import etcd_binary_or_skip

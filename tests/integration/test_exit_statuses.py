@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from elastic.contract.exit_codes import USER_ERROR
-from rendezvous import JobKeys
-from rendezvous.control import CAUSE_USER_CODE
+from elastic.rendezvous import JobKeys
+from elastic.rendezvous.control import CAUSE_USER_CODE
 from tests.fakes.jobs import Job
 
 pytestmark = pytest.mark.timeout(240)

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from checkpoint import list_checkpoints
-from checkpoint.durable import TEST_GATE_HELD_PREFIX, TEST_WRITE_GATE_ENV
+from elastic.checkpoint import list_checkpoints
+from elastic.checkpoint.durable import TEST_GATE_HELD_PREFIX, TEST_WRITE_GATE_ENV
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(400)

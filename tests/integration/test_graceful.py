@@ -155,7 +155,7 @@ def assert_failure_path(stay, forced_reason):
 
 @pytest.mark.slow  # about 28 s: CI runs it; make test stays under 15 min
 def test_sigterm_that_leaves_too_few_workers_stops_the_job_with_a_final_checkpoint(tmp_path):
-    from checkpoint import list_checkpoints
+    from elastic.checkpoint import list_checkpoints
 
     from tests.fakes.jobs import Job
 

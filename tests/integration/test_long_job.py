@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from rendezvous import JobKeys, RoundPlan
+from elastic.rendezvous import JobKeys, RoundPlan
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(900)

@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from elastic.agent.plain_store import PlainStores, prune_round_keys
-from rendezvous import JobKeys, RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import JobKeys, RoundPlan
+from elastic.rendezvous.rounds import Slot
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous import (
+from elastic.rendezvous import (
     FAILED,
     Etcd,
     JobKeys,

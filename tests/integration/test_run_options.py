@@ -18,8 +18,8 @@ import pytest
 import torch
 from etcd3 import etcdrpc
 
-from rendezvous import JobKeys, RoundPlan
-from rendezvous.etcd import Etcd
+from elastic.rendezvous import JobKeys, RoundPlan
+from elastic.rendezvous.etcd import Etcd
 from tests.fakes.jobs import ELASTIC_RUN, REPO, Job, read_jsonl, wait_until
 from tests.fakes.pki import make_pki, tls_etcd_server
 

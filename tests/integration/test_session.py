@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from rendezvous.errors import ConfigError
-from rendezvous.etcd import Etcd
-from rendezvous.session import Session
+from elastic.rendezvous.errors import ConfigError
+from elastic.rendezvous.etcd import Etcd
+from elastic.rendezvous.session import Session
 from tests.fakes.waiting import holds
 from tests.fakes.waiting import poll as wait_until
 

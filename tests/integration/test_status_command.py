@@ -11,8 +11,8 @@ import uuid
 import pytest
 
 from elastic.cli.status import main as status_main
-from rendezvous import RUNNING, SUCCEEDED, JobKeys, JobStatus, keep_ended_job
-from rendezvous.etcd import Etcd
+from elastic.rendezvous import RUNNING, SUCCEEDED, JobKeys, JobStatus, keep_ended_job
+from elastic.rendezvous.etcd import Etcd
 from tests.fakes.jobs import ELASTIC_RUN, REPO, Job, wait_until
 
 pytestmark = pytest.mark.timeout(300)

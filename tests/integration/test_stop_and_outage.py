@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from checkpoint import load_latest
+from elastic.checkpoint import load_latest
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import load_latest
+from elastic.checkpoint import load_latest
 from tests.fakes.slurm_cluster import SlurmJob
 from tests.fakes.waiting import poll
 from tests.fakes.jobs import REPO, TRAIN_JOB

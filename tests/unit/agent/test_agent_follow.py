@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from elastic.agent.agent import Agent
-from rendezvous.errors import RendezvousConnectionError, RendezvousTimeoutError
+from elastic.rendezvous.errors import RendezvousConnectionError, RendezvousTimeoutError
 
 
 class _StandIn:

@@ -22,7 +22,7 @@ from elastic.agent.fate import (
 )
 from elastic.contract.exit_codes import WORKER_BROKEN
 from elastic.contract.faults import BUDGET, NETWORK, PROCESS, RING, STORAGE, USER, ExitRecord, Fault
-from rendezvous.control import CAUSE_USER_CODE
+from elastic.rendezvous.control import CAUSE_USER_CODE
 
 FINISHED = ExitRecord(finished=True)
 OOM = Fault(PROCESS, "OutOfMemoryError: out of memory at step 7")

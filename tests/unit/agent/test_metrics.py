@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from elastic.agent.health import HealthServer
 from elastic.agent.metrics import AgentMetrics, round_change
 from elastic.contract.progress import Marks, ProgressBoard
-from rendezvous.rounds import RoundPlan, Slot
+from elastic.rendezvous.rounds import RoundPlan, Slot
 
 HOST = "h1"
 

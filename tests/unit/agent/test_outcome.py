@@ -8,8 +8,8 @@ import pytest
 
 from elastic.agent.outcome import exit_status
 from elastic.contract import exit_codes
-from rendezvous import FAILED, RUNNING, STOPPING, SUCCEEDED, JobStatus
-from rendezvous.control import CAUSE_USER_CODE
+from elastic.rendezvous import FAILED, RUNNING, STOPPING, SUCCEEDED, JobStatus
+from elastic.rendezvous.control import CAUSE_USER_CODE
 
 
 @pytest.mark.parametrize("status, code", [

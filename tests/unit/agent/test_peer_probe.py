@@ -7,7 +7,7 @@ import time
 
 from elastic.agent.peer_probe import PeerProbe, unreachable
 from elastic.contract.progress import Marks
-from rendezvous import Member
+from elastic.rendezvous import Member
 
 
 def test_an_accept_or_a_refusal_is_an_answer_silence_is_not():
@@ -97,7 +97,7 @@ class _Etcd:
         self.puts = []
 
     def get(self, key):
-        from rendezvous import KeyValue
+        from elastic.rendezvous import KeyValue
         name = key.rsplit("/", 1)[1]
         if name not in self.members:
             return None
@@ -111,8 +111,8 @@ class _Etcd:
 
 
 def test_a_peer_is_reported_after_two_silent_passes_and_cleared_when_it_answers(monkeypatch):
-    from rendezvous import JobKeys
-    from rendezvous.rounds import RoundPlan, Slot
+    from elastic.rendezvous import JobKeys
+    from elastic.rendezvous.rounds import RoundPlan, Slot
 
     plan = RoundPlan(4, (Slot("me", "me.w0"), Slot("a", "a.w0"), Slot("b", "b.w0")),
                      {m: (m, "10.0.0.1") for m in ("me", "a", "b")}, "10.0.0.1:1", 0.0)

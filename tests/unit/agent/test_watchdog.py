@@ -96,7 +96,7 @@ def frames(*specs):
         (frames(("torch.nn.parallel.distributed", "/venv/site-packages/torch/nn/parallel/distributed.py")), WAITING),
         # The runtime waiting for a round (inside threading.Condition.wait).
         (frames(("threading", "/usr/lib/python3.11/threading.py"),
-                ("rendezvous.control", "/repo/rendezvous/control.py"), ("elastic.worker.runtime", "/repo/elastic/runtime.py")),
+                ("elastic.rendezvous.control", "/repo/rendezvous/control.py"), ("elastic.worker.runtime", "/repo/elastic/runtime.py")),
          WAITING),
         # A DataLoader waiting on its worker processes (it supervises them itself).
         (frames(("queue", "/usr/lib/python3.11/queue.py"),
@@ -180,7 +180,7 @@ def test_hang_timeout_option(tmp_path, text, value):
 @pytest.mark.parametrize("text", ["0.5", "-3", "soon"])
 def test_hang_timeout_option_rejects_bad_values(tmp_path, text):
     from elastic.cli.launch import parse
-    from rendezvous import ConfigError
+    from elastic.rendezvous import ConfigError
 
     script = tmp_path / "x.py"
     script.write_text("")
@@ -195,7 +195,7 @@ def test_a_main_thread_retrying_an_etcd_call_for_the_runtime_is_waiting_not_stuc
     frames = [
         Frame("grpc._channel", "/venv/site-packages/grpc/_channel.py", 1, "_blocking"),
         Frame("tenacity", "/venv/site-packages/tenacity/__init__.py", 560, "__call__"),
-        Frame("rendezvous.etcd", "/repo/rendezvous/etcd.py", 310, "_call"),
+        Frame("elastic.rendezvous.etcd", "/repo/rendezvous/etcd.py", 310, "_call"),
         Frame("elastic.worker.runtime", "/repo/elastic/runtime.py", 420, "__call__"),
     ]
     assert classify(frames)[0] == WAITING

@@ -9,8 +9,8 @@ import pytest
 from elastic.agent.worker_env import nccl_env, worker_env
 from elastic.contract.devices import CPU_AND_CUDA
 from elastic.contract.worker_config import WorkerConfig
-from rendezvous import RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import RoundPlan
+from elastic.rendezvous.rounds import Slot
 
 
 def _env(backend="gloo", base=None, slot=0, workers=("m.w0", "m.w1", "m.w2"), worker="m.w2"):

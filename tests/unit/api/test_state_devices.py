@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from checkpoint import Snapshot
+from elastic.checkpoint import Snapshot
 from elastic import state as state_module
 from elastic.state import State, _copy_into
 from elastic.worker import lifecycle

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from checkpoint import Snapshot
+from elastic.checkpoint import Snapshot
 from elastic.state import _copy_into
 
 

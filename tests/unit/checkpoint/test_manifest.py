@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from checkpoint import CheckpointPolicy
-from checkpoint import manifest as mf
+from elastic.checkpoint import CheckpointPolicy
+from elastic.checkpoint import manifest as mf
 
 
 def test_step_dirnames_round_trip_and_reject_other_names():

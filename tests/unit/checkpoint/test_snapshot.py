@@ -5,7 +5,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from checkpoint import Snapshot, clone_tree
+from elastic.checkpoint import Snapshot, clone_tree
 
 
 def _model_and_optimizer(seed: int = 0):

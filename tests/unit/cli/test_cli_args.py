@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from elastic.cli import launch as cli
-from rendezvous import ConfigError
+from elastic.rendezvous import ConfigError
 from tests.fakes.jobs import ELASTIC_RUN, REPO
 
 

@@ -12,7 +12,7 @@ from tests.fakes.jobs import REPO
 
 from elastic.cli import horovodrun
 from elastic.cli.launch import build_parser, main, parse
-from rendezvous import ConfigError
+from elastic.rendezvous import ConfigError
 
 VALUE_FLAGS = horovodrun.value_flags_of(build_parser())
 

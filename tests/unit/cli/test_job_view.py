@@ -6,10 +6,10 @@ import io
 import json
 
 from elastic.cli.status import render_text
-from rendezvous.control import JobStatus
-from rendezvous.waiting import WaitingEcho, WaitingLine, WaitingNotice
-from rendezvous.job_view import JobSnapshot, job_view
-from rendezvous.rounds import Member, RoundPlan, Slot
+from elastic.rendezvous.control import JobStatus
+from elastic.rendezvous.waiting import WaitingEcho, WaitingLine, WaitingNotice
+from elastic.rendezvous.job_view import JobSnapshot, job_view
+from elastic.rendezvous.rounds import Member, RoundPlan, Slot
 
 NOW = 1_700_000_000.0
 
@@ -125,7 +125,7 @@ def test_an_agent_that_does_not_lead_echoes_the_notice_on_its_own_clock():
 
 def test_watch_draws_each_read_and_shows_a_failed_read_as_one_line(monkeypatch):
     from elastic.cli import status as status_command
-    from rendezvous import JobKeys, RendezvousConnectionError
+    from elastic.rendezvous import JobKeys, RendezvousConnectionError
 
     first = job_view(JobSnapshot("job", running_job(), NOW))
     reads = iter([RendezvousConnectionError("cannot reach etcd at x:1"), first])

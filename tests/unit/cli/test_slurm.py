@@ -7,7 +7,7 @@ import pytest
 from elastic.cli import launch as cli
 from elastic.cli import slurm
 from elastic.cli.slurm import SlurmDefaults
-from rendezvous import ConfigError
+from elastic.rendezvous import ConfigError
 
 STEP = {"SLURM_JOB_ID": "4321", "SLURMD_NODENAME": "gpu08", "SLURM_JOB_NODELIST": "gpu[07-09]",
         "SLURM_STEP_TASKS_PER_NODE": "1(x3)", "SLURM_LOCALID": "0"}
@@ -101,7 +101,7 @@ def test_the_jobs_embedded_etcd_comes_back_after_the_steps_sigterm_with_its_data
     import signal
     import time
 
-    from rendezvous import Etcd
+    from elastic.rendezvous import Etcd
     from tests.conftest import etcd_binary_or_skip
 
     etcd = slurm._StepEtcd(binary=etcd_binary_or_skip(), port=slurm.RDZV_PORT_BASE + os.getpid() % 1000)
@@ -127,7 +127,7 @@ def test_the_jobs_embedded_etcd_comes_back_after_the_steps_sigterm_with_its_data
 def test_a_first_node_whose_etcd_never_listens_is_one_clear_error():
     import socket
 
-    from rendezvous import RendezvousError
+    from elastic.rendezvous import RendezvousError
 
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from rendezvous.errors import ConfigError
-from rendezvous.etcd import Etcd, EtcdConfig, _RetryStop, _TransientError
+from elastic.rendezvous.errors import ConfigError
+from elastic.rendezvous.etcd import Etcd, EtcdConfig, _RetryStop, _TransientError
 
 
 @pytest.mark.parametrize(

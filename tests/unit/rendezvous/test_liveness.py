@@ -2,7 +2,7 @@
 
 import socket
 
-from rendezvous.liveness import agent_refuses
+from elastic.rendezvous.liveness import agent_refuses
 
 
 def test_a_listening_agent_is_alive():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from rendezvous.reachability import Exclusion, ReachReport, exclusions
-from rendezvous.rounds import RoundPlan, Slot
+from elastic.rendezvous.reachability import Exclusion, ReachReport, exclusions
+from elastic.rendezvous.rounds import RoundPlan, Slot
 
 
 def ring(round_, *members):

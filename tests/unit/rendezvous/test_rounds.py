@@ -2,8 +2,8 @@
 
 import pytest
 
-from rendezvous.errors import ConfigError
-from rendezvous.rounds import (
+from elastic.rendezvous.errors import ConfigError
+from elastic.rendezvous.rounds import (
     Fail,
     FormRound,
     Member,

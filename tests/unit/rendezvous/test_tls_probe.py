@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from tests.fakes.pki import make_pki
-from rendezvous.tls_probe import TlsFiles, TlsVerdicts, describe_alert, tls_refusal
+from elastic.rendezvous.tls_probe import TlsFiles, TlsVerdicts, describe_alert, tls_refusal
 
 
 @pytest.mark.parametrize("reason, words", [

@@ -8,9 +8,9 @@ from elastic.worker.commit_fence import TICK_S, CommitFence
 from elastic.contract.errors import LeftBehind
 from elastic.contract.faults import RING
 from elastic.worker.failures import classify
-from rendezvous import JobKeys, RendezvousConnectionError
-from rendezvous.etcd import KeyValue
-from rendezvous.rounds import RoundPlan, Slot
+from elastic.rendezvous import JobKeys, RendezvousConnectionError
+from elastic.rendezvous.etcd import KeyValue
+from elastic.rendezvous.rounds import RoundPlan, Slot
 from tests.fakes.jobs import wait_until
 
 KEYS = JobKeys("j")

@@ -15,8 +15,8 @@ import torch
 from elastic.contract.errors import ElasticError
 from elastic.contract.worker_config import WorkerConfig
 from elastic.worker.runtime import Runtime
-from rendezvous import RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import RoundPlan
+from elastic.rendezvous.rounds import Slot
 
 
 def _plan(round_number, workers):

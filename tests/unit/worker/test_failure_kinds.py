@@ -18,8 +18,8 @@ from elastic.contract.errors import (
 )
 from elastic.contract.faults import BUDGET, NETWORK, PROCESS, RING, USER, Fault
 from elastic.worker.failures import classify, classify_init, kind_of
-from rendezvous import RendezvousError
-from rendezvous.errors import RendezvousConnectionError, RendezvousTimeoutError
+from elastic.rendezvous import RendezvousError
+from elastic.rendezvous.errors import RendezvousConnectionError, RendezvousTimeoutError
 
 CASES = [
     # -- a broken process: its agent replaces it

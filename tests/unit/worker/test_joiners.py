@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from elastic.worker import joiners
 from elastic.worker.joiners import JoinerWatch
-from rendezvous import RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import RoundPlan
+from elastic.rendezvous.rounds import Slot
 
 
 def plan(round_number, workers, store_addr="127.0.0.1:1"):

@@ -20,8 +20,8 @@ from elastic.worker import round_store
 from elastic.contract.errors import PeersUnreachable
 from elastic.worker.runtime import Runtime
 from elastic.contract.worker_config import WorkerConfig
-from rendezvous import JobStatus, RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import JobStatus, RoundPlan
+from elastic.rendezvous.rounds import Slot
 from tests.fakes.jobs import wait_until
 
 WORKER = "m.w0"

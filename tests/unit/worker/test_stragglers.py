@@ -11,8 +11,8 @@ import pytest
 from elastic.agent.straggler_eviction import on_straggler_event
 from elastic.contract.straggler_policy import StragglerOptions, eviction_allowed
 from elastic.worker.stragglers import Persistence, StragglerWatch, WaitClock, scores
-from rendezvous import RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import RoundPlan
+from elastic.rendezvous.rounds import Slot
 
 
 def test_scores_are_compute_time_over_the_median():

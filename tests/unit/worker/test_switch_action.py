@@ -13,8 +13,8 @@ import time
 import pytest
 
 from elastic.worker.runtime import Runtime
-from rendezvous import STOPPING, JobStatus, RoundPlan
-from rendezvous.rounds import Slot
+from elastic.rendezvous import STOPPING, JobStatus, RoundPlan
+from elastic.rendezvous.rounds import Slot
 
 
 class DictStore:
