@@ -7,7 +7,8 @@ processes (``python -m elastic.worker.bootstrap``) and never imports the worker
 runtime: what passes between the two is ``elastic/contract/``. May import the
 contract, the timeline model, ``rendezvous`` and ``checkpoint``.
 
-    agent.py        the agent: its loop, following plans, what a worker's exit means, leaving
+    agent.py        the agent: its loop, following plans, acting on a worker's exit, leaving
+    fate.py         what a worker's exit means (its record, the agent's view) -> one decision
     outcome.py      the job's final status -> elastic-run's exit status (a user error is 3)
     config.py       what the agent is told, and what it tells each worker
     worker_env.py   the environment a worker starts with (torchrun's variables, ours)

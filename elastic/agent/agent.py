@@ -57,9 +57,8 @@ from elastic.rendezvous import (
 from .chaos import ChaosMonkey
 from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
-from ..contract.errors import PeersUnreachable
 from ..contract.events import EventLog
-from ..contract.exit_codes import WORKER_BROKEN
+from ..contract.faults import Fault
 from .device_slots import DeviceSlots
 from ..contract.reset_budget import ResetBudget, RoundFailures
 from .event_tail import EventTail
@@ -71,7 +70,8 @@ from .watchdog import HangPolicy, Watchdog, device_floor
 from .wind_down import wind_down
 from .health import HealthServer, HealthState, SessionMonitor, SessionWatch
 from .metrics import AgentMetrics, round_change
-from .outcome import exit_status, failure_cause
+from .fate import FAIL, NETWORK_ROUND, REPLACE, RESTART_PLAIN, SUCCEED, Exit, FaultHistory, View, fate
+from .outcome import exit_status
 from .worker_env import worker_env
 from .workers import Exited, WorkerProcess
 
@@ -101,6 +101,7 @@ class Agent:
         self._plan: Optional[RoundPlan] = None
         self._plan_started: Optional[RoundPlan] = None  # the plan before the one being acted on
         self._plain_failure_rounds: set[int] = set()
+        self._faults = FaultHistory()  # broken processes' faults: one broken process, or every one?
         self._network_failures = RoundFailures(ResetBudget(config.max_resets, config.reset_window))  # could not connect
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
@@ -331,45 +332,43 @@ class Agent:
             return  # we restarted it ourselves
         del self._workers[exited.worker_id]
         self._watchdog.forget(exited.worker_id)
-        if exited.exit_code == 0:
-            if self._leaving_since is not None or exited.worker_id not in self._wanted:
-                return
-            if self.participant.control.status.state == STOPPING:
-                return  # it stopped at the job's last commit; _follow_control ends us
-            # The training function returned: the job is done for everyone.
-            done = JobStatus(SUCCEEDED, f"worker {exited.worker_id} finished")
+        fault = exited.record.fault if exited.record is not None else None
+        status = self.participant.control.status
+        decided = fate(Exit(exited.worker_id, exited.exit_code, exited.signal, exited.record), View(
+            leaving=self._leaving_since is not None,
+            wanted=exited.worker_id in self._wanted,
+            job_ending=status.state == STOPPING or status.over,
+            elastic=proc.elastic,
+            lost_reason=proc.lost_reason,
+            replaced_fault=self._faults.replaced_fault(exited.worker_id),
+            same_fault_workers=self._faults.ended(exited.worker_id, fault, time.monotonic()),
+            local_workers=self.config.nproc_per_node,
+        ))
+        if decided.action == SUCCEED:
+            done = JobStatus(SUCCEEDED, decided.reason)  # the job is done for everyone
             self._etcd_writes.write("report the job succeeded", lambda: self.participant.set_status(done))
-            return
-        if self._leaving_since is not None:
-            return
-        if exited.error is not None and exited.error.startswith(PeersUnreachable.REPORT_PREFIX):
-            self._on_network_failure(exited.worker_id, exited.error[len(PeersUnreachable.REPORT_PREFIX):])
-            return
-        broken = exited.exit_code == WORKER_BROKEN  # a sticky CUDA error: replaced like a crash
-        if exited.error is not None and not broken:
-            # The worker's own report: an error in user code (or a reset budget used
-            # up). Re-forming would only hit it again, so the job fails, once.
-            reason, cause = f"worker {exited.worker_id} failed: {exited.error}", failure_cause(exited.error)
-            self.events.emit("failure_detected", reason=reason, user_error=bool(cause))
-            failed = JobStatus(FAILED, reason, cause=cause)  # the cause sets every agent's exit status
+        elif decided.action == NETWORK_ROUND:
+            self._on_network_failure(exited.worker_id, decided.reason)
+        elif decided.action == FAIL:
+            self.events.emit("failure_detected", reason=decided.reason, user_error=bool(decided.cause))
+            failed = JobStatus(FAILED, decided.reason, cause=decided.cause)  # the cause sets every agent's exit status
             self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
-            return
-        how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
-        how = f"broken process: {exited.error or 'no report'}" if broken else how
-        how = f"{proc.lost_reason}, {how}" if proc.lost_reason else how
-        if not proc.elastic and exited.signal is None:
-            # A torchrun script that exited with an error, most likely because a peer
-            # died under it: restart every worker, as torchrun would.
-            self._on_plain_failure(exited.worker_id, proc, how)
-            return
-        self.events.emit("failure_detected", reason=f"worker {exited.worker_id} died ({how})")
-        self._wanted.remove(exited.worker_id)
+        elif decided.action == RESTART_PLAIN:
+            self._on_plain_failure(exited.worker_id, proc, decided.reason)
+        elif decided.action == REPLACE:
+            self._replace(exited.worker_id, decided.reason, fault)
+
+    def _replace(self, worker_id: str, reason: str, fault: Optional[Fault]) -> None:
+        """Drop a lost worker; offer a new one in its place within --max-restarts."""
+        self.events.emit("failure_detected", reason=reason)
+        self._wanted.remove(worker_id)
         if self._restarts < self.config.max_restarts:
             self._restarts += 1
             self._wanted.append(self._new_worker_id())
+            self._faults.replaced(self._wanted[-1], fault)
         # Reported at once: the coordinator re-forms without waiting for any TTL.
         wanted = tuple(self._wanted)
-        self._etcd_writes.write(f"drop worker {exited.worker_id}", lambda: self.participant.set_workers(wanted))
+        self._etcd_writes.write(f"drop worker {worker_id}", lambda: self.participant.set_workers(wanted))
 
     # -- [addressing] peers that cannot reach each other ------------------------------------
     def _on_network_failure(self, worker_id: str, reason: str) -> None:

@@ -7,25 +7,10 @@ Kubernetes Job's ``podFailurePolicy``, a Slurm script) sees one kind of ending.
 
 from __future__ import annotations
 
-from elastic.checkpoint import CheckpointsUnreadable
 from elastic.rendezvous import FAILED, STOPPING, SUCCEEDED, JobStatus
 from elastic.rendezvous.control import CAUSE_USER_CODE
 
 from ..contract import exit_codes
-from ..contract.errors import ResetLimitExceeded
-
-
-def failure_cause(worker_error: str) -> str:
-    """The cause to record for a worker's own one-line error report (its error file).
-
-    An uncaught exception in the training script is the user's error; the reset budget
-    running out (the ring kept breaking: hosts, network) is reported the same way by
-    the worker, but it is a fault of the infrastructure and leaves the cause unsaid; so
-    are checkpoints that the storage cannot read at a restart (a run later may pass).
-    """
-    if worker_error.startswith((f"{ResetLimitExceeded.__name__}:", f"{CheckpointsUnreadable.__name__}:")):
-        return ""
-    return CAUSE_USER_CODE
 
 
 def exit_status(status: JobStatus) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from ..contract.console import OutputRouter
+from ..contract.faults import ExitRecord, read_record
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Exited:
     pid: int  # a restarted worker keeps its id: the pid tells the two apart
     exit_code: Optional[int]  # None when killed by a signal
     signal: Optional[int]
-    error: Optional[str]  # the one-line report the worker left before dying, if any
+    record: Optional[ExitRecord]  # what the worker said of its end (contract/faults.py), if anything
 
 
 class WorkerProcess:
@@ -96,13 +97,10 @@ class WorkerProcess:
     def _wait(self, inbox: "queue.Queue") -> None:
         code = self.proc.wait()
         self._pump.join(timeout=5)  # the last lines of output come before the exit event
-        error = None
-        if os.path.exists(self.error_file):
-            with open(self.error_file) as f:
-                error = f.read().strip() or None
+        record = read_record(self.error_file)
         if self._log is not None:
             self._log.close()
-        inbox.put(Exited(self.worker_id, self.pid, code if code >= 0 else None, -code if code < 0 else None, error))
+        inbox.put(Exited(self.worker_id, self.pid, code if code >= 0 else None, -code if code < 0 else None, record))
 
     def signal(self, signum: int) -> None:
         if self.alive:

@@ -4,7 +4,8 @@
     progress.py         progress marks on a shared page, read by the agent's hang watchdog
     worker_config.py    what the agent tells a worker through its environment
     console.py          which lines reach the console and which stay in the log file
-    errors.py           the runtime's errors, and how a worker reports one to its agent
+    errors.py           the runtime's errors
+    faults.py           what a failure means (its kind and line), and the worker's exit record
     reset_budget.py     how many failures a job survives (worker and agent count alike)
     straggler_policy.py the straggler options, and when evicting one is allowed
     exit_codes.py       the exit statuses of a worker and of elastic-run, and what each means

@@ -1,7 +1,7 @@
 """The runtime's errors: raised in a worker, caught by user code or reported to the agent.
 
-Which exception means a broken ring and which a bug is decided in the worker room
-(``elastic/worker/failures.py``); this module only names the kinds.
+Which exception means a broken ring and which a bug is decided once, in the worker room
+(``elastic/worker/failures.py classify``), and carried as a ``Fault`` (``faults.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ class PeersUnreachable(ElasticError):
     """The workers of a round could not connect to each other (a wrong ``--host-addr``,
     an interface gloo cannot use, a firewall). A fault of the network, not of a worker:
     the agent must not count it as a crash (see ``agent.py``, ``_on_network_failure``)."""
-
-    # How a worker's one-line report names this kind to its agent (error file).
-    REPORT_PREFIX = "peers unreachable: "
 
     def __init__(self, round_number: int, addresses: list[str], cause: str):
         self.round = round_number

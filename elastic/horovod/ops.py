@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..worker.failures import is_communication_error, summarize
+from ..worker.failures import classify
 from . import basics
 from .common import ADASUM_REFUSED, Adasum, Average, Compression, HorovodInternalError, Max, Min, Product, Sum
 from .common import OP_NAMES, check_process_set, global_process_set
@@ -84,10 +84,11 @@ def translated_errors():
         forget_handles()
         raise
     except RuntimeError as exc:
-        if not is_communication_error(exc):
+        fault = classify(exc)
+        if not fault.reforms:
             raise
         forget_handles()
-        raise HorovodInternalError(summarize(exc)) from exc
+        raise HorovodInternalError(fault.reason) from exc
 
 
 def ring_size() -> int:

@@ -1,23 +1,30 @@
-"""Which failures re-form the ring, which replace the worker and which fail the job,
-and the one line a failure is logged as.
+"""What a failure means: the one classifier of every exception a worker meets, and the
+one line a failure is logged as.
 
-Three kinds (``classify``):
+``classify`` turns an exception into a ``Fault`` (``contract/faults.py``); every catch
+site of the worker (``recovery.py``, ``lifecycle.py``'s excepthook, ``runtime.py``
+around ``init_process_group``, the Horovod ops) asks it and adds no rule of its own.
+The kinds:
 
-* a broken ring (a peer died, the network broke, the ring was aborted): the
-  survivors re-form it in their running processes;
+* a broken ring (a peer died, the network broke, the ring was aborted, etcd or the
+  round's store failed us): the survivors re-form it in their running processes;
+* peers unreachable (the round's workers could not connect to each other: an
+  address, a firewall): a fault of the network, for which the agent asks another round;
 * a broken process (a sticky CUDA error: an Xid, an ECC error, an illegal address;
   a device that no longer answers; out of memory on this rank): this process cannot
   go on, a new one can. It exits with ``WORKER_BROKEN`` and its agent replaces it
   like a crash, within ``--max-restarts``;
-* a bug in user code (anything else): the job fails, once, with its line.
+* a bug in user code (anything else): the job fails, once, with its line;
+* the reset budget used up (``ResetLimitExceeded``): the job fails, not as the user's.
 
 Out of memory counts as a broken process: when one rank runs out while its peers
 do not (fragmentation, a leak, a neighbour on the GPU), a fresh process on the same
 GPU starts clean. When every rank runs out (the batch does not fit), every
-replacement runs out again: each agent's ``--max-restarts`` runs out, and without
-replacements the ring shrinks below ``--min-np`` and the job fails (after
-``--rdzv-timeout``). That costs some restarts, but a worker cannot tell the two cases
-apart alone, and counting the first as the user's would end jobs for one bad GPU.
+replacement would run out again. A worker cannot tell the two cases
+apart alone, and counting the first as the user's would end jobs for one bad GPU; the
+agent can: the same fault on all of its workers, or again on a replacement, fails the
+job (``agent/fate.py``).
+
 A device-side assert is CUDA's report of a bug in user code (an index out of
 range): every replacement would hit it again, so it stays a user error.
 """
@@ -29,9 +36,18 @@ import re
 import torch
 import torch.distributed as dist
 
-from ..contract.errors import BrokenProcess, HostsUpdatedInterrupt, LeftBehind, PeerDataInvalid, PeersUnreachable
+from elastic.checkpoint import CheckpointsUnreadable
+from elastic.rendezvous import RendezvousError
 
-RING, PROCESS, USER = "broken ring", "broken process", "user error"
+from ..contract.errors import (
+    BrokenProcess,
+    HostsUpdatedInterrupt,
+    LeftBehind,
+    PeerDataInvalid,
+    PeersUnreachable,
+    ResetLimitExceeded,
+)
+from ..contract.faults import BUDGET, NETWORK, PROCESS, RING, STORAGE, USER, Fault
 
 # Lower-case parts of the messages of CUDA errors after which the process's CUDA context
 # is unusable (sticky errors), as torch and NCCL ("unhandled cuda error") word them.
@@ -83,10 +99,31 @@ _COMMUNICATION_MARKERS = (
 )
 
 
-def classify(exc: BaseException) -> str:
-    """``RING``, ``PROCESS`` or ``USER``: what the failure ``exc`` asks for (see above)."""
-    if isinstance(exc, (HostsUpdatedInterrupt, PeersUnreachable, LeftBehind, PeerDataInvalid)):
-        return RING
+def classify(exc: BaseException) -> Fault:
+    """What the failure ``exc`` means (see above), with its one line."""
+    return Fault(kind_of(exc), summarize(exc))
+
+
+def classify_init(exc: BaseException, *, peer_lost: bool) -> Fault:
+    """What a failed ``init_process_group`` of a new round means. A broken ring while
+    every worker of the round reached its store and none was declared lost means the
+    workers could not reach each other: the network, not a dead peer."""
+    fault = classify(exc)
+    if fault.kind == RING and not peer_lost:
+        return Fault(NETWORK, fault.reason)
+    return fault
+
+
+def kind_of(exc: BaseException) -> str:
+    """The kind of ``classify(exc)``, without its line."""
+    if isinstance(exc, PeersUnreachable):
+        return NETWORK
+    if isinstance(exc, ResetLimitExceeded):
+        return BUDGET
+    if isinstance(exc, CheckpointsUnreadable):
+        return STORAGE  # a run later may pass: not the user's error
+    if isinstance(exc, (HostsUpdatedInterrupt, LeftBehind, RendezvousError, PeerDataInvalid)):
+        return RING  # PeerDataInvalid: a peer's bad data re-forms the ring without it
     if isinstance(exc, BrokenProcess):
         return PROCESS
     if not isinstance(exc, RuntimeError):
@@ -105,16 +142,6 @@ def classify(exc: BaseException) -> str:
     if type(exc) is RuntimeError and any(marker in text for marker in _COMMUNICATION_MARKERS):
         return RING
     return USER
-
-
-def is_communication_error(exc: BaseException) -> bool:
-    """A broken ring: re-form it."""
-    return classify(exc) == RING
-
-
-def is_broken_process(exc: BaseException) -> bool:
-    """This process cannot go on (a sticky CUDA error): exit ``WORKER_BROKEN``, be replaced."""
-    return classify(exc) == PROCESS
 
 
 # gloo starts its messages with the C++ source location and ends many with advice;

@@ -14,15 +14,15 @@ import sys
 import traceback
 from typing import Optional
 
-from elastic.checkpoint import CheckpointsUnreadable
 from elastic.rendezvous import RendezvousError
 
 from ..contract.console import WorkerFormatter
-from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
+from ..contract.errors import ElasticError, LeftJob
 from ..contract.exit_codes import WORKER_BROKEN
+from ..contract.faults import NETWORK, PROCESS, STORAGE, Fault
 from ..contract.worker_config import WorkerConfig
-from .failures import is_broken_process, is_communication_error, summarize
-from . import step_signals
+from .failures import classify
+from . import exit_record, step_signals
 from .runtime import Runtime
 
 _current: Optional[Runtime] = None
@@ -37,6 +37,7 @@ def start() -> None:
     _configure_logging(marks=config is not None)
     if config is not None and config.error_file:
         _report_errors_to(config.error_file)
+        atexit.register(exit_record.at_exit)  # runs after shutdown (atexit is last in, first out)
     if config is not None:
         step_signals.leave_sigterm_to_the_agent()  # Slurm signals the agent and its workers alike
     runtime = Runtime(config)
@@ -87,13 +88,12 @@ def _configure_logging(*, marks: bool) -> None:
             logger.propagate = False
 
 
-def exit_broken(path: Optional[str], line: str) -> None:
-    """This process cannot go on (failures.py: a broken process): say why in one line,
-    and exit with ``WORKER_BROKEN`` at once, so that its agent replaces it. No clean-up:
-    with a sticky CUDA error it could only hang or fail again."""
-    if path:
-        with open(path, "w") as f:
-            f.write(line + "\n")
+def exit_broken(fault: Fault) -> None:
+    """This process cannot go on (failures.py: a broken process): say why in its exit
+    record, and exit with ``WORKER_BROKEN`` at once, so that its agent replaces it. No
+    clean-up: with a sticky CUDA error it could only hang or fail again."""
+    exit_record.failed(fault)
+    line = fault.reason
     # The process's own stderr: torch.distributed's excepthook runs ours with sys.stderr
     # swapped for a buffer that it prints only after we return, which we never do.
     print(f"elastic: broken process ({line}); exiting for its agent to replace it (within --max-restarts)",
@@ -104,35 +104,23 @@ def exit_broken(path: Optional[str], line: str) -> None:
 
 
 def _report_errors_to(path: str) -> None:
-    """An uncaught exception is a user error: leave a one-line report for the agent."""
+    """An uncaught exception ends this worker: leave its fault for the agent, which
+    decides from it (agent/fate.py: a user error fails the job, a broken ring that
+    escaped elastic.run is a crash to replace, ...)."""
+    exit_record.report_to(path)
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        if is_broken_process(value):
+        fault = classify(value)
+        if fault.kind == PROCESS:
             traceback.print_exception(kind, value, tb, file=sys.__stderr__)  # for the log file
-            exit_broken(path, summarize(value))
-        if isinstance(value, PeersUnreachable):
-            # A network fault, not a crash and not a bug: one line, and its own kind
-            # of report, so the agent neither fails the job nor drops this worker.
-            with open(path, "w") as f:
-                f.write(PeersUnreachable.REPORT_PREFIX + str(value) + "\n")
+            exit_broken(fault)
+        exit_record.failed(fault)
+        if fault.kind in (NETWORK, STORAGE):
+            # A fault of the network or the storage, not a crash and not a bug: one line,
+            # no traceback that would read like a bug.
             print(f"elastic: {value}", file=sys.stderr)
             return
-        if isinstance(value, CheckpointsUnreadable):
-            # A fault of the storage, not of the code: its one line (the agent fails the
-            # job with it, exit 1), no traceback that would read like a bug.
-            with open(path, "w") as f:
-                f.write(summarize(value) + "\n")
-            print(f"elastic: {value}", file=sys.stderr)
-            return
-        try:
-            # A broken ring or an unreachable etcd that escaped elastic.run is a
-            # crash, not a user error: the agent then drops this worker and the
-            # others re-form, instead of failing the whole job.
-            if not (is_communication_error(value) or isinstance(value, RendezvousError)):
-                with open(path, "w") as f:
-                    f.write(summarize(value) + "\n")
-        finally:
-            previous(kind, value, tb)
+        previous(kind, value, tb)
 
     sys.excepthook = hook

@@ -33,8 +33,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
-from elastic.rendezvous import RendezvousError
-
 from ..contract.errors import (
     HostsUpdatedInterrupt,
     JobStopping,
@@ -44,10 +42,11 @@ from ..contract.errors import (
     ResetLimitExceeded,
 )
 from ..contract.console import FILE_ONLY
+from ..contract.faults import NETWORK
 from ..contract.reset_budget import ResetBudget
-from . import lifecycle
+from . import exit_record, lifecycle
 from .device_health import check_device
-from .failures import is_communication_error, summarize
+from .failures import classify
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +72,13 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
         runtime = lifecycle.current()
         budget = ResetBudget(runtime.max_resets, runtime.reset_window)
         finished_reform = None  # (interruption, times) of the re-formation being completed
+        exit_record.training_started()  # from now on only a return is this worker's finish
         while True:
             interruption = _call(_resume, func, state, args, kwargs, runtime, finished_reform)
             if interruption is None:
                 runtime.end_training()  # no more steps: the hang watchdog stops judging them
                 state.flush_checkpoints(final=True)  # a graceful end leaves the last commit on disk
+                exit_record.finished()  # the one ending its agent counts as the job's success
                 return _result.pop()
             if interruption.left:
                 _leave(runtime, interruption.reason)
@@ -141,12 +142,11 @@ def _try_reform(runtime, reason: str, failed: bool):
         return runtime.reform(reason, failed=failed)
     except LeftJob as exc:
         return _ReformFailed(str(exc), left=True)
-    except PeersUnreachable as exc:
-        return _ReformFailed(summarize(exc), unreachable=exc.detached())
     except Exception as exc:
-        if not _is_infrastructure_error(exc):
+        fault = classify(exc)
+        if not fault.reforms:
             raise
-        return _ReformFailed(summarize(exc))
+        return _ReformFailed(fault.reason, unreachable=_detached(exc))
 
 
 def _spend(budget: ResetBudget, runtime, reason: str, unreachable: Optional[PeersUnreachable] = None) -> None:
@@ -168,9 +168,10 @@ def _leave(runtime, reason: str) -> None:
     raise SystemExit(0)
 
 
-def _is_infrastructure_error(exc: BaseException) -> bool:
-    """The network, a peer or etcd failed us: not a bug in the user's code."""
-    return is_communication_error(exc) or isinstance(exc, RendezvousError)
+def _detached(exc: BaseException) -> Optional[PeersUnreachable]:
+    """The peers-unreachable error without its traceback, to be raised again when the
+    budget runs out (see ``_spend``); None for any other error."""
+    return exc.detached() if isinstance(exc, PeersUnreachable) else None
 
 
 def _resume(func, state, args, kwargs, runtime, finished_reform):
@@ -219,12 +220,12 @@ def _call(body, *args) -> Optional[_Interruption]:
     except LeftJob as exc:
         return _Interruption(str(exc), failed=False, detected=time.monotonic(), left=True)
     except Exception as exc:
-        if not _is_infrastructure_error(exc):
-            raise  # a bug in user code: this worker fails, the agent reports it
+        fault = classify(exc)
+        if not fault.reforms:
+            raise  # this worker fails (a bug in user code, a broken process): lifecycle.py reports it
         # The whole text (gloo's spans lines) for the log file; reform_done is the console's line.
-        whole = summarize(exc) if isinstance(exc, PeersUnreachable) else f"{type(exc).__name__}: {str(exc).strip()}"
+        whole = fault.reason if fault.kind == NETWORK else f"{type(exc).__name__}: {str(exc).strip()}"
         log.warning("ring broken: %s", whole, extra=FILE_ONLY)
-        unreachable = exc.detached() if isinstance(exc, PeersUnreachable) else None
-        return _Interruption(summarize(exc), failed=True, detected=time.monotonic(), unreachable=unreachable,
+        return _Interruption(fault.reason, failed=True, detected=time.monotonic(), unreachable=_detached(exc),
                              alone=isinstance(exc, PeerDataInvalid))
 

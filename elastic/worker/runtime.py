@@ -43,7 +43,8 @@ from ..contract.devices import uses_nccl
 from .durable_fence import fence as checkpoint_fence
 from .reset_nudge import ResetNudge
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
-from .failures import is_communication_error, summarize
+from ..contract.faults import NETWORK
+from .failures import classify_init
 from . import device_watch, fault_points, nccl_abort, round_store, switch_points
 from ..contract.events import EventLog
 from .joiners import JoinerWatch
@@ -414,11 +415,12 @@ class Runtime:
             with self._backend_lock:
                 self._forming = None
             forget_failed_init()
-            if not is_communication_error(exc) or ring_breaks(self._control.plan, plan):
-                raise  # a peer died: one more failure of the ring, not a network fault
+            fault = classify_init(exc, peer_lost=ring_breaks(self._control.plan, plan))
+            if fault.kind != NETWORK:
+                raise  # a peer died (one more failure of the ring), or not the ring's fault at all
             # Everyone reached the store, but not each other: name the addresses.
             addresses = sorted({addr for _, addr in plan.hosts.values()})
-            raise PeersUnreachable(plan.round, addresses, summarize(exc)) from None
+            raise PeersUnreachable(plan.round, addresses, fault.reason) from None
         with self._backend_lock:
             forming, self._forming = self._forming, None
             self._ring = prepare_ring(before=before, store_port=store_port)

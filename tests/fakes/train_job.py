@@ -21,6 +21,8 @@ Files written to --out (one line per event, flushed at once, so tests can watch)
                   "local_world_size"} at every (re-)entry
   accelerator-error-<step>  written (its pid) by --accelerator-error-rank right before it raises
   device-stall-<step>  written ({"pid", "time"}) by --device-stall-rank right before it queues its device sleep
+  oom-<pid>       written (its time) by each rank right before it raises OutOfMemoryError (--oom-step)
+  exit0-<step>    written (its pid) by --exit0-rank right before it calls os._exit(0) (once per job)
 """
 
 import argparse
@@ -92,6 +94,10 @@ p.add_argument("--device-stall-rank", type=int, default=0,
 p.add_argument("--device-stall-step", type=int, default=None, help="... before the all-reduce of this step ...")
 p.add_argument("--device-stall-s", type=float, default=0.0, help="... of at least this many seconds (gpu review "
                "section 4: a collective stalled on the device, a hung device)")
+p.add_argument("--oom-step", type=int, default=None,
+               help="every rank raises torch.OutOfMemoryError at this step (a batch that does not fit)")
+p.add_argument("--exit0-rank", type=int, default=None, help="this rank calls os._exit(0) mid-training ...")
+p.add_argument("--exit0-step", type=int, default=None, help="... at this step, once per job")
 p.add_argument("--record-slots", action="store_true", help="slots.jsonl: {pid, rank, round, local_rank, "
                "env_local_rank, local_world_size} at every (re-)entry: a worker's device slot through rounds")
 p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -328,6 +334,16 @@ def train(state):
                     f.write(str(os.getpid()))
                 raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
         maybe_stall_the_device(state.step)
+        if state.step == args.oom_step:
+            with open(os.path.join(args.out, f"oom-{os.getpid()}"), "w") as f:
+                f.write(str(time.time()))
+            raise torch.OutOfMemoryError(f"out of memory at step {state.step}: tried to allocate 64.00 GiB")
+        if state.step == args.exit0_step and rank == args.exit0_rank:
+            marker = os.path.join(args.out, f"exit0-{state.step}")
+            if not os.path.exists(marker):
+                with open(marker, "w") as f:
+                    f.write(str(os.getpid()))
+                os._exit(0)  # neither a return of the training function nor an error
         one_step(ddp, rows)
         maybe_die("after-allreduce", state.step + 1)  # trained by the ring, recorded by nobody yet
         state.step += 1

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from elastic.state import State
 from elastic.worker import lifecycle, ring_abort
-from elastic.worker.failures import is_communication_error
+from elastic.contract.faults import RING
+from elastic.worker.failures import classify
 from elastic.worker.runtime import Runtime
 from tests.fakes.jobs import REPO
 from tests.gpu.conftest import NEEDS_CUDA, NEEDS_TWO_GPUS
@@ -76,7 +77,7 @@ def test_an_abort_ends_a_pending_operation_and_the_ring_can_form_again():
     with pytest.raises(Exception) as raised:
         dist.all_reduce(x)
         torch.cuda.synchronize()
-    assert is_communication_error(raised.value), raised.value
+    assert classify(raised.value).kind == RING, raised.value
     with pytest.raises(ring_abort.RingBroken):
         ring_abort.check_ring(ring, device_sync=True)
     started = time.monotonic()
@@ -143,7 +144,8 @@ def test_nccls_error_handling_modes(mode, killed):
 _PEER = textwrap.dedent("""
     import datetime, os, signal, sys, threading, time, torch, torch.distributed as dist
     from elastic.worker import ring_abort
-    from elastic.worker.failures import is_communication_error
+    from elastic.contract.faults import RING
+    from elastic.worker.failures import classify
     rank, path = int(sys.argv[1]), sys.argv[2]
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     torch.cuda.set_device(rank)
@@ -164,7 +166,7 @@ _PEER = textwrap.dedent("""
         dist.all_reduce(x); torch.cuda.synchronize()
         raise SystemExit("the collective after the abort did not raise")
     except Exception as exc:
-        assert is_communication_error(exc), exc
+        assert classify(exc).kind == RING, exc
     ring_abort.leave_ring(ring, failed=True, round_number=1)
     assert not dist.is_initialized()
     print("recovered", time.monotonic() - started, flush=True)

@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from elastic.agent.outcome import exit_status, failure_cause
+from elastic.agent.outcome import exit_status
 from elastic.contract import exit_codes
-from elastic.contract.errors import ResetLimitExceeded
 from elastic.rendezvous import FAILED, RUNNING, STOPPING, SUCCEEDED, JobStatus
 from elastic.rendezvous.control import CAUSE_USER_CODE
 
@@ -26,19 +25,6 @@ from elastic.rendezvous.control import CAUSE_USER_CODE
 ])
 def test_exit_status_of_each_ending(status, code):
     assert exit_status(status) == code
-
-
-@pytest.mark.parametrize("report, cause", [
-    ("ValueError: bad batch at step 5", CAUSE_USER_CODE),
-    ("KeyError: 'labels'", CAUSE_USER_CODE),
-    ("RuntimeError: ResetLimitExceeded: quoted by the user's own message", CAUSE_USER_CODE),
-    (f"{ResetLimitExceeded.__name__}: ring re-formed 2 times within 600s (--max-resets 1 per --reset-window)", ""),
-    # the storage could not read the checkpoints at a restart: a later run may pass (exit 1)
-    ("CheckpointsUnreadable: checkpoints present but unreadable in /ckpt: step-000000100: [EIO] Input/output error",
-     ""),
-])
-def test_failure_cause_of_a_workers_report(report, cause):
-    assert failure_cause(report) == cause
 
 
 def test_the_statuses_are_distinct_and_fit_a_shell():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic.worker.failures import is_communication_error
+from elastic.contract.faults import RING
+from elastic.worker.failures import classify
 
 
 def test_build_queries_say_gloo_without_mpi(hvd):
@@ -26,7 +27,7 @@ def test_the_ops_are_distinct_ints(hvd):
 def test_a_broken_ring_error_is_a_communication_error_to_the_runtime(hvd):
     error = hvd.HorovodInternalError("peer gone")
     assert isinstance(error, RuntimeError)
-    assert is_communication_error(error)
+    assert classify(error).kind == RING
 
 
 def test_average_and_op_together_are_refused(hvd):

@@ -6,7 +6,8 @@ import pytest
 
 from elastic.worker.commit_fence import TICK_S, CommitFence
 from elastic.contract.errors import LeftBehind
-from elastic.worker.failures import is_communication_error
+from elastic.contract.faults import RING
+from elastic.worker.failures import classify
 from elastic.rendezvous import JobKeys, RendezvousConnectionError
 from elastic.rendezvous.etcd import KeyValue
 from elastic.rendezvous.rounds import RoundPlan, Slot
@@ -71,7 +72,7 @@ def test_a_worker_declared_lost_completes_no_commit_and_re_forms():
     f, _ = fence(etcd)
     with pytest.raises(LeftBehind, match="round 2 declared it lost") as raised:
         f.check(1, plan(2, ["m.w0"], lost=[ME]))
-    assert is_communication_error(raised.value)  # a failure of its ring for the recovery path
+    assert classify(raised.value).kind == RING  # a failure of its ring for the recovery path
     f.check(1, plan(2, ["m.w0", "m.w2"], lost=["m.w3"]))  # somebody else was lost
     f.check(1, plan(1, ["m.w0", ME]))
     f.check(2, plan(2, ["m.w0"], lost=[ME]))  # that round is ours: we re-joined it

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from elastic.state import State
 from elastic.worker import lifecycle, ring_abort
-from elastic.worker.failures import is_communication_error
+from elastic.contract.faults import RING
+from elastic.worker.failures import classify
 from elastic.worker.ring_abort import RingBroken, RingHandle
 from elastic.worker.runtime import Runtime
 
@@ -56,7 +57,7 @@ def test_commit_after_an_abort_raises_and_keeps_the_previous_commit(runtime):
     runtime._ring.abort()
     with pytest.raises(RingBroken, match="aborted") as raised:
         state.commit()
-    assert is_communication_error(raised.value)  # recovery re-forms; no user error
+    assert classify(raised.value).kind == RING  # recovery re-forms; no user error
     assert state.commit_id == before
     state.restore()
     assert torch.equal(state.weights, torch.arange(4.0)) and state.epoch == 1

@@ -10,7 +10,8 @@ import torch
 
 from elastic.contract.errors import BrokenProcess
 from elastic.worker.device_health import bounded, check_device
-from elastic.worker.failures import is_broken_process
+from elastic.contract.faults import PROCESS
+from elastic.worker.failures import classify
 
 
 def test_a_sync_that_returns_in_time_passes():
@@ -33,7 +34,7 @@ def test_the_syncs_own_error_reaches_the_caller():
 
     with pytest.raises(torch.AcceleratorError) as caught:
         bounded(sticky, 5.0)
-    assert is_broken_process(caught.value)
+    assert classify(caught.value).kind == PROCESS
 
 
 def test_check_device_on_a_hung_device_is_a_broken_process(monkeypatch):
@@ -42,7 +43,7 @@ def test_check_device_on_a_hung_device_is_a_broken_process(monkeypatch):
     try:
         with pytest.raises(BrokenProcess, match="cuda:1 did not finish its queued work within 0.2s") as caught:
             check_device("nccl", 0.2, synchronize=lambda device: release.wait(30), cuda_available=lambda: True)
-        assert is_broken_process(caught.value)
+        assert classify(caught.value).kind == PROCESS
     finally:
         release.set()
 

@@ -66,7 +66,7 @@ for _ in range(5):
         layout = state_transfer.receive_layout(0, "gloo")
         results.append({"ok": layout == snap.layout()})
     except Exception as exc:
-        results.append({"error": type(exc).__name__, "kind": classify(exc), "message": str(exc)})
+        results.append({"error": type(exc).__name__, "kind": classify(exc).kind, "message": str(exc)})
 print(json.dumps(results), flush=True)
 """
 
@@ -83,7 +83,7 @@ def test_a_crafted_layout_runs_no_code_and_is_a_ring_failure(tmp_path):
     results = json.loads(outputs[1][0].strip().splitlines()[-1])
     assert not marker.exists()
     for result in results[:3]:
-        assert result.get("error") == "PeerDataInvalid" and result["kind"] == "broken ring", result
+        assert result.get("error") == "PeerDataInvalid" and result["kind"] == RING, result
     assert "not plain data" in results[0]["message"]
     assert "does not lie inside its buffer" in results[1]["message"]
     assert "memory" in results[2]["message"]
@@ -158,4 +158,4 @@ def test_tensors_travel_only_where_allowed_and_with_their_size_checked():
 
 
 def test_peer_data_invalid_is_a_ring_failure():
-    assert classify(PeerDataInvalid("x")) == RING
+    assert classify(PeerDataInvalid("x")).kind == RING
