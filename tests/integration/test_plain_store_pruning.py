@@ -74,8 +74,9 @@ def test_plain_store_addresses_and_stores_stay_bounded_while_rank_0_moves_betwee
         # ahead in the order), so a host can stop serving with its last rounds published.
         rank0, other = ("host-a", "host-b") if (number // 7) % 2 == 0 else ("host-b", "host-a")
         plan = _plan(number, rank0, other)
-        for agent in agents.values():  # every agent acts on every plan (agent._follow_control)
+        for agent in agents.values():  # every agent acts on every plan (agent._follow_rounds)
             agent.serve_if_rank0(plan)
+            agent.start_serving()  # after starting the round's workers
         host, port = agents[other].address(plan, timeout=10)  # what a worker of the round is given
         client = _client(port)
         client.set("reachable", "yes")
