@@ -155,5 +155,7 @@ def summarize(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, PeersUnreachable):
         return first  # a whole sentence already, which says what went wrong in words
+    if isinstance(exc, CheckpointsUnreadable):
+        return f"{type(exc).__name__}: {first}"  # our own line: its advice comes last, never cut
     first = _ADVICE.sub("", _SOURCE_LOCATION.sub("", first))
     return f"{type(exc).__name__}: {first[:300]}"
