@@ -1,4 +1,4 @@
-"""`python -m checkpoint DIR`: see checkpoint/cli.py."""
+"""`python -m elastic.checkpoint DIR`: see checkpoint/cli.py."""
 import sys
 
 from .cli import main

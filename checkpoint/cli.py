@@ -1,4 +1,4 @@
-"""`python -m checkpoint DIR` (and `elastic-run checkpoints DIR`): list and verify checkpoints.
+"""`python -m elastic.checkpoint DIR` (and `elastic-run checkpoints DIR`): list and verify checkpoints.
 
 Exit status: 0 if at least one checkpoint is valid, 1 if none is, 2 if DIR is unusable.
 """
@@ -45,7 +45,7 @@ def format_table(infos: list[CheckpointInfo]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m checkpoint",
+        prog="python -m elastic.checkpoint",
         description="List the durable checkpoints of a directory, newest first, verifying checksums.",
     )
     parser.add_argument("directory", help="checkpoint directory (as given to CheckpointPolicy)")

@@ -3,7 +3,7 @@
     launch.py     elastic-run [options] SCRIPT: start or join a job (runs this host's agent)
     status.py     elastic-run status: what a job is doing, from etcd alone
     timeline.py   elastic-run timeline LOG_DIR -o FILE.png: a picture of what a job did
-    (checkpoints) elastic-run checkpoints DIR: checkpoint/cli.py, also ``python -m checkpoint``
+    (checkpoints) elastic-run checkpoints DIR: checkpoint/cli.py, also ``python -m elastic.checkpoint``
     options.py    the options several commands share, and their environment forms
     torchrun.py   torchrun's spellings (--nnodes, --rdzv-id, ...) translated or refused
     horovodrun.py horovodrun's spellings (-np, --reset-limit, python ...) translated or refused
