@@ -336,6 +336,13 @@ def prepare_ring(group=None, *, before: SocketSnapshot, store_port: Optional[int
     return RingHandle(new, other_backend=other)
 
 
+def peer_lost(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
+    """Does ``newer`` name a worker of ``plan`` lost? Only that tells a failed init of
+    ``plan``'s ring from a network fault: a reset round (``recovers``, nobody lost) is
+    what the first worker whose init failed asks for, whatever the cause."""
+    return newer is not None and newer.round > plan.round and bool(set(newer.lost) & set(plan.worker_ids()))
+
+
 def ring_breaks(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
     """Does ``newer`` say that ``plan``'s ring is broken: a worker of it lost, or a round
     formed to recover from a failure (a reset request names no one lost)? On NCCL nothing

@@ -51,8 +51,8 @@ from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
-from .ring_abort import (RingHandle, check_ring, forget_failed_init, forming_ring, leave_ring, prepare_ring,
-                         ring_breaks, socket_snapshot)
+from .ring_abort import (RingHandle, check_ring, forget_failed_init, forming_ring, leave_ring, peer_lost,
+                         prepare_ring, ring_breaks, socket_snapshot)
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
@@ -415,7 +415,7 @@ class Runtime:
             with self._backend_lock:
                 self._forming = None
             forget_failed_init()
-            fault = classify_init(exc, peer_lost=ring_breaks(self._control.plan, plan))
+            fault = classify_init(exc, peer_lost=peer_lost(self._control.plan, plan))
             if fault.kind != NETWORK:
                 raise  # a peer died (one more failure of the ring), or not the ring's fault at all
             # Everyone reached the store, but not each other: name the addresses.

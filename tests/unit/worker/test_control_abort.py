@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from elastic.worker.ring_abort import peer_lost
 from elastic.worker.runtime import Runtime
 from elastic.rendezvous import JobStatus, RoundPlan
 from elastic.rendezvous.rounds import Slot
@@ -41,3 +42,16 @@ def test_which_plans_abort_the_ring(newer, status, aborts):
     runtime.plan, runtime._ring = plan(2), FakeRing()
     runtime._on_control(newer, status)
     assert runtime._ring.aborts == aborts
+
+
+@pytest.mark.parametrize("newer, lost", [
+    (plan(3, lost=("m.w1",), recovers=True), True),  # a worker of the forming ring is gone
+    (plan(3, recovers=True), False),  # a reset round (the first failed init asks for it): no evidence of a death
+    (plan(3, lost=("other.w9",), recovers=True), False),  # a loss outside this ring
+    (plan(2, lost=("m.w1",)), False),  # not newer
+    (None, False),
+])
+def test_only_a_named_loss_makes_a_failed_init_a_ring_failure_rather_than_the_network(newer, lost):
+    # Since reset rounds abort the ring (G4), ring_breaks is true for them; a failed init
+    # of the same round must still read as the network (tests/hosts/test_addressing_hosts.py).
+    assert peer_lost(newer, plan(2)) is lost
