@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from .errors import MalformedValueError, RendezvousError, parsing, text
 from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
 from .keys import JobKeys
-from .job_lease import lease_missing, parse_job_lease
+from .job_lease import lease_missing, parse_job_lease, put_on_job_lease
 from .rounds import RoundPlan
 from .skipped import SkippedKeys
 from .waiting import WaitingNotice
@@ -235,9 +235,4 @@ class ControlChannel:
     def request_reset(self, worker_id: str, round_number: int, reason: str, lost: tuple = ()) -> None:
         """Ask for a round after ``round_number``; ``lost`` names workers known dead."""
         body = json.dumps({"round": round_number, "reason": reason[:500], "lost": list(lost)}).encode()
-        try:
-            self._etcd.put(self._keys.request(worker_id), body, lease=self.job_lease)
-        except RendezvousError as exc:
-            if not lease_missing(exc):
-                raise
-            self._etcd.put(self._keys.request(worker_id), body)
+        put_on_job_lease(self._etcd, self._keys.request(worker_id), body, self.job_lease)

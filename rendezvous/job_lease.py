@@ -31,6 +31,16 @@ def lease_missing(exc: RendezvousError) -> bool:
     return "lease not found" in str(exc)
 
 
+def put_on_job_lease(etcd: Etcd, key: str, value: bytes, lease: Optional[int]) -> None:
+    """Put ``key`` on the job lease; without it when the lease is gone (the job ended)."""
+    try:
+        etcd.put(key, value, lease=lease)
+    except RendezvousError as exc:
+        if not lease_missing(exc):
+            raise
+        etcd.put(key, value)
+
+
 def parse_job_lease(value: bytes) -> int:
     try:
         lease = int(value.decode("ascii"), 16)

@@ -30,7 +30,3 @@ class SkippedKeys:
             self._said.clear()
         self._said[key] = fingerprint
         log.warning("%s: skipping %s: %s", self._reader, key, error)
-
-    @property
-    def keys(self) -> list[str]:
-        return sorted(self._said)

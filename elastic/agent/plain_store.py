@@ -16,8 +16,8 @@ import time
 from typing import Callable, Optional
 
 from elastic.rendezvous import Etcd, JobKeys, RoundPlan
-from elastic.rendezvous.errors import RendezvousError, RendezvousTimeoutError
-from elastic.rendezvous.job_lease import lease_missing
+from elastic.rendezvous.errors import RendezvousTimeoutError
+from elastic.rendezvous.job_lease import put_on_job_lease
 
 from .store_server import StoreServer
 
@@ -45,12 +45,7 @@ class PlainStores:
         store = StoreServer(self._host_addr, self._timeout, f"plain-store-{plan.round}")
         self._served[plan.round] = store
         key, address = self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode()
-        try:  # on the job lease: gone with an abandoned job (job_lease.py)
-            self._etcd.put(key, address, lease=self._job_lease())
-        except RendezvousError as exc:
-            if not lease_missing(exc):
-                raise
-            self._etcd.put(key, address)
+        put_on_job_lease(self._etcd, key, address, self._job_lease())  # gone with an abandoned job
         for old in sorted(self._served)[:-_KEEP_ROUNDS]:
             self._served.pop(old).close()
         self._prune_addresses(plan.round)
