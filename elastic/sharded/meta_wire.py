@@ -9,6 +9,7 @@ checkpoint rank 0 found (broadcast). Each travels as JSON through
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from ..contract.errors import PeerDataInvalid
@@ -52,15 +53,21 @@ def decode_report(body: bytes, rank: int, current_round: int) -> tuple:
     return held, metas, pending
 
 
+# Every field of CommitMeta travels: the set comes from the dataclass, so a field added
+# there cannot be dropped here unnoticed (the scheduler's state once was).
+_FIELDS = frozenset(f.name for f in dataclasses.fields(CommitMeta))
+
+
 def _meta_plain(meta: CommitMeta) -> dict:
-    return {"commit": [meta.commit.round, meta.commit.count], "world": meta.world,
-            "layout": [[t.key, list(t.shape), t.dtype] for t in meta.layout], "values": meta.values,
-            "sampler": meta.sampler, "buffers": meta.buffers, "groups": meta.groups, "plain_state": meta.plain_state}
+    plain = {name: getattr(meta, name) for name in _FIELDS}
+    plain["commit"] = [meta.commit.round, meta.commit.count]
+    plain["layout"] = [[t.key, list(t.shape), t.dtype] for t in meta.layout]
+    return plain
 
 
 def _meta(value: Any, current_round: int) -> CommitMeta:
     what = "commit meta"
-    fields = {"commit", "world", "layout", "values", "sampler", "buffers", "groups", "plain_state"}
+    fields = _FIELDS
     if type(value) is not dict or set(value) != fields:
         raise PeerDataInvalid(f"{what}: expected the fields {sorted(fields)}")
     round_, count = _ints(value["commit"], 2, what)
@@ -78,13 +85,14 @@ def _meta(value: Any, current_round: int) -> CommitMeta:
     for name, kind in (("values", dict), ("buffers", dict), ("plain_state", dict)):
         if type(value[name]) is not kind:
             raise PeerDataInvalid(f"{what}: {name} must be a {kind.__name__}")
-    if value["sampler"] is not None and type(value["sampler"]) is not dict:
-        raise PeerDataInvalid(f"{what}: sampler must be a dict")
+    for name in ("sampler", "scheduler"):
+        if value[name] is not None and type(value[name]) is not dict:
+            raise PeerDataInvalid(f"{what}: {name} must be a dict")
     if value["groups"] is not None and (type(value["groups"]) is not list
                                         or any(type(g) is not dict for g in value["groups"])):
         raise PeerDataInvalid(f"{what}: groups must be a list of dicts")
     return CommitMeta(CommitId(round_, count), world, tuple(layout), value["values"], value["sampler"],
-                      value["buffers"], value["groups"], value["plain_state"])
+                      value["buffers"], value["groups"], value["plain_state"], value["scheduler"])
 
 
 def broadcast_meta(meta: Optional[CommitMeta], src: int, rank: int, current_round: int,

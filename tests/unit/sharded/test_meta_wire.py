@@ -19,14 +19,15 @@ def _meta():
                       values={"epoch": 2}, sampler={"epoch": 2, "length": 10, "prefix": 4, "processed": []},
                       buffers={"bn.running_mean": torch.arange(3.0)},
                       groups=[{"lr": 0.1, "betas": (0.9, 0.99), "params": ["fc.weight"]}],
-                      plain_state={"fc.weight": {"step": torch.tensor(5.0)}})
+                      plain_state={"fc.weight": {"step": torch.tensor(5.0)}},
+                      scheduler={"step_size": 3, "gamma": 0.5, "base_lrs": [0.1], "last_epoch": 4, "_last_lr": [0.05]})
 
 
 def test_a_commit_meta_round_trips():
     back = meta_wire.decode_meta(meta_wire.encode_meta(_meta()), 0, current_round=4)
     meta = _meta()
-    assert (back.commit, back.world, back.layout, back.values, back.sampler, back.groups) == \
-        (meta.commit, meta.world, meta.layout, meta.values, meta.sampler, meta.groups)
+    assert (back.commit, back.world, back.layout, back.values, back.sampler, back.groups, back.scheduler) == \
+        (meta.commit, meta.world, meta.layout, meta.values, meta.sampler, meta.groups, meta.scheduler)
     assert torch.equal(back.buffers["bn.running_mean"], meta.buffers["bn.running_mean"])
     assert torch.equal(back.plain_state["fc.weight"]["step"], torch.tensor(5.0))
     assert meta_wire.decode_meta(meta_wire.encode_meta(None), 0, current_round=4) is None
@@ -40,6 +41,7 @@ class Evil:
 @pytest.mark.parametrize("body, words", [
     (pickle.dumps(Evil()), "not plain data"),
     (wire.dumps({"commit": [9, 1]}), "expected the fields"),
+    (wire.dumps({**meta_wire._meta_plain(_meta()), "scheduler": [1]}, tensors=True), "scheduler must be a dict"),
 ])
 def test_a_crafted_meta_is_refused(body, words):
     with pytest.raises(PeerDataInvalid, match=words):
