@@ -89,13 +89,17 @@ def main(args) -> None:
             for idx, (xb, yb, indices) in enumerate(loader):
                 if stop_now():
                     return state.step
+                # The record is written before the all-reduce: a worker killed after the
+                # all-reduce but before a later write would leave a step that the survivors
+                # committed with its gradient and no record of its samples. A record of a
+                # step that never completed is superseded by the newer round that re-ran it.
+                append("steps.jsonl", {**where(), "step": state.step + 1, "epoch": state.epoch,
+                                       "indices": indices.tolist()})
                 state.optimizer.zero_grad()
                 F.mse_loss(state.model(xb), yb).backward()
                 state.optimizer.step()
                 state.data.record_batch(idx, args.batch_size)
                 state.step += 1
-                append("steps.jsonl", {**where(), "step": state.step, "epoch": state.epoch,
-                                       "indices": indices.tolist()})
                 if state.step % args.commit_every == 0:
                     state.commit()
                 else:
