@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -23,6 +21,7 @@ import time
 
 import torch
 
+from benchmarks.harness import write_json_report
 from elastic.checkpoint import CheckpointPolicy, DurableWriter, Snapshot
 
 CAPTURE_TARGET = 1.4
@@ -172,18 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     _print_tables(capture, durable)
     if args.json:
-        report = {
-            "benchmark": "checkpoint",
-            "created": time.time(),
-            "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
-                        "platform": platform.platform(), "torch_threads": torch.get_num_threads()},
-            "capture": capture,
-            "durable": durable,
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        print(f"\nwrote {args.json}")
+        write_json_report(args.json, "checkpoint", capture=capture, durable=durable)
     return 0
 
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ import types
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from benchmarks.harness import write_json_report
 from elastic.state import TorchState
 from elastic.worker import lifecycle
 
@@ -146,17 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         lifecycle.install(None)
     _print_table(results)
     if args.json:
-        report = {
-            "benchmark": "commit_objects",
-            "created": time.time(),
-            "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
-                        "platform": platform.platform(), "torch_threads": torch.get_num_threads()},
-            "commit": results,
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        print(f"\nwrote {args.json}")
+        write_json_report(args.json, "commit_objects", commit=results)
     return 0
 
 

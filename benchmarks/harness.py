@@ -10,6 +10,7 @@ the launcher before anything is signalled.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import statistics
@@ -234,3 +235,23 @@ class PeakMemory:
         self._thread.join()
         values = [mb for pid, mb in self.peak_mb.items() if pids is None or pid in pids]
         return max(values, default=None)
+
+
+def write_json_report(path: str, benchmark: str, **sections) -> None:
+    """The benchmark's figures as JSON at ``path`` with the machine they came from."""
+    import platform
+
+    import torch
+
+    report = {
+        "benchmark": benchmark,
+        "created": time.time(),
+        "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
+                    "platform": platform.platform(), "torch_threads": torch.get_num_threads()},
+        **sections,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {path}")
+

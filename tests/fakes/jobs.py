@@ -84,3 +84,20 @@ class Job:
             pass
         self.proc.wait(10)
         self._file.close()
+
+
+def one_worker_hosts(tmp_path: Path, endpoint: str, job_id: str, launcher: list[str], script: list[str],
+                     names: Sequence[str] = ("a", "b")) -> list[Job]:
+    """One loopback agent per name, one worker each, all of one job on the etcd at ``endpoint``
+    (``--min-np``/``--max-np`` = the number of hosts; ``launcher`` adds options). Each agent
+    has its own home ``tmp_path/<name>`` with its ``out`` and ``logs``."""
+    agents = []
+    for name in names:
+        home = tmp_path / name
+        home.mkdir()
+        agents.append(Job(home, Job.train_args(
+            home / "out", home / "logs",
+            ["--rdzv-endpoint", endpoint, "--job-id", job_id, "--host-id", name, "--host-addr", "127.0.0.1",
+             "--nproc-per-node", "1", "--min-np", str(len(names)), "--max-np", str(len(names)), *launcher],
+            script), name=name))
+    return agents

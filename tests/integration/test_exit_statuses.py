@@ -10,23 +10,16 @@ import pytest
 from elastic.contract.exit_codes import USER_ERROR
 from elastic.rendezvous import JobKeys
 from elastic.rendezvous.control import CAUSE_USER_CODE
-from tests.fakes.jobs import Job
+from tests.fakes.jobs import one_worker_hosts
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_a_user_error_on_one_host_makes_every_agent_exit_3(tmp_path, etcd_server, etcd):
     job_id = f"user-error-{uuid.uuid4().hex[:10]}"
-    agents = []
-    for name in ("a", "b"):
-        home = tmp_path / name
-        home.mkdir()
-        agents.append(Job(home, Job.train_args(
-            home / "out", home / "logs",
-            ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-id", name,
-             "--host-addr", "127.0.0.1", "--nproc-per-node", "1", "--min-np", "2", "--max-np", "2"],
-            # Rank 1 raises in the training function; which host holds it is the rendezvous's choice.
-            ["--steps", "100", "--fail-rank", "1", "--fail-step", "3"]), name=name))
+    # Rank 1 raises in the training function; which host holds it is the rendezvous's choice.
+    agents = one_worker_hosts(tmp_path, etcd_server.endpoint, job_id, [],
+                              ["--steps", "100", "--fail-rank", "1", "--fail-step", "3"])
     codes = [agent.wait(180) for agent in agents]
     assert codes == [USER_ERROR, USER_ERROR], [agent.text()[-2000:] for agent in agents]
     # One host saw its worker raise; the other only read the job's status.

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from elastic.contract.exit_codes import JOB_FAILED
-from tests.fakes.jobs import Job
+from tests.fakes.jobs import Job, one_worker_hosts
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -69,16 +69,8 @@ def test_out_of_memory_on_every_host_fails_the_job_when_the_replacements_meet_it
     # each replaces its worker, and the replacement running out again at the same step
     # shows that replacing cannot help.
     job_id = f"oom-{uuid.uuid4().hex[:10]}"
-    agents = []
-    for name in ("a", "b"):
-        home = tmp_path / name
-        home.mkdir()
-        agents.append(Job(home, Job.train_args(
-            home / "out", home / "logs",
-            ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", job_id, "--host-id", name,
-             "--host-addr", "127.0.0.1", "--nproc-per-node", "1", "--min-np", "2", "--max-np", "2",
-             "--max-restarts", "1", "--collective-timeout", "20"],
-            ["--steps", "100000", "--step-delay", "0.02", "--oom-step", "5"]), name=name))
+    agents = one_worker_hosts(tmp_path, etcd_server.endpoint, job_id, ["--max-restarts", "1", "--collective-timeout", "20"],
+                              ["--steps", "100000", "--step-delay", "0.02", "--oom-step", "5"])
     try:
         codes = [agent.wait(300) for agent in agents]
     finally:
