@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .errors import MalformedValueError, RendezvousError, parsing, text
-from .etcd import CreateRevisionEquals, Etcd, ModRevisionEquals, Put
+from .etcd import CreateRevisionEquals, ModRevisionEquals, Put
 from .keys import JobKeys
 from .job_lease import lease_missing, parse_job_lease, put_on_job_lease
+from .kv import Kv
 from .rounds import RoundPlan
 from .skipped import SkippedKeys
 from .waiting import WaitingNotice
@@ -76,7 +77,7 @@ Listener = Callable[[Optional[RoundPlan], JobStatus], None]
 
 
 class ControlChannel:
-    def __init__(self, etcd: Etcd, keys: JobKeys):
+    def __init__(self, etcd: Kv, keys: JobKeys):
         self._etcd = etcd
         self._keys = keys
         self._cond = threading.Condition()

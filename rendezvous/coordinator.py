@@ -25,7 +25,6 @@ again, so a delete can never be lost.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -33,16 +32,18 @@ from typing import Callable, Optional
 
 from .control import FAILED, RUNNING, STOPPING, ControlChannel, JobStatus
 from .errors import MalformedValueError, RendezvousError
-from .etcd import CreateRevisionEquals, Delete, Etcd, ModRevisionEquals, Put
+from .etcd import CreateRevisionEquals, Delete, ModRevisionEquals, Put
 from .election import Election
 from .job_lease import JobLease, lease_missing
 from .keys import KEEP_ROUNDS, JobKeys
+from .kv import Kv
 from .liveness import evict_dead_members
 from .reachability import ReachReport, exclusions
 from .rounds import (
     Fail,
     FormRound,
     Member,
+    ProbeLiveness,
     RendezvousSettings,
     ResetRequest,
     RoundPlan,
@@ -66,7 +67,7 @@ STEP_REST_FACTOR = 2.0  # after a step, rest twice what it cost (_step)
 class Coordinator:
     def __init__(
         self,
-        etcd: Etcd,
+        etcd: Kv,
         keys: JobKeys,
         session: Session,
         settings: RendezvousSettings,
@@ -98,6 +99,7 @@ class Coordinator:
         self._request_revisions: dict[str, int] = {}  # worker id -> mod revision of its request key
         self._reports: dict[str, ReachReport] = {}  # member id -> its reachability report
         self._excluded: frozenset = frozenset()  # members left out for being unreachable
+        self._probed: tuple[int, frozenset] = (0, frozenset())  # (round, members whose agents answered)
         self._last_change = clock()
         self._below_min_since: Optional[float] = None
         self._plan_seen: tuple[int, float] = (0, 0.0)  # (round, when we first saw its plan)
@@ -375,20 +377,23 @@ class Coordinator:
                 below_min_since=self._below_min_since,
                 plan_seen_at=self._plan_seen[1] if plan is not None else None,
                 renew_until=self._renew_until(),
+                excluded=self._excluded,
+                probed=self._probed[1] if plan is not None and self._probed[0] == plan.round else frozenset(),
+                leader=self._member_id,
             )
             self._dirty = False
         decision = decide(snapshot, self._settings, now)
         # The rest follows the step's computing, not the etcd round trip of the notice.
         self._rest_until = time.monotonic() + STEP_REST_FACTOR * (time.monotonic() - started)
         self._publish_waiting(token, notice, now)
-        if isinstance(decision, FormRound) and decision.lost and self._excluded:
-            cut = [m for m in self._excluded if plan is not None and plan.local_ranks(m)]
-            if cut:
-                decision = dataclasses.replace(decision, reason=f"{decision.reason}: {', '.join(sorted(cut))} "
-                                                                 f"unreachable from the ring")
+        self._apply(token, plan, members, decision, now, recheck_at)
+
+    def _apply(self, token: int, plan, members, decision, now: float, recheck_at: Optional[float]) -> None:
+        """Carry out ``decide``'s decision: every rule is in ``decide``, none here."""
+        if isinstance(decision, ProbeLiveness):
+            self._probe(plan, decision.members)
+            return
         if isinstance(decision, FormRound):
-            if decision.after_failure and self._evict_dead(decision):
-                return  # their member keys go; the next decision sees them gone
             self._write_plan(token, plan, members, decision)
             return
         if isinstance(decision, StopJob):
@@ -404,7 +409,8 @@ class Coordinator:
             else:
                 self._stop.wait(0.5)  # deposed, or the job already ended: our watches will say so
             return
-        assert isinstance(decision, Wait)
+        if not isinstance(decision, Wait):
+            raise TypeError(f"coordinator: no way to apply {decision!r}")
         with self._wake:
             if self._dirty:
                 return
@@ -430,19 +436,19 @@ class Coordinator:
                 log.debug("coordinator: could not delete request %s: %s", worker, exc)
                 return
 
-    def _evict_dead(self, decision: FormRound) -> bool:
-        """A ring broke and nobody said why: are any of the round's agents dead?"""
-        others = [s.member_id for s in decision.slots if s.member_id != self._member_id]
-        evicted = evict_dead_members(self._etcd, self._keys, others)
-        if not evicted:
-            return False
-        # Wait (bounded) for our members watch to drop them, so the next decision
-        # does not see them again and probe twice.
-        deadline = self._clock() + 2.0
+    def _probe(self, plan, member_ids: tuple[str, ...]) -> None:
+        """A ring broke and nobody said why: revoke the leases of the members whose
+        agents are dead; the others are ``probed`` for the rest of this plan's round."""
+        evicted = evict_dead_members(self._etcd, self._keys, member_ids)
+        alive = frozenset(member_ids) - frozenset(evicted)
         with self._wake:
-            while any(m in self._members for m in evicted) and self._clock() < deadline:
+            known = self._probed[1] if self._probed[0] == plan.round else frozenset()
+            self._probed = (plan.round, known | alive)
+            # Wait (bounded, in real time) for our members watch to drop the evicted, so
+            # the next decision does not see them again and probe twice.
+            deadline = time.monotonic() + 2.0
+            while any(m in self._members for m in evicted) and time.monotonic() < deadline:
                 self._wake.wait(0.05)
-        return True
 
     def _write_plan(self, token, previous, members, decision: FormRound) -> None:
         by_id = {m.member_id: m for m in members}

@@ -12,12 +12,13 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
-from .etcd import CreateRevisionEquals, Etcd, Put
+from .etcd import CreateRevisionEquals, Put
+from .kv import Kv
 from .session import Session
 
 
 class Election:
-    def __init__(self, etcd: Etcd, key: str, member_id: str, session: Session):
+    def __init__(self, etcd: Kv, key: str, member_id: str, session: Session):
         self._etcd = etcd
         self._key = key
         self._member_id = member_id

@@ -19,8 +19,9 @@ import logging
 from typing import Optional
 
 from .errors import LeaseLostError, MalformedValueError, RendezvousError
-from .etcd import Etcd, ModRevisionEquals, Put
+from .etcd import ModRevisionEquals, Put
 from .keys import JOB_LEASE_REFRESH_S, JobKeys
+from .kv import Kv
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def lease_missing(exc: RendezvousError) -> bool:
     return "lease not found" in str(exc)
 
 
-def put_on_job_lease(etcd: Etcd, key: str, value: bytes, lease: Optional[int]) -> None:
+def put_on_job_lease(etcd: Kv, key: str, value: bytes, lease: Optional[int]) -> None:
     """Put ``key`` on the job lease; without it when the lease is gone (the job ended)."""
     try:
         etcd.put(key, value, lease=lease)
@@ -51,7 +52,7 @@ def parse_job_lease(value: bytes) -> int:
     return lease
 
 
-def ensure_job_lease(etcd: Etcd, keys: JobKeys, ttl: float) -> int:
+def ensure_job_lease(etcd: Kv, keys: JobKeys, ttl: float) -> int:
     """The job's lease id: the one in etcd, else a new one of ``ttl`` seconds."""
     for _ in range(3):  # another coordinator may grant one at the same moment
         kv = etcd.get(keys.job_lease)
@@ -71,7 +72,7 @@ class JobLease:
     """A coordinator's hold on the job lease: taken when it starts to lead, refreshed
     while it leads (at most every ``JOB_LEASE_REFRESH_S``)."""
 
-    def __init__(self, etcd: Etcd, keys: JobKeys, ttl: float, clock, refresh_every: float = JOB_LEASE_REFRESH_S):
+    def __init__(self, etcd: Kv, keys: JobKeys, ttl: float, clock, refresh_every: float = JOB_LEASE_REFRESH_S):
         self._etcd, self._keys, self._ttl, self._clock = etcd, keys, ttl, clock
         self._refresh_every = min(refresh_every, ttl / 3)
         self.id: Optional[int] = None

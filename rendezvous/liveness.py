@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from .errors import MalformedValueError, RendezvousError
-from .etcd import Etcd, KeyValue
 from .keys import JobKeys
+from .kv import KeyValue, Kv
 from .rounds import Member
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def agent_refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> boo
         return False
 
 
-def evict_if_dead(etcd: Etcd, keys: JobKeys, member_id: str) -> bool:
+def evict_if_dead(etcd: Kv, keys: JobKeys, member_id: str) -> bool:
     """Revoke ``member_id``'s lease if its agent refuses connections; True if revoked."""
     kv = etcd.get(keys.member(member_id))
     if kv is None:
@@ -50,7 +50,7 @@ def evict_if_dead(etcd: Etcd, keys: JobKeys, member_id: str) -> bool:
     return _evict(etcd, kv)
 
 
-def evict_dead_members(etcd: Etcd, keys: JobKeys, member_ids: Iterable[str]) -> list[str]:
+def evict_dead_members(etcd: Kv, keys: JobKeys, member_ids: Iterable[str]) -> list[str]:
     """Probe several members in parallel; revoke the leases of the dead ones."""
     wanted = list(dict.fromkeys(member_ids))
     if not wanted:
@@ -73,11 +73,11 @@ def _probe(kv: KeyValue) -> bool:
     return agent_refuses(member.addr, member.store_port)
 
 
-def _evict(etcd: Etcd, kv: KeyValue) -> bool:
+def _evict(etcd: Kv, kv: KeyValue) -> bool:
     return _probe(kv) and _revoke(etcd, kv)
 
 
-def _revoke(etcd: Etcd, kv: KeyValue) -> bool:
+def _revoke(etcd: Kv, kv: KeyValue) -> bool:
     member = Member.from_json(kv.value)
     try:
         etcd.revoke_lease(kv.lease)

@@ -216,6 +216,13 @@ class Snapshot:
     # Until when members whose lease expired while etcd was away (the coordinator's own
     # refreshes failed until recently) may still renew before they count as lost.
     renew_until: Optional[float] = None
+    # Members left out for being cut off from the ring (reachability.py): a loss on them
+    # is named as such in the round's reason.
+    excluded: frozenset = frozenset()
+    # Members whose agents answered a liveness probe since ``plan``'s ring broke, and the
+    # member that decides (never probed: it is alive by deciding).
+    probed: frozenset = frozenset()
+    leader: str = ""
 
 
 @dataclass(frozen=True)
@@ -229,11 +236,17 @@ class FormRound:
     slots: tuple[Slot, ...]
     reason: str
     lost: tuple[str, ...] = ()
-    # A ring broke and no agent has explained it yet: before writing this round the
-    # coordinator looks for members whose agents are dead (liveness.py), so the round
-    # never names a dead agent's store or waits on its workers.
-    after_failure: bool = False
     recovers: bool = False  # the previous ring broke: see RoundPlan.recovers
+
+
+@dataclass(frozen=True)
+class ProbeLiveness:
+    """A ring broke and no agent has explained it yet: before a round is formed, probe
+    these members' agents (liveness.py) and drop the dead ones, so the round never names
+    a dead agent's store or waits on its workers. The answers come back as
+    ``Snapshot.probed``."""
+
+    members: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -248,7 +261,7 @@ class Fail:
     reason: str
 
 
-Decision = Union[Wait, FormRound, Fail, StopJob]
+Decision = Union[Wait, FormRound, ProbeLiveness, Fail, StopJob]
 
 
 def _may_still_renew(plan: RoundPlan, snapshot: Snapshot, lost: tuple[str, ...], now: float) -> bool:
@@ -262,6 +275,13 @@ def _may_still_renew(plan: RoundPlan, snapshot: Snapshot, lost: tuple[str, ...],
     present = {m.member_id for m in snapshot.members}
     owners = {s.worker_id: s.member_id for s in plan.slots}
     return all(owners[w] not in present for w in lost)
+
+
+def _with_cut(reason: str, snapshot: Snapshot, lost: tuple[str, ...]) -> str:
+    """A loss's reason, naming the members that hold ranks and were left out for being
+    cut off from the ring (their workers may live on: the log must not say "died")."""
+    cut = sorted(m for m in snapshot.excluded if lost and snapshot.plan is not None and snapshot.plan.local_ranks(m))
+    return f"{reason}: {', '.join(cut)} unreachable from the ring" if cut else reason
 
 
 def candidates(plan: Optional[RoundPlan], members: tuple[Member, ...]) -> list[Slot]:
@@ -351,19 +371,23 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
         reason = ", ".join(
             part for part in (f"{len(lost)} worker(s) lost" if lost else "", f"{left} left" if left else "") if part
         )
-        return FormRound(recovering, reason, lost, recovers=bool(lost))
+        return FormRound(recovering, _with_cut(reason, snapshot, lost), lost, recovers=bool(lost))
 
     requests = [r for r in snapshot.requests if r.round >= plan.round]
     if requests:
         known_lost = tuple(dict.fromkeys(w for r in requests for w in r.lost))
         if known_lost:
             # An agent killed these itself: nothing more to wait for.
-            return FormRound(recovering, f"reset requested: {requests[0].reason}", known_lost, recovers=True)
+            return FormRound(recovering, _with_cut(f"reset requested: {requests[0].reason}", snapshot, known_lost),
+                             known_lost, recovers=True)
         # Give the agents a moment to report the crash behind the broken ring, so the
         # new round does not include a dead worker; then re-form with whoever is there.
         first = min(r.seen_at for r in requests)
         if now >= first + settings.reset_grace:
-            return FormRound(recovering, f"reset requested: {requests[0].reason}", after_failure=True, recovers=True)
+            unprobed = tuple(sorted({s.member_id for s in recovering} - snapshot.probed - {snapshot.leader}))
+            if unprobed:
+                return ProbeLiveness(unprobed)
+            return FormRound(recovering, f"reset requested: {requests[0].reason}", recovers=True)
         return Wait(first + settings.reset_grace, "reset requested, waiting for reports")
 
     if admitted == plan.slots:

@@ -7,6 +7,7 @@ from elastic.rendezvous.rounds import (
     Fail,
     FormRound,
     Member,
+    ProbeLiveness,
     ResetRequest,
     RendezvousSettings,
     RoundPlan,
@@ -113,7 +114,7 @@ def test_reset_request_waits_for_grace_then_reforms_same_members():
     ms = (member("a", ["a0"], 1), member("b", ["b0"], 2))
     req = (ResetRequest("a0", 2, "gloo timeout", seen_at=7.0),)
     assert isinstance(decide(Snapshot(p, ms, req), S, now=7.1), Wait)
-    assert workers(decide(Snapshot(p, ms, req), S, now=7.3)) == ["a0", "b0"]
+    assert workers(decide(Snapshot(p, ms, req, leader="a", probed=frozenset({"b"})), S, now=7.3)) == ["a0", "b0"]
 
 
 def test_stale_reset_request_is_ignored():
@@ -195,13 +196,33 @@ def test_a_crash_with_a_leave_below_min_np_waits_instead_of_stopping():
     assert isinstance(decide(Snapshot(p, ms, below_min_since=1.0), S, now=1.0), Wait)
 
 
-def test_a_round_after_a_reset_request_is_marked_as_after_failure():
-    p = plan(2, ("a", "a0"), ("b", "b0"))
-    ms = (member("a", ["a0"], 1), member("b", ["b0"], 2))
+def test_an_unexplained_broken_ring_probes_the_other_agents_before_its_round_forms():
+    p = plan(2, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+    ms = (member("a", ["a0"], 1), member("b", ["b0"], 2), member("c", ["c0"], 3))
     req = (ResetRequest("a0", 2, "gloo timeout", seen_at=7.0),)
-    assert decide(Snapshot(p, ms, req), S, now=7.3).after_failure
-    joined = (*ms, member("n", ["n0"], 3))
-    assert not decide(Snapshot(p, joined, last_change=0.0), S, now=7.3).after_failure
+    # The leader (a) is alive by deciding; b and c are probed first.
+    assert decide(Snapshot(p, ms, req, leader="a"), S, now=7.3) == ProbeLiveness(("b", "c"))
+    # Their answers come back: the round forms with whoever is left.
+    formed = decide(Snapshot(p, ms, req, leader="a", probed=frozenset({"b", "c"})), S, now=7.3)
+    assert workers(formed) == ["a0", "b0", "c0"] and formed.recovers
+    assert decide(Snapshot(p, ms, req, leader="a", probed=frozenset({"b"})), S, now=7.3) == ProbeLiveness(("c",))
+    # A reset request that names its dead needs no probe; a join never does.
+    told = (ResetRequest("a0", 2, "gloo timeout", seen_at=7.0, lost=("c0",)),)
+    assert isinstance(decide(Snapshot(p, ms, told, leader="a"), S, now=7.0), FormRound)
+    joined = (*ms, member("n", ["n0"], 4))
+    assert isinstance(decide(Snapshot(p, joined, last_change=0.0, leader="a"), S, now=7.3), FormRound)
+
+
+@pytest.mark.parametrize("excluded, reason", [
+    (frozenset(), "1 worker(s) lost"),
+    (frozenset({"b"}), "1 worker(s) lost: b unreachable from the ring"),
+    (frozenset({"x"}), "1 worker(s) lost"),  # excluded, but it held no rank
+])
+def test_a_loss_on_a_member_cut_off_from_the_ring_says_so(excluded, reason):
+    p = plan(2, ("a", "a0"), ("b", "b0"), ("c", "c0"))
+    ms = (member("a", ["a0"], 1), member("c", ["c0"], 3))
+    decision = decide(Snapshot(p, ms, excluded=excluded), S, now=1.0)
+    assert decision.reason == reason and decision.lost == ("b0",)
 
 
 def test_a_replacement_waits_until_the_survivors_had_time_to_form_their_round():
@@ -230,8 +251,9 @@ def test_rounds_that_re_form_a_broken_ring_say_so_and_carry_their_reason():
     lost = decide(Snapshot(p, (member("a", ["a0"], 1), member("b", ["b0"], 2)), last_change=1.0), S, now=1.0)
     assert lost.recovers and lost.reason == "1 worker(s) lost"
     requested = decide(Snapshot(p, (member("a", ["a0", "a1"], 1), member("b", ["b0"], 2)),
-                                (ResetRequest("a0", 3, "gloo timeout", seen_at=1.0),)), S, now=2.0)
-    assert requested.recovers and requested.after_failure
+                                (ResetRequest("a0", 3, "gloo timeout", seen_at=1.0),), leader="a",
+                                probed=frozenset({"b"})), S, now=2.0)
+    assert requested.recovers and requested.reason == "reset requested: gloo timeout"
     q = RoundPlan(4, p.slots, p.hosts, "x:1", 0.0, reason="1 worker(s) lost", recovers=True)
     assert RoundPlan.from_json(q.to_json()) == q
 
