@@ -68,14 +68,10 @@ __all__ = ["CheckpointPolicy", "DurableWriter", "FenceRefusal", "check_local_dir
 
 logger = logging.getLogger(__name__)
 
-# Test hook, read only here: a path; every write waits (at most an hour) until that
-# file exists before writing its data, so an end-to-end test can hold a final checkpoint
-# "still being written" when the job ends (tests/integration/test_final_checkpoint.py).
-# A write that waits says so in a file beside the gate, TEST_GATE_HELD_PREFIX + its
-# step, holding the name of its tmp dir: the test awaits that instead of guessing.
-# Unset in production.
-TEST_WRITE_GATE_ENV = "ELASTIC_TEST_CHECKPOINT_WRITE_GATE"
-TEST_GATE_HELD_PREFIX = ".held-step-"
+# A test's hook, called with (step, tmp dir) before each write puts its data down, so an
+# end-to-end test can hold a final checkpoint "still being written" when the job ends
+# (tests/fakes/fault_plan/). None in production: nothing here reads the environment.
+before_write: Callable[[int, str], None] | None = None
 
 
 def check_local_directory(directory: str) -> None:
@@ -280,7 +276,8 @@ class DurableWriter:
         try:
             os.makedirs(directory, mode=mf.DIR_MODE, exist_ok=True)
             mf.make_private_dir(tmp)
-            _wait_for_test_gate(job.step, tmp)
+            if before_write is not None:
+                before_write(job.step, tmp)
             files = {mf.STATE_NAME: self._write_state(os.path.join(tmp, mf.STATE_NAME))}
             manifest = mf.build_manifest(
                 step=job.step, files=files, created=time.time(), epoch=job.epoch,
@@ -406,19 +403,6 @@ class DurableWriter:
             self._report(name, **fields)
         except Exception as exc:  # noqa: BLE001 - a broken report must not fail the write
             logger.debug("checkpoint report %s failed: %s", name, exc)
-
-
-def _wait_for_test_gate(step: int, tmp: str) -> None:
-    gate = os.environ.get(TEST_WRITE_GATE_ENV)
-    if not gate or os.path.exists(gate):
-        return
-    held = f"{gate}{TEST_GATE_HELD_PREFIX}{step}"
-    with open(held + ".part", "w") as f:
-        f.write(os.path.basename(tmp))
-    os.rename(held + ".part", held)  # whole or absent for the test that reads it
-    deadline = time.monotonic() + 3600
-    while not os.path.exists(gate) and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _fence_refusal(job: _Job) -> str | None:

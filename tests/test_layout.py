@@ -162,6 +162,13 @@ def test_every_room_has_a_docstring_saying_what_it_holds_and_may_import():
         assert "import" in doc.lower(), f"elastic/{room}/__init__.py does not say what it may import"
 
 
+def test_no_test_hook_reads_the_environment_in_product_code():
+    """Faults for tests are installed by the test's own fault plan (tests/fakes/fault_plan/),
+    never switched on by an ELASTIC_TEST_* variable that a production process could carry."""
+    found = [str(path.relative_to(ROOT)) for path in MODULES.values() if "ELASTIC_TEST_" in path.read_text()]
+    assert found == []
+
+
 def test_no_module_is_over_about_500_lines():
     long = {str(path.relative_to(ROOT)): n for path in MODULES.values()
             if (n := len(path.read_text().splitlines())) > 520}

@@ -1,53 +1,42 @@
-"""Faults injected at exact points of the runtime, for tests only.
+"""Points of the runtime where a test injects a fault that no timing from outside could
+hit reliably: no-ops unless a test installed a hook.
 
-Each is off unless its ``ELASTIC_TEST_*`` variable is set (the agent passes its
-environment on to the workers), so a test can make a worker die at a point that
-no timing from outside could hit reliably.
+Nothing here reads the environment: a test's fault plan (tests/fakes/fault_plan/) is a
+``sitecustomize`` that the test puts first on the workers' PYTHONPATH and that calls
+``install`` in each worker process. Production processes never install one.
 
-``ELASTIC_TEST_DIE_ENTERING_ROUND=RANK:FILE``
-    The worker that holds RANK in a round after the first SIGKILLs itself once the
-    round has formed at its store (every worker arrived) and before
-    ``init_process_group``: its peers are left waiting in the init for an address it
-    never publishes, as when a peer dies during the init of a new round. Once per
-    job: the worker creates FILE first (exclusively), and nobody dies once it exists.
-
-``ELASTIC_TEST_SHARDED_DIE=POINT:RANK:FILE``
-    The worker of RANK SIGKILLs itself at POINT of a sharded commit or sync
-    (``replicating``: from commit 5 on, a commit's copies are posted to the replicas,
-    not yet arrived; ``resharding``: a re-shard after the first round has posted its
-    transfers, not yet complete), once per job as above.
+``entering_round(round, rank)``
+    A round after the first has formed at its store (every worker arrived), before
+    ``init_process_group``.
+``sharded(point, rank)``
+    A sharded commit or sync at ``point``: ``replicating`` (a commit's copies posted to
+    the replicas, not yet arrived) or ``resharding`` (a re-shard's transfers posted, not
+    yet complete).
 """
 
 from __future__ import annotations
 
-import os
-import signal
+from typing import Callable
 
-DIE_ENTERING_ROUND = "ELASTIC_TEST_DIE_ENTERING_ROUND"
-DIE_SHARDED = "ELASTIC_TEST_SHARDED_DIE"
+_hooks: dict[str, Callable[..., None]] = {}
+
+POINTS = ("entering_round", "sharded")
+
+
+def install(point: str, hook: Callable[..., None]) -> None:
+    """Call ``hook`` with the point's arguments whenever the runtime passes ``point``."""
+    if point not in POINTS:
+        raise ValueError(f"no fault point {point!r}; the points are {', '.join(POINTS)}")
+    _hooks[point] = hook
 
 
 def entering_round(round_number: int, rank: int) -> None:
-    spec = os.environ.get(DIE_ENTERING_ROUND)
-    if not spec or round_number <= 1:
-        return
-    wanted, marker = spec.split(":", 1)
-    if int(wanted) == rank:
-        _die_once(marker)
+    hook = _hooks.get("entering_round")
+    if hook is not None:
+        hook(round_number, rank)
 
 
 def sharded(point: str, rank: int) -> None:
-    spec = os.environ.get(DIE_SHARDED)
-    if not spec:
-        return
-    wanted, wanted_rank, marker = spec.split(":", 2)
-    if wanted == point and int(wanted_rank) == rank:
-        _die_once(marker)
-
-
-def _die_once(marker: str) -> None:
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
+    hook = _hooks.get("sharded")
+    if hook is not None:
+        hook(point, rank)

@@ -391,7 +391,7 @@ class Runtime:
                                       superseded=lambda p=plan: self._superseded(p)):
                     break
             plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
-        fault_points.entering_round(plan.round, rank)  # tests only (ELASTIC_TEST_*)
+        fault_points.entering_round(plan.round, rank)  # a no-op unless a test installed a fault there
         # A peer that dies now leaves the others waiting in the init for its address
         # until the store's timeout: the round that names it lost aborts the init.
         self._tried_round = plan.round

@@ -32,7 +32,8 @@ import pytest
 import torch
 
 from elastic.checkpoint import list_checkpoints
-from elastic.checkpoint.durable import TEST_GATE_HELD_PREFIX, TEST_WRITE_GATE_ENV
+from tests.fakes import fault_plan
+from tests.fakes.fault_plan import HELD_PREFIX
 from elastic.rendezvous import Etcd, EtcdConfig, JobKeys, RoundPlan
 from tests.fakes.jobs import TRAIN_JOB, read_jsonl, wait_until
 
@@ -190,7 +191,7 @@ def test_rank0s_host_alone_cut_publishes_no_checkpoint_of_the_round_it_left(netn
         gate.touch()
     jobs = start(hosts, tmp_path, "partition-rank0", extra=["--max-restarts", "1", "--checkpoint-dir", str(ckpt),
                                                              "--checkpoint-every", "5"],
-                 env=lambda host: {TEST_WRITE_GATE_ENV: str(gates[host.index])})
+                 env=lambda host: fault_plan.env(FAULT_CHECKPOINT_WRITE_GATE=str(gates[host.index])))
     out = tmp_path / "out"
     wait_until(lambda: len(steps_after(out, 0, 3)) >= 15, 180, "the 3-worker ring to train")
     victim = part_rank0_from_the_coordinator(hosts, jobs, out, "partition-rank0")
@@ -234,8 +235,8 @@ def test_rank0s_host_alone_cut_publishes_no_checkpoint_of_the_round_it_left(netn
 
 def _held_write(gate) -> Optional[tuple[int, str]]:
     """(step, tmp dir name) of the write waiting at ``gate``: the writer's test hook says
-    so in a file beside the gate (checkpoint/durable.py, TEST_GATE_HELD_PREFIX)."""
-    held = {int(p.name.rsplit("-", 1)[1]): p for p in gate.parent.glob(gate.name + TEST_GATE_HELD_PREFIX + "*[0-9]")}
+    so in a file beside the gate (tests/fakes/fault_plan/, HELD_PREFIX)."""
+    held = {int(p.name.rsplit("-", 1)[1]): p for p in gate.parent.glob(gate.name + HELD_PREFIX + "*[0-9]")}
     if not held:
         return None
     first = min(held)  # one write at a time: the writer takes the next only after this one

@@ -3,7 +3,7 @@
 When the other workers finish first, the job is marked succeeded while rank 0 may
 still be writing the final checkpoint. Its agent must let it finish, bounded by
 --final-checkpoint-timeout. The write is held open with the writer's test hook
-ELASTIC_TEST_CHECKPOINT_WRITE_GATE (a file the write waits for), released by the
+FAULT_CHECKPOINT_WRITE_GATE (a file the write waits for: tests/fakes/fault_plan/), released by the
 test only once the agent's usual 10 s for the other workers have passed.
 """
 
@@ -14,7 +14,8 @@ import time
 import pytest
 
 from elastic.checkpoint import list_checkpoints
-from elastic.checkpoint.durable import TEST_GATE_HELD_PREFIX, TEST_WRITE_GATE_ENV
+from tests.fakes import fault_plan
+from tests.fakes.fault_plan import HELD_PREFIX
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(400)
@@ -29,7 +30,7 @@ def start(tmp_path, *extra: str) -> Job:
     args = Job.train_args(tmp_path / "out", tmp_path / "logs",
                           ["--np", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000", *extra],
                           ["--steps", str(STEPS)])
-    return Job(tmp_path, args, env={TEST_WRITE_GATE_ENV: str(tmp_path / "gate")})
+    return Job(tmp_path, args, env=fault_plan.env(FAULT_CHECKPOINT_WRITE_GATE=str(tmp_path / "gate")))
 
 
 def exits(job: Job) -> dict:
@@ -40,7 +41,7 @@ def exits(job: Job) -> dict:
 def test_a_slow_final_checkpoint_is_written_to_the_end(tmp_path):
     job = start(tmp_path)
     wait_until(lambda: 1 in exits(job), 240, "rank 1 to finish")
-    held = tmp_path / f"gate{TEST_GATE_HELD_PREFIX}{STEPS}"
+    held = tmp_path / f"gate{HELD_PREFIX}{STEPS}"
     wait_until(held.exists, 60, "rank 0's final write to wait at its gate")
     # Without the fix its agent kills it AGENT_MOMENT after the job succeeded: this sleep
     # is the hold under test (nothing may happen during it), not a synchronisation.
@@ -61,7 +62,7 @@ def test_a_slow_final_checkpoint_is_written_to_the_end(tmp_path):
 def test_the_final_checkpoint_is_bounded_by_final_checkpoint_timeout(tmp_path):
     job = start(tmp_path, "--final-checkpoint-timeout", "2")  # the gate is never opened
     assert job.wait(240) == 0, job.text()[-3000:]
-    assert (tmp_path / f"gate{TEST_GATE_HELD_PREFIX}{STEPS}").exists(), "the final write never reached its gate"
+    assert (tmp_path / f"gate{HELD_PREFIX}{STEPS}").exists(), "the final write never reached its gate"
     assert [c.step for c in list_checkpoints(str(tmp_path / "ckpt")) if c.valid] == []
     assert "--final-checkpoint-timeout 2" in job.text(), job.text()[-3000:]
     ended = exits(job)

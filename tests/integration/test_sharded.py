@@ -16,6 +16,7 @@ import uuid
 import pytest
 import torch
 
+from tests.fakes import fault_plan
 from tests.fakes.jobs import read_jsonl, wait_until
 from tests.fakes.sharded_runs import SHARDED_JOB, assert_equals_reference, reference, reshards, start, worlds
 
@@ -131,7 +132,7 @@ def test_a_worker_killed_while_its_commit_replicates_the_previous_commit_survive
     steps = 10
     marker = tmp_path / "died-replicating"
     job = start(tmp_path, ["--np", "3", "--min-np", "2", "--collective-timeout", "20"], ["--steps", str(steps)],
-                env={"ELASTIC_TEST_SHARDED_DIE": f"replicating:1:{marker}"})
+                env=fault_plan.env(FAULT_SHARDED_DIE=f"replicating:1:{marker}"))
     assert job.wait(240) == 0, job.text()[-3000:]
     assert marker.exists() and worlds(job) == [3, 2]
     assert any("(world 3 -> 2)" in line for line in reshards(job)), job.text()[-3000:]
@@ -147,7 +148,7 @@ def test_a_worker_killed_inside_a_reshard_with_two_replicas_nothing_is_lost(tmp_
     marker = tmp_path / "died-resharding"
     job = start(tmp_path, ["--np", "4", "--min-np", "2", "--collective-timeout", "20", "--shard-replicas", "2"],
                 ["--steps", str(steps), "--kill-rank", "1", "--kill-step", "4"],
-                env={"ELASTIC_TEST_SHARDED_DIE": f"resharding:2:{marker}"})
+                env=fault_plan.env(FAULT_SHARDED_DIE=f"resharding:2:{marker}"))
     assert job.wait(280) == 0, job.text()[-3000:]
     assert marker.exists()
     assert worlds(job)[:2] == [4, 3] and worlds(job)[-1] == 2, worlds(job)

@@ -22,6 +22,7 @@ import uuid
 import pytest
 
 from elastic.checkpoint import load_latest
+from tests.fakes import fault_plan
 from tests.fakes.jobs import Job, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -152,7 +153,7 @@ def test_a_peer_dying_during_the_init_of_a_new_round_is_one_more_ring_failure(tm
     jobs = agents(tmp_path, etcd_server.endpoint, [("a", 4)],
                   extra=["--min-np", "2", "--max-np", "4", "--collective-timeout", "60"],
                   script_extra=["--stop-file", str(tmp_path / "stop")],
-                  env={"ELASTIC_TEST_DIE_ENTERING_ROUND": f"1:{died}"})
+                  env=fault_plan.env(FAULT_DIE_ENTERING_ROUND=f"1:{died}"))
     a = jobs["a"]
     try:
         a.wait_for_step(10, timeout=120)
