@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from elastic.rendezvous import (
 )
 
 from ..agent import addressing, job_backend
-from . import horovodrun
+from . import horovodrun, no_effect
 from .join_hint import join_hint
 from . import torchrun
 from . import slurm
@@ -47,6 +48,7 @@ from .options import (
     coerce_env_values,
     etcd_config,
     exit_code,
+    group_options,
     hang_timeout,
     non_negative_int,
     positive_float,
@@ -134,11 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
         opt(flag, help=text)
     opt("--etcd-retry-deadline", positive_float, help="seconds an etcd request is retried while etcd is "
         "unavailable before it counts as failed (default 30); agent and workers ride out longer outages anyway")
+    p.add_argument(horovodrun.SHIM_FLAG, action="store_true", help="let the script's `import horovod.torch` give "
+                   "elastic.horovod (unless a real Horovod is installed) [env ELASTIC_HOROVOD_SHIM=1]")
+    p.add_argument("--version", action="version", version=f"elastic-run {_version()}")
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script (all of them: "
                    "options after SCRIPT are never taken for ours)")
+    group_options(p)
     return p
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("elastic-run")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _split_at_script(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -197,10 +210,15 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     argv = horovodrun.accept(argv, parser)  # horovodrun's spellings (-np, --reset-limit, python ...)
     launcher, script = _split_at_script(parser, argv)
     # "--" ends the options, so a SCRIPT such as "-x.py" is not taken for one.
+    if not script and not {"-h", "--help", "--version"} & set(launcher):
+        raise ConfigError("no SCRIPT: elastic-run [options] SCRIPT [args] (elastic-run --help lists the options)")
     args = parser.parse_args([*launcher, "--", *script[:1]] if script else launcher)
     args.args = script[1:]
+    given = no_effect.given_as(parser, args)
     coerce_env_values(parser, args)
     slurm.apply(args, os.environ)  # under srun: Slurm's job id, node name, rendezvous (explicit options win)
+    for line in no_effect.warnings(given, vars(args)):
+        logging.getLogger(__name__).warning("warning: %s", line)
     if args.backend not in BACKENDS:
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
     if not args.module and not os.path.isfile(args.script):
@@ -214,6 +232,13 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         raise ConfigError("give --np or --min-np")
     if np_ is not None and not (min_np <= np_ <= max_np) and args.min_np and args.max_np:
         raise ConfigError(f"--np {np_} must lie between --min-np {min_np} and --max-np {max_np}")
+    if min_np > max_np:  # named as typed, not as RendezvousSettings' fields
+        low = given.get("min_np") or given.get("np")
+        high = given.get("max_np") or given.get("np")
+        raise ConfigError(f"{low} {min_np} is above {high} {max_np}: the smallest world size must not "
+                          "exceed the largest")
+    if args.rdzv_settle < 0:
+        raise ConfigError(f"{given.get('rdzv_settle', '--rdzv-settle')} must not be negative (got {args.rdzv_settle})")
     nproc = args.nproc_per_node
     if nproc is None:
         nproc = (np_ or min_np) if not args.rdzv_endpoint else 1
