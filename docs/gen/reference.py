@@ -43,14 +43,17 @@ def _option_rows(actions) -> list[str]:
         takes_value = action.nargs != 0
         value = f"`{action.metavar}`" if takes_value and action.metavar else ""
         default = action.default
-        shown = "" if default in (None, False, argparse.SUPPRESS) or not takes_value else f"`{default}`"
+        # A default taken from an ELASTIC_* variable of the machine building the docs is not shown.
+        unset = default in (None, False, argparse.SUPPRESS) or type(default).__name__ == "EnvValue"
+        shown = "" if unset or not takes_value else f"`{default}`"
         text = action.help or ""
         env = ""
-        found = re.search(r" \[env (ELASTIC_[A-Z_]+(?:=1)?)\]", text)
+        # add_option's suffix: " [env ELASTIC_X]" and its " (default D)", shown in their own columns.
+        found = re.search(r" \[env (ELASTIC_[A-Z_]+(?:=1)?)\](?: \(default [^)]*\))?$", text)
         if found:
             env = f"`{found.group(1)}`"
-            text = text.replace(found.group(0), "")
-        text = re.sub(r" \(default [^)]*\)$", "", text).replace("|", "\\|")
+            text = text[:found.start()]
+        text = text.replace("|", "\\|")
         rows.append(f"| {flags} | {value} | {shown} | {env} | {text} |")
     return rows
 
@@ -131,6 +134,10 @@ API = (
 )
 
 
+# Modules whose docstring goes on with internals after its usage: the first N paragraphs.
+MODULE_PARAGRAPHS = {"elastic": 3}
+
+
 def _resolve(dotted: str):
     try:
         return importlib.import_module(dotted)
@@ -168,16 +175,23 @@ def api_reference() -> str:
             lines += [f"## {heading}", ""]
         obj = _resolve(dotted)
         if inspect.ismodule(obj):
-            lines += [f"### `{dotted}`", "", _markdown(obj.__doc__), ""]
+            doc = _markdown(obj.__doc__)
+            if dotted in MODULE_PARAGRAPHS:  # the usage, not the package's internal layout
+                doc = "\n\n".join(doc.split("\n\n")[:MODULE_PARAGRAPHS[dotted]])
+            lines += [f"### `{dotted}`", "", doc, ""]
             continue
-        kind = "class " if inspect.isclass(obj) else ""
-        lines += [f"### `{kind}{dotted}{_signature(obj)}`", "", _markdown(obj.__doc__), ""]
+        kind = "class" if inspect.isclass(obj) else "def"
+        # The name as the heading (it is the page's table of contents), the signature below it.
+        lines += [f"### `{dotted}`", "", "```python", f"{kind} {dotted}{_signature(obj)}", "```", "",
+                  _markdown(obj.__doc__), ""]
         for name in members:
             member = inspect.getattr_static(obj, name)
             if isinstance(member, property):
                 lines += [f"#### `{name}` (property)", "", _markdown(member.fget.__doc__), ""]
             else:
-                lines += [f"#### `{name}{_signature(getattr(obj, name))}`", "", _markdown(member.__doc__), ""]
+                signature = _signature(getattr(obj, name)).replace("(self, ", "(").replace("(self)", "()")
+                lines += [f"#### `{name}`", "", "```python", f"def {name}{signature}", "```", "",
+                          _markdown(member.__doc__), ""]
     return "\n".join(lines)
 
 

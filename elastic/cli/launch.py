@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--leave-exit-code", exit_code, 0, "exit status after leaving a job that goes on (SIGTERM/SIGINT); "
         "a Kubernetes Job sets one its podFailurePolicy ignores, so that a preempted pod is recreated")
     opt("--checkpoint-dir", help="durable checkpoints: written here, resumed from here")
-    opt("--checkpoint-every", positive_int, help="write a durable checkpoint every N commits")
+    opt("--checkpoint-every", positive_int, help="write a durable checkpoint every N commits (100 when "
+        "--checkpoint-dir is given with neither this nor --checkpoint-interval)")
     opt("--checkpoint-interval", positive_float, help="and/or every S seconds")
     opt("--checkpoint-keep", positive_int, 3, "durable checkpoints to keep")
     add_switch(p, "--checkpoint-allow-fresh-start", "resume from the newest checkpoint that can be read, or "
