@@ -218,8 +218,6 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     given = no_effect.given_as(parser, args)
     coerce_env_values(parser, args)
     slurm.apply(args, os.environ)  # under srun: Slurm's job id, node name, rendezvous (explicit options win)
-    for line in no_effect.warnings(given, vars(args)):
-        logging.getLogger(__name__).warning("warning: %s", line)
     if args.backend not in BACKENDS:
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
     if not args.module and not os.path.isfile(args.script):
@@ -309,6 +307,8 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         leave_exit_code=args.leave_exit_code,
         shard_replicas=args.shard_replicas,
     )
+    for line in no_effect.warnings(given, vars(args)):  # once the command is known to be good
+        logging.getLogger(__name__).warning("%s", line)
     return config, args
 
 
