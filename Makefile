@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-extended test-etcd-servers test-gpu gpu-check venv clean
+.PHONY: demo test docs test-all test-extended test-etcd-servers test-gpu gpu-check venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,5 +55,16 @@ GPU_CHECK_JSON ?= gpu-check.json
 gpu-check:
 	$(GPU_PY) -m tests.gpu.check --json $(GPU_CHECK_JSON)
 
+# The docs site (mkdocs.yml), strict: a broken link or a page left out of the nav fails it.
+# Its generated pages import the package, so the site is built from .venv; mkdocs comes with
+# the `docs` extra (its own stamp: `make test` does not need it).
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site

@@ -62,22 +62,27 @@ def init() -> None:
 
 
 def shutdown() -> None:
+    """Leave the job's process group and stop this worker's runtime (the end of a script)."""
     _lifecycle().shutdown()
 
 
 def rank() -> int:
+    """This worker's rank in the current ring (it may change at every re-formation)."""
     return _lifecycle().current().rank
 
 
 def size() -> int:
+    """The number of workers in the current ring (the world size; it changes as workers come and go)."""
     return _lifecycle().current().world_size
 
 
 def local_rank() -> int:
+    """This worker's device slot on its host (`LOCAL_RANK`): fixed for the process's life, its GPU under CUDA."""
     return _lifecycle().current().local_rank
 
 
 def round() -> int:  # noqa: A001 - mirrors the event field name
+    """The number of the current round: one more at every re-formation of the ring."""
     return _lifecycle().current().round
 
 

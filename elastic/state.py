@@ -221,6 +221,8 @@ class State:
         return moved
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Call these after every re-formation, on every worker of the new ring (a joiner and a
+        replacement too), once the state is synced; not when the job starts."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:

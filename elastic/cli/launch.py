@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from elastic.rendezvous import (
 )
 
 from ..agent import addressing, job_backend
-from . import horovodrun
+from . import horovodrun, no_effect
 from .join_hint import join_hint
 from . import torchrun
 from . import slurm
@@ -47,6 +48,7 @@ from .options import (
     coerce_env_values,
     etcd_config,
     exit_code,
+    group_options,
     hang_timeout,
     non_negative_int,
     positive_float,
@@ -109,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--leave-exit-code", exit_code, 0, "exit status after leaving a job that goes on (SIGTERM/SIGINT); "
         "a Kubernetes Job sets one its podFailurePolicy ignores, so that a preempted pod is recreated")
     opt("--checkpoint-dir", help="durable checkpoints: written here, resumed from here")
-    opt("--checkpoint-every", positive_int, help="write a durable checkpoint every N commits")
+    opt("--checkpoint-every", positive_int, help="write a durable checkpoint every N commits (100 when "
+        "--checkpoint-dir is given with neither this nor --checkpoint-interval)")
     opt("--checkpoint-interval", positive_float, help="and/or every S seconds")
     opt("--checkpoint-keep", positive_int, 3, "durable checkpoints to keep")
     add_switch(p, "--checkpoint-allow-fresh-start", "resume from the newest checkpoint that can be read, or "
@@ -134,11 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
         opt(flag, help=text)
     opt("--etcd-retry-deadline", positive_float, help="seconds an etcd request is retried while etcd is "
         "unavailable before it counts as failed (default 30); agent and workers ride out longer outages anyway")
+    p.add_argument(horovodrun.SHIM_FLAG, action="store_true", help="let the script's `import horovod.torch` give "
+                   "elastic.horovod (unless a real Horovod is installed) [env ELASTIC_HOROVOD_SHIM=1]")
+    p.add_argument("--version", action="version", version=f"elastic-run {_version()}")
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script (all of them: "
                    "options after SCRIPT are never taken for ours)")
+    group_options(p)
     return p
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("elastic-run")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _split_at_script(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -197,8 +211,11 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     argv = horovodrun.accept(argv, parser)  # horovodrun's spellings (-np, --reset-limit, python ...)
     launcher, script = _split_at_script(parser, argv)
     # "--" ends the options, so a SCRIPT such as "-x.py" is not taken for one.
+    if not script and not {"-h", "--help", "--version"} & set(launcher):
+        raise ConfigError("no SCRIPT: elastic-run [options] SCRIPT [args] (elastic-run --help lists the options)")
     args = parser.parse_args([*launcher, "--", *script[:1]] if script else launcher)
     args.args = script[1:]
+    given = no_effect.given_as(parser, args)
     coerce_env_values(parser, args)
     slurm.apply(args, os.environ)  # under srun: Slurm's job id, node name, rendezvous (explicit options win)
     if args.backend not in BACKENDS:
@@ -214,6 +231,13 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         raise ConfigError("give --np or --min-np")
     if np_ is not None and not (min_np <= np_ <= max_np) and args.min_np and args.max_np:
         raise ConfigError(f"--np {np_} must lie between --min-np {min_np} and --max-np {max_np}")
+    if min_np > max_np:  # named as typed, not as RendezvousSettings' fields
+        low = given.get("min_np") or given.get("np")
+        high = given.get("max_np") or given.get("np")
+        raise ConfigError(f"{low} {min_np} is above {high} {max_np}: the smallest world size must not "
+                          "exceed the largest")
+    if args.rdzv_settle < 0:
+        raise ConfigError(f"{given.get('rdzv_settle', '--rdzv-settle')} must not be negative (got {args.rdzv_settle})")
     nproc = args.nproc_per_node
     if nproc is None:
         nproc = (np_ or min_np) if not args.rdzv_endpoint else 1
@@ -283,6 +307,8 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         leave_exit_code=args.leave_exit_code,
         shard_replicas=args.shard_replicas,
     )
+    for line in no_effect.warnings(given, vars(args)):  # once the command is known to be good
+        logging.getLogger(__name__).warning("%s", line)
     return config, args
 
 
