@@ -386,6 +386,7 @@ class Runtime:
                 nccl_abort.nonblocking_env()  # read when the communicator is made
             base = self._connect_store(plan)
             if base is not None:
+                round_store.clear_dump_signal(base, plan.round)  # before our group can read it (gpu review G2)
                 store = dist.PrefixStore(f"/round/{plan.round}/", base)
                 if round_store.arrive(store, plan, timeout_s=cfg.rdzv_timeout,
                                       superseded=lambda p=plan: self._superseded(p)):
