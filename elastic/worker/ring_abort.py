@@ -235,18 +235,19 @@ class RingHandle:
         name = getattr(kind, "name", str(kind))
         return None if name == "SUCCESS" else name
 
-    def abort(self) -> None:
+    def abort(self, *, sockets: bool = True) -> None:
         """Make every pending and future collective of the group raise now.
 
         Safe to call from any thread, more than once, and after the group was
-        destroyed (then it does nothing).
+        destroyed (then it does nothing). ``sockets`` False: the backend's abort alone,
+        no connection shut (a planned leave, whose peers leave at the same commit).
         """
         with self._lock:
             if self._aborted or self._released:
                 return
             self._aborted = True
             backend, self._other_backend = self._other_backend, None
-        connections = self._current_connections()
+        connections = self._current_connections() if sockets else frozenset()
         closed = sum(_shutdown_if_same(fd, inode) for fd, inode in connections)
         if backend is None:
             log.info("ring aborted: shut down %d of %d gloo connections", closed, len(connections), extra=FILE_ONLY)
@@ -271,14 +272,18 @@ class RingHandle:
 
 
 def leave_ring(ring: Optional[RingHandle], *, failed: bool, round_number: int) -> None:
-    """Forget ``ring`` and tear its process group down. After a failure a ring with a
-    real abort (NCCL) is aborted, never destroyed: ``destroy_process_group`` finalizes
-    its communicators, which waits for pending work and can block on a dead peer (gpu
-    review F5). A group that cannot be torn down makes the worker exit as broken: the
-    next init would fail as a user error ("default process group twice")."""
-    backend_abort = failed and ring is not None and ring.backend_abort
+    """Forget ``ring`` and tear its process group down. A ring with a real abort (NCCL)
+    is aborted, never destroyed, after a failure and at a planned switch alike:
+    ``destroy_process_group`` finalizes its communicators, which waits for pending work
+    and for the peers (up to TORCH_NCCL_NONBLOCKING_TIMEOUT), so a peer dying meanwhile
+    would leave a ring that nothing can abort, the handle being gone already (gpu review
+    F5, G8; TorchFT leaves by abort too). The abort runs under its deadline whatever the
+    peers do. A planned switch shuts no connection: its peers leave at the same commit,
+    with nothing in flight. A group that cannot be torn down makes the worker exit as
+    broken: the next init would fail as a user error ("default process group twice")."""
+    backend_abort = ring is not None and ring.backend_abort
     if backend_abort:
-        ring.abort()  # a no-op if the control thread did it already
+        ring.abort(sockets=failed)  # a no-op if the control thread did it already
         ring.wait_aborted()  # bounded: past its deadline the worker exits (nccl_abort.py)
     if ring is not None:
         ring.release()

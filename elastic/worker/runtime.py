@@ -325,9 +325,9 @@ class Runtime:
             ring.abort()
 
     def release_group(self, collect: bool = True, failed: bool = False) -> None:
-        """Leave the current ring. After a failure an NCCL ring is aborted, never
-        destroyed: ``destroy_process_group`` finalizes its communicators, which waits
-        for pending work and can block on a dead peer (gpu review F5)."""
+        """Leave the current ring. An NCCL ring is aborted, never destroyed, at a planned
+        switch too: ``destroy_process_group`` finalizes its communicators, which waits for
+        pending work and can block on a dead peer (gpu review F5, G8; ring_abort.leave_ring)."""
         with self._backend_lock:
             ring, self._ring = self._ring, None
         aborted = ring is not None and ring.aborted
