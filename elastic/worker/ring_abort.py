@@ -172,6 +172,13 @@ def check_ring(ring: Optional["RingHandle"], *, device_sync: bool) -> None:
         raise RingBroken(f"the ring reported {error}: this step is not committed")
 
 
+def broken_reason(ring: Optional["RingHandle"]) -> Optional[str]:
+    """Why ``ring`` is broken ("aborted", or the error its backend reports), or None."""
+    if ring is None:
+        return None
+    return "aborted" if ring.aborted else ring.error()
+
+
 class RingHandle:
     """Aborts one process group's ring from any thread; see the module docstring."""
 

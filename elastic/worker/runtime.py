@@ -51,8 +51,8 @@ from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
-from .ring_abort import (RingHandle, check_ring, forget_failed_init, forming_ring, leave_ring, peer_lost,
-                         prepare_ring, ring_breaks, socket_snapshot)
+from .ring_abort import (RingHandle, broken_reason, check_ring, forget_failed_init, forming_ring, leave_ring,
+                         peer_lost, prepare_ring, ring_breaks, socket_snapshot)
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
@@ -226,6 +226,10 @@ class Runtime:
         with self._backend_lock:
             ring = self._ring
         check_ring(ring, device_sync=uses_nccl(self.backend))
+
+    def ring_broken(self) -> Optional[str]:
+        """Why the current ring is broken (aborted, its backend's error), or None (gpu review G12)."""
+        return broken_reason(self._ring)  # one read of the attribute: no lock needed
 
     def should_switch(self, commits: int) -> bool:
         """Called at every commit (``commits`` counts this round's commits)."""
