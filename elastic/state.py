@@ -58,6 +58,11 @@ _OBJECTS = "objects"  # key of the state_dicts of a TorchState's stateful object
 UNREADABLE_ADVICE = "run again once the storage reads, or pass --checkpoint-allow-fresh-start to go without them"
 
 
+def _durable_wait(runtime) -> float:
+    """How long receivers wait for holders[0]'s durable load (gpu review G11)."""
+    return max(runtime.config.rdzv_timeout, runtime.config.collective_timeout) if runtime.config else 600.0
+
+
 def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
     """The durable-checkpoint policy that ``elastic-run --checkpoint-*`` asked for."""
     if config is None or not getattr(config, "checkpoint_dir", None):
@@ -191,7 +196,9 @@ class State:
             if runtime.rank == holders[0]:
                 send_layout(layout, receivers, runtime.backend)
         else:
-            layout = receive_layout(holders[0], runtime.backend)
+            # Nobody holds a commit: holders[0] loads the durable one first (--rdzv-timeout bounds it).
+            wait_s = _durable_wait(runtime) if newest is None else None
+            layout = receive_layout(holders[0], runtime.backend, wait_s=wait_s)
         plan = plan_sync(holdings, [(n, dtype.itemsize) for dtype, _, n in layout.buffers], CHUNK_BYTES)
         if runtime.rank in holders:
             moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)
