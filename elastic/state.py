@@ -46,6 +46,7 @@ from .contract.errors import HostsUpdatedInterrupt, JobStopping
 from .stateful import check_plain, is_stateful, load_state, state_of
 from .worker.state_transfer import (CHUNK_BYTES, claim_bounds, gather_holdings, receive_layout, run_transfers,
                                      send_layout)
+from .worker import device_commit
 from .worker.lifecycle import current as _runtime  # the process-wide runtime, set by elastic.init()
 from .worker.sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
 
@@ -119,6 +120,7 @@ class State:
         tree = self.state_tree()
         tree[_COMMITS] = self._commits
         tree[_COMMIT_ROUND] = self._commit_round
+        device_commit.prepare(self._snapshot, getattr(self, "optimizer", None), _runtime)  # GPU, opt-in (G13)
         self._snapshot.capture(tree)
         # RNG state is per worker: restored on this worker, never broadcast.
         object.__setattr__(self, "_rng", _rng_states())

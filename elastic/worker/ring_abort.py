@@ -179,6 +179,13 @@ def broken_reason(ring: Optional["RingHandle"]) -> Optional[str]:
     return "aborted" if ring.aborted else ring.error()
 
 
+def failed_reason(ring: Optional["RingHandle"]) -> Optional[str]:
+    """Why ``ring`` failed, or None: ``broken_reason`` less an abort of a planned leave."""
+    if ring is None or (ring.aborted and ring.left_by_plan):
+        return None
+    return broken_reason(ring)
+
+
 class RingHandle:
     """Aborts one process group's ring from any thread; see the module docstring."""
 
@@ -203,6 +210,7 @@ class RingHandle:
         self._abort_done: Optional[threading.Event] = None
         self._lock = threading.Lock()
         self._aborted = False
+        self._left_by_plan = False  # aborted by a planned leave (no connection shut), not a failure
         self._released = False
 
     @property
@@ -227,6 +235,11 @@ class RingHandle:
     @property
     def aborted(self) -> bool:
         return self._aborted
+
+    @property
+    def left_by_plan(self) -> bool:
+        """The first abort was a planned leave's (``abort(sockets=False)``), not a failure's."""
+        return self._left_by_plan
 
     def error(self) -> Optional[str]:
         """The backend's own error state, if it keeps one (NCCL's ``get_error()``), as a
@@ -253,6 +266,7 @@ class RingHandle:
             if self._aborted or self._released:
                 return
             self._aborted = True
+            self._left_by_plan = not sockets
             backend, self._other_backend = self._other_backend, None
         connections = self._current_connections() if sockets else frozenset()
         closed = sum(_shutdown_if_same(fd, inode) for fd, inode in connections)

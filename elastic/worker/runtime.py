@@ -45,7 +45,7 @@ from .reset_nudge import ResetNudge
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.faults import NETWORK
 from .failures import classify_init
-from . import device_watch, fault_points, nccl_abort, round_store, switch_points
+from . import device_commit, device_watch, fault_points, nccl_abort, round_store, switch_points
 from ..contract.events import EventLog
 from .joiners import JoinerWatch
 from ..contract.progress import Progress
@@ -200,6 +200,7 @@ class Runtime:
             self._stragglers.on_commit(self._commits)  # every few commits: one small all_gather
         if not self.should_switch(self._commits):
             return None
+        device_commit.before_planned_leave(self)  # overlapped commits: the step's kernels end first
         return self._switch_action
 
     @property
@@ -225,7 +226,7 @@ class Runtime:
         optimizer step apply partial gradients. gloo's raise at once: no sync there."""
         with self._backend_lock:
             ring = self._ring
-        check_ring(ring, device_sync=uses_nccl(self.backend))
+        check_ring(ring, device_sync=device_commit.drains_at_commit(self.backend))  # (G13: opt-in overlap)
 
     def ring_broken(self) -> Optional[str]:
         """Why the current ring is broken (aborted, its backend's error), or None (gpu review G12)."""
