@@ -146,7 +146,7 @@ def commit_stall(ctx: Context) -> Outcome:
     """The commit-stall benchmark (benchmarks/gpu.py, G13): the figures are the point; the
     check fails only if the benchmark does not run."""
     out = ctx.workdir / "bench.json"
-    cmd = [sys.executable, "-m", "benchmarks.gpu", "--state-mb", "512", "--steps", "20", "--rounds", "10",
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--state-mb", "512", "--steps", "20", "--rounds", "6",
            "--matmuls", "80", "--json", str(out)]
     started = time.monotonic()
     child, = run_children([cmd], [child_env()], ctx.left())
