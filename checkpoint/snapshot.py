@@ -236,6 +236,8 @@ class Snapshot:
         self._by_path: dict[tuple, int] = {}
         self._streams: dict[torch.device, Any] = {}
         self._registered: list[int] = []  # host memory registered with CUDA, unregistered on release
+        # Commits that do not drain the device (device_snapshot.OverlappedCopy, opt-in): None here.
+        self.overlap = None
         weakref.finalize(self, _unregister, self._registered)
 
     @property
@@ -314,6 +316,9 @@ class Snapshot:
     def _copy_from_cuda(self, views: list[torch.Tensor], srcs: list[torch.Tensor]) -> list:
         """Non-blocking copies into pinned memory on one side stream per device; an
         event per device that the training stream waits for (on the device, not the host)."""
+        if self.overlap is not None:  # the bulk waited for by the next optimizer step instead
+            self.overlap.settle_if_done = self._settle_if_done
+            return self.overlap.copy(views, srcs)
         by_device: dict[torch.device, tuple[list, list]] = {}
         for dst, src in zip(views, srcs):
             pair = by_device.setdefault(src.device, ([], []))
@@ -344,7 +349,14 @@ class Snapshot:
         events, self._pending = self._pending, None
         for event in events:
             event.synchronize()
+        if self.overlap is not None and not self.overlap.promotes():
+            return  # made on a ring that failed meanwhile: the previous capture stays the one read
         self._front, self._back = self._back, self._front
+
+    def _settle_if_done(self) -> None:
+        """``_settle`` if the capture in flight has completed its copy (never waits)."""
+        if self._pending is not None and not self.in_flight:
+            self._settle()
 
     @property
     def in_flight(self) -> bool:

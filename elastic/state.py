@@ -46,6 +46,7 @@ from .contract.errors import HostsUpdatedInterrupt, JobStopping
 from .stateful import check_plain, is_stateful, load_state, state_of
 from .worker.state_transfer import (CHUNK_BYTES, claim_bounds, gather_holdings, receive_layout, run_transfers,
                                      send_layout)
+from .worker import device_commit
 from .worker.lifecycle import current as _runtime  # the process-wide runtime, set by elastic.init()
 from .worker.sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
 
@@ -56,6 +57,11 @@ _COMMITS = "commits"  # key of the commit count in committed and durable trees
 _COMMIT_ROUND = "commit_round"  # key of the round the commit was made in
 _OBJECTS = "objects"  # key of the state_dicts of a TorchState's stateful objects (elastic/stateful.py)
 UNREADABLE_ADVICE = "run again once the storage reads, or pass --checkpoint-allow-fresh-start to go without them"
+
+
+def _durable_wait(runtime) -> float:
+    """How long receivers wait for holders[0]'s durable load (gpu review G11)."""
+    return max(runtime.config.rdzv_timeout, runtime.config.collective_timeout) if runtime.config else 600.0
 
 
 def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
@@ -114,6 +120,7 @@ class State:
         tree = self.state_tree()
         tree[_COMMITS] = self._commits
         tree[_COMMIT_ROUND] = self._commit_round
+        device_commit.prepare(self._snapshot, getattr(self, "optimizer", None), _runtime)  # GPU, opt-in (G13)
         self._snapshot.capture(tree)
         # RNG state is per worker: restored on this worker, never broadcast.
         object.__setattr__(self, "_rng", _rng_states())
@@ -191,7 +198,9 @@ class State:
             if runtime.rank == holders[0]:
                 send_layout(layout, receivers, runtime.backend)
         else:
-            layout = receive_layout(holders[0], runtime.backend)
+            # Nobody holds a commit: holders[0] loads the durable one first (--rdzv-timeout bounds it).
+            wait_s = _durable_wait(runtime) if newest is None else None
+            layout = receive_layout(holders[0], runtime.backend, wait_s=wait_s)
         plan = plan_sync(holdings, [(n, dtype.itemsize) for dtype, _, n in layout.buffers], CHUNK_BYTES)
         if runtime.rank in holders:
             moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)

@@ -32,9 +32,13 @@ def nccl_env(backend: str) -> dict[str, str]:
         # Before acting on a timeout the watchdog waits 4x this for a flight-recorder dump
         # (60 s by default); a second is enough for the dump and no stall.
         "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
-        # A sticky CUDA error seen by the watchdog still ends the process: it cannot go
-        # on, and its agent replaces it (a broken process, like a crash).
-        "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1",
+        # 0: a sticky CUDA error seen by the watchdog ends its thread, not the process. With
+        # 1 it SIGABRTs within 100 ms, before the main thread's next sync raises the error
+        # for the classifier: a device-side assert (the user's bug) would count as a crash,
+        # and every replacement would meet it again until --max-restarts (gpu review G10).
+        # The main thread still raises it: a user error for an assert, a broken process
+        # (WORKER_BROKEN, replaced) for an Xid or an ECC error (failures.py).
+        "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
         # NVLink SHARP buffers are not given back when a communicator is aborted; rings
         # re-formed in-process would leak them (NVIDIA's in-process restart sets 0 too).
         "NCCL_NVLS_ENABLE": "0",
@@ -43,6 +47,13 @@ def nccl_env(backend: str) -> dict[str, str]:
         # joiner) reads it and SIGABRTs itself after TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, and a
         # group that dumped blocks its destructor as long (gpu review G2).
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        # The heartbeat monitor, once it broke out of its loop (a dump requested, a stuck
+        # watchdog), sleeps this long before it ends the process, and a group's destructor
+        # joins it: 480 s by default, past the abort's 60 s deadline, so a group dropped in
+        # leave_aborted made its worker exit broken, and a worker's exit hung for 8 min. Under
+        # the deadline the destructor returns in time (gpu review G2); a watchdog stuck in a
+        # driver call this long ends its process sooner, which its agent replaces anyway.
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30",
         # A collective issued while a non-blocking communicator still forms holds its lock
         # for up to this long (30 min unset), and an abort needs that lock: keep it under
         # the abort's deadline (nccl_abort.ABORT_DEADLINE_S, 60 s), so the waiting collective

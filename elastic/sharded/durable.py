@@ -103,7 +103,10 @@ class ShardedCheckpoints:
         self.flush()
         self._last_submit = time.monotonic()
         msd, osd = get_state_dict(model, optimizer)
-        # A copy taken now: the step after the commit changes the live tensors.
+        # A copy taken now: the step after the commit changes the live tensors. Host copies
+        # only: dcp.async_save stages device tensors to host memory before it returns (its
+        # default stager is synchronous), so a clone on the GPU would cost +1x the shards'
+        # memory there for nothing, an OOM for the memory-tight jobs FSDP is for (gpu review G11).
         state = {"model": _cloned(msd), "optim": _cloned(osd)}
         rank, group = dist.get_rank(), self.group(round_number)
         if rank == 0:
@@ -275,8 +278,9 @@ def _broadcast_text(text: str, group) -> str:
 
 
 def _cloned(tree):
+    """``tree`` with its host tensors cloned; device tensors are left to DCP's staging."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return tree.detach().clone() if tree.device.type == "cpu" else tree.detach()
     if isinstance(tree, dict):
         return {key: _cloned(value) for key, value in tree.items()}
     if isinstance(tree, list):

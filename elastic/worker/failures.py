@@ -32,6 +32,7 @@ range): every replacement would hit it again, so it stays a user error.
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,19 @@ _COMMUNICATION_MARKERS = (
 def classify(exc: BaseException) -> Fault:
     """What the failure ``exc`` means (see above), with its one line."""
     return Fault(kind_of(exc), summarize(exc))
+
+
+def classify_in_window(exc: BaseException, ring_broken: Optional[str]) -> Fault:
+    """``classify(exc)`` for an exception of the training function, knowing whether its
+    ring was broken meanwhile (``ring_broken``: why, or None). Between an NCCL abort and
+    the next collective user code runs on corrupted weights (the queued optimizer step
+    applied partial gradients): a NaN guard or an assert that raises there is no bug of
+    the user's. The rollback discards those weights anyway, so such an error re-forms
+    the ring (gpu review G12). A broken process stays one: its device is gone too."""
+    fault = classify(exc)
+    if ring_broken is None or fault.kind != USER:
+        return fault
+    return Fault(RING, f"{fault.reason} (after the ring broke: {ring_broken})"[:400])
 
 
 def classify_init(exc: BaseException, *, peer_lost: bool) -> Fault:

@@ -46,7 +46,7 @@ from ..contract.faults import NETWORK
 from ..contract.reset_budget import ResetBudget
 from . import exit_record, lifecycle
 from .device_health import check_device
-from .failures import classify
+from .failures import classify, classify_in_window
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,16 @@ def _resume(func, state, args, kwargs, runtime, finished_reform):
     return func(state, *args, **kwargs)
 
 
+def _ring_broken() -> Optional[str]:
+    """Why the current ring is broken (aborted, or an error NCCL reported), or None."""
+    try:
+        runtime = lifecycle.current()
+    except Exception:  # noqa: BLE001 - not under elastic.init(): no ring to ask
+        return None
+    probe = getattr(runtime, "ring_broken", None)
+    return probe() if probe is not None else None
+
+
 # The function's return value travels through here so that ``_call`` can return
 # either "finished" or an interruption without keeping the exception alive.
 _result: list = []
@@ -220,7 +230,7 @@ def _call(body, *args) -> Optional[_Interruption]:
     except LeftJob as exc:
         return _Interruption(str(exc), failed=False, detected=time.monotonic(), left=True)
     except Exception as exc:
-        fault = classify(exc)
+        fault = classify_in_window(exc, _ring_broken())
         if not fault.reforms:
             raise  # this worker fails (a bug in user code, a broken process): lifecycle.py reports it
         # The whole text (gloo's spans lines) for the log file; reform_done is the console's line.

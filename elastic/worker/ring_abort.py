@@ -172,6 +172,20 @@ def check_ring(ring: Optional["RingHandle"], *, device_sync: bool) -> None:
         raise RingBroken(f"the ring reported {error}: this step is not committed")
 
 
+def broken_reason(ring: Optional["RingHandle"]) -> Optional[str]:
+    """Why ``ring`` is broken ("aborted", or the error its backend reports), or None."""
+    if ring is None:
+        return None
+    return "aborted" if ring.aborted else ring.error()
+
+
+def failed_reason(ring: Optional["RingHandle"]) -> Optional[str]:
+    """Why ``ring`` failed, or None: ``broken_reason`` less an abort of a planned leave."""
+    if ring is None or (ring.aborted and ring.left_by_plan):
+        return None
+    return broken_reason(ring)
+
+
 class RingHandle:
     """Aborts one process group's ring from any thread; see the module docstring."""
 
@@ -196,6 +210,7 @@ class RingHandle:
         self._abort_done: Optional[threading.Event] = None
         self._lock = threading.Lock()
         self._aborted = False
+        self._left_by_plan = False  # aborted by a planned leave (no connection shut), not a failure
         self._released = False
 
     @property
@@ -221,6 +236,11 @@ class RingHandle:
     def aborted(self) -> bool:
         return self._aborted
 
+    @property
+    def left_by_plan(self) -> bool:
+        """The first abort was a planned leave's (``abort(sockets=False)``), not a failure's."""
+        return self._left_by_plan
+
     def error(self) -> Optional[str]:
         """The backend's own error state, if it keeps one (NCCL's ``get_error()``), as a
         name ("TIMEOUT", "COMM_ERROR", "REMOTE_ERROR"); None while it reports none."""
@@ -235,18 +255,20 @@ class RingHandle:
         name = getattr(kind, "name", str(kind))
         return None if name == "SUCCESS" else name
 
-    def abort(self) -> None:
+    def abort(self, *, sockets: bool = True) -> None:
         """Make every pending and future collective of the group raise now.
 
         Safe to call from any thread, more than once, and after the group was
-        destroyed (then it does nothing).
+        destroyed (then it does nothing). ``sockets`` False: the backend's abort alone,
+        no connection shut (a planned leave, whose peers leave at the same commit).
         """
         with self._lock:
             if self._aborted or self._released:
                 return
             self._aborted = True
+            self._left_by_plan = not sockets
             backend, self._other_backend = self._other_backend, None
-        connections = self._current_connections()
+        connections = self._current_connections() if sockets else frozenset()
         closed = sum(_shutdown_if_same(fd, inode) for fd, inode in connections)
         if backend is None:
             log.info("ring aborted: shut down %d of %d gloo connections", closed, len(connections), extra=FILE_ONLY)
@@ -271,14 +293,18 @@ class RingHandle:
 
 
 def leave_ring(ring: Optional[RingHandle], *, failed: bool, round_number: int) -> None:
-    """Forget ``ring`` and tear its process group down. After a failure a ring with a
-    real abort (NCCL) is aborted, never destroyed: ``destroy_process_group`` finalizes
-    its communicators, which waits for pending work and can block on a dead peer (gpu
-    review F5). A group that cannot be torn down makes the worker exit as broken: the
-    next init would fail as a user error ("default process group twice")."""
-    backend_abort = failed and ring is not None and ring.backend_abort
+    """Forget ``ring`` and tear its process group down. A ring with a real abort (NCCL)
+    is aborted, never destroyed, after a failure and at a planned switch alike:
+    ``destroy_process_group`` finalizes its communicators, which waits for pending work
+    and for the peers (up to TORCH_NCCL_NONBLOCKING_TIMEOUT), so a peer dying meanwhile
+    would leave a ring that nothing can abort, the handle being gone already (gpu review
+    F5, G8; TorchFT leaves by abort too). The abort runs under its deadline whatever the
+    peers do. A planned switch shuts no connection: its peers leave at the same commit,
+    with nothing in flight. A group that cannot be torn down makes the worker exit as
+    broken: the next init would fail as a user error ("default process group twice")."""
+    backend_abort = ring is not None and ring.backend_abort
     if backend_abort:
-        ring.abort()  # a no-op if the control thread did it already
+        ring.abort(sockets=failed)  # a no-op if the control thread did it already
         ring.wait_aborted()  # bounded: past its deadline the worker exits (nccl_abort.py)
     if ring is not None:
         ring.release()

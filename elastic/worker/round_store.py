@@ -125,3 +125,31 @@ def _settle_round(store, outcome: str) -> str:
     """The round's outcome: ours if nobody settled it yet, else the one already set."""
     value = store.compare_set("outcome", "", outcome)
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# torch's NCCL watchdog writes this key into the job-wide store (the store below every
+# prefix: ProcessGroupNCCL's globalStore_) on any timeout or asynchronous error, and
+# never deletes it (torch 2.13, ProcessGroupNCCL.hpp kStoreDumpKey).
+DUMP_SIGNAL_KEY = "exception_dump"
+
+
+def clear_dump_signal(base, round_number: int) -> bool:
+    """Delete a stale dump signal from the job-wide store ``base`` before this process
+    forms its next group; True if one was there.
+
+    With dumps on (a user's TORCH_NCCL_DUMP_ON_TIMEOUT=1), the first NCCL group of every
+    later process (a replacement, a joiner) polls the key, sees it within a second,
+    dumps, sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC and SIGABRTs itself (gpu review G2).
+    The key was written about a ring that is gone: this round starts clean. Every worker
+    clears it before its own init, so no process's first group can read an old one;
+    a timeout seen in this round writes it afresh. A store that refuses is no reason to
+    stop entering the round (the key only matters with dumps on)."""
+    try:
+        cleared = bool(base.delete_key(DUMP_SIGNAL_KEY))
+    except Exception as exc:  # noqa: BLE001 - DistStoreError, a store going away
+        log.debug("could not clear %s from the job's store: %s", DUMP_SIGNAL_KEY, exc)
+        return False
+    if cleared:
+        log.info("round %d: cleared a stale NCCL dump signal (%s) from the job's store", round_number,
+                 DUMP_SIGNAL_KEY, extra=FILE_ONLY)
+    return cleared

@@ -45,14 +45,14 @@ from .reset_nudge import ResetNudge
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.faults import NETWORK
 from .failures import classify_init
-from . import device_watch, fault_points, nccl_abort, round_store, switch_points
+from . import device_commit, device_watch, fault_points, nccl_abort, round_store, switch_points
 from ..contract.events import EventLog
 from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
 from .switch_points import SwitchPoints
-from .ring_abort import (RingHandle, check_ring, forget_failed_init, forming_ring, leave_ring, peer_lost,
-                         prepare_ring, ring_breaks, socket_snapshot)
+from .ring_abort import (RingHandle, broken_reason, check_ring, forget_failed_init, forming_ring, leave_ring,
+                         peer_lost, prepare_ring, ring_breaks, socket_snapshot)
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
@@ -200,6 +200,7 @@ class Runtime:
             self._stragglers.on_commit(self._commits)  # every few commits: one small all_gather
         if not self.should_switch(self._commits):
             return None
+        device_commit.before_planned_leave(self)  # overlapped commits: the step's kernels end first
         return self._switch_action
 
     @property
@@ -225,7 +226,11 @@ class Runtime:
         optimizer step apply partial gradients. gloo's raise at once: no sync there."""
         with self._backend_lock:
             ring = self._ring
-        check_ring(ring, device_sync=uses_nccl(self.backend))
+        check_ring(ring, device_sync=device_commit.drains_at_commit(self.backend))  # (G13: opt-in overlap)
+
+    def ring_broken(self) -> Optional[str]:
+        """Why the current ring is broken (aborted, its backend's error), or None (gpu review G12)."""
+        return broken_reason(self._ring)  # one read of the attribute: no lock needed
 
     def should_switch(self, commits: int) -> bool:
         """Called at every commit (``commits`` counts this round's commits)."""
@@ -325,9 +330,9 @@ class Runtime:
             ring.abort()
 
     def release_group(self, collect: bool = True, failed: bool = False) -> None:
-        """Leave the current ring. After a failure an NCCL ring is aborted, never
-        destroyed: ``destroy_process_group`` finalizes its communicators, which waits
-        for pending work and can block on a dead peer (gpu review F5)."""
+        """Leave the current ring. An NCCL ring is aborted, never destroyed, at a planned
+        switch too: ``destroy_process_group`` finalizes its communicators, which waits for
+        pending work and can block on a dead peer (gpu review F5, G8; ring_abort.leave_ring)."""
         with self._backend_lock:
             ring, self._ring = self._ring, None
         aborted = ring is not None and ring.aborted
@@ -386,6 +391,7 @@ class Runtime:
                 nccl_abort.nonblocking_env()  # read when the communicator is made
             base = self._connect_store(plan)
             if base is not None:
+                round_store.clear_dump_signal(base, plan.round)  # before our group can read it (gpu review G2)
                 store = dist.PrefixStore(f"/round/{plan.round}/", base)
                 if round_store.arrive(store, plan, timeout_s=cfg.rdzv_timeout,
                                       superseded=lambda p=plan: self._superseded(p)):

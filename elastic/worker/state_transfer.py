@@ -92,10 +92,15 @@ def send_layout(layout, receivers: Sequence[int], backend: str) -> None:
     wire.send_bytes(layout_wire.encode(layout), receivers, _device(backend), _LAYOUT_TAG)
 
 
-def receive_layout(src: int, backend: str):
+def receive_layout(src: int, backend: str, wait_s: Optional[float] = None):
     """The layout that ``send_layout`` sends, from rank ``src``, checked (layout_wire.py):
-    PeerDataInvalid, a ring failure, if it is not one."""
-    data = wire.recv_bytes(src, _device(backend), _LAYOUT_TAG, f"state layout from rank {src}", MAX_LAYOUT_BYTES)
+    PeerDataInvalid, a ring failure, if it is not one. ``wait_s``: how long ``src`` may
+    take before it sends (it loads a durable checkpoint first), instead of the group's
+    timeout (--collective-timeout): a load of tens of GB from network storage outlasts
+    it, and every attempt would time out and load again (gpu review G11). Honoured on a
+    ring with a part for host tensors (gloo); pure NCCL's watchdog keeps its own."""
+    data = wire.recv_bytes(src, _device(backend), _LAYOUT_TAG, f"state layout from rank {src}", MAX_LAYOUT_BYTES,
+                           wait_s=wait_s)
     return layout_wire.decode(data, limit=MAX_LAYOUT_BYTES)
 
 

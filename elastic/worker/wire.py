@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime
 import json
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
@@ -177,9 +178,14 @@ def send_bytes(data: bytes, receivers: Sequence[int], device, tag: int) -> None:
         dist.send(body, dst=receiver, tag=tag + 1)
 
 
-def recv_bytes(src: int, device, tag: int, what: str, limit: int) -> bytes:
+def recv_bytes(src: int, device, tag: int, what: str, limit: int, wait_s: Optional[float] = None) -> bytes:
+    """``src``'s bytes; ``wait_s``: how long the first message may take to come, when the
+    sender has work to do first (gloo honours a wait's own timeout over the group's)."""
     size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, src=src, tag=tag)
+    if wait_s is None:
+        dist.recv(size, src=src, tag=tag)
+    else:
+        dist.irecv(size, src=src, tag=tag).wait(datetime.timedelta(seconds=wait_s))
     body = torch.empty(_checked_length(size, what, limit), dtype=torch.uint8, device=device)
     dist.recv(body, src=src, tag=tag + 1)
     return body.cpu().numpy().tobytes()

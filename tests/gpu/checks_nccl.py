@@ -32,6 +32,9 @@ _FORM_AND_WAIT = textwrap.dedent("""
     port, prefix, wait_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
     torch.cuda.set_device(0)
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    if len(sys.argv) > 5 and sys.argv[5] == "clear":  # what the runtime does at each round's entry
+        from elastic.worker.round_store import clear_dump_signal
+        print("cleared", clear_dump_signal(client, 1), flush=True)
     # As the runtime makes a round's group: a prefix per round over the job's one store.
     dist.init_process_group(sys.argv[4], store=dist.PrefixStore("pg/", dist.PrefixStore(prefix, client)),
                             rank=0, world_size=1, device_id=torch.device("cuda", 0))
@@ -55,15 +58,23 @@ def stale_dump_key(ctx: Context) -> Outcome:
     seeded.set("exception_dump", (1).to_bytes(4, "little"))  # what broadcastDumpSignal writes
     clean = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
+    # Its own seeded store: the child clears the key, which must not hide it from the control.
+    seeded_cleared = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=60))
+    seeded_cleared.set("exception_dump", (1).to_bytes(4, "little"))
     wait_s = "20"  # past TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=5 plus the monitor's 1 s poll
     cases = {
         "seeded": (seeded.port, workers_nccl_env(TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="5")),
         "clean": (clean.port, workers_nccl_env(TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="5")),
         "control": (seeded.port, workers_nccl_env(TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="5",
                                                   TORCH_NCCL_DUMP_ON_TIMEOUT="1")),
+        # Dumps turned back on by a user: the round entry's clear_dump_signal must save it.
+        "cleared": (seeded_cleared.port, workers_nccl_env(TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="5",
+                                                          TORCH_NCCL_DUMP_ON_TIMEOUT="1")),
     }
-    commands = [python_c(_FORM_AND_WAIT, str(port), f"/round/{i + 1}/", wait_s, CPU_AND_CUDA)
-                for i, (port, _) in enumerate(cases.values())]
+    commands = [python_c(_FORM_AND_WAIT, str(port), f"/round/{i + 1}/", wait_s, CPU_AND_CUDA,
+                         *(["clear"] if name == "cleared" else []))
+                for i, (name, (port, _)) in enumerate(cases.items())]
     children = run_children(commands, [child_env(env) for _, env in cases.values()], ctx.left())
     result = {name: child for name, child in zip(cases, children)}
     figures = {f"{name}_rc": child.rc for name, child in result.items()}
@@ -77,7 +88,11 @@ def stale_dump_key(ctx: Context) -> Outcome:
     if not figures["seeded_alive"]:
         return Outcome(False, f"the workers' env was killed by a stale exception_dump key (rc {result['seeded'].rc}); "
                        f"{control}", figures)
-    return Outcome(True, f"the workers' env survives a stale exception_dump key; {control}", figures)
+    if not figures["cleared_alive"]:
+        return Outcome(False, f"with dumps on, clearing the key at round entry did not save the group "
+                       f"(rc {result['cleared'].rc}): {result['cleared'].tail()}; {control}", figures)
+    return Outcome(True, f"the workers' env survives a stale exception_dump key, and so do dumps on once the round "
+                   f"entry cleared it; {control}", figures)
 
 
 _EXIT_AFTER_TIMEOUT = textwrap.dedent("""

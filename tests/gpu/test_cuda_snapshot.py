@@ -115,3 +115,30 @@ def test_the_cuda_generator_rolls_back_with_the_commit(runtime):
     first = torch.rand(4, device="cuda")
     state.restore()
     assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
+def test_an_overlapped_commit_holds_the_committed_values_while_the_next_step_writes(monkeypatch):
+    # G13, opt-in: no drain, the copy overlaps the next step; the next optimizer.step()
+    # waits for it on the device (its pre-hook), so the capture holds the committed
+    # weights and becomes the rollback target once copied on an intact ring.
+    from elastic.checkpoint.device_snapshot import ENV
+    from elastic.worker import device_commit
+
+    monkeypatch.setenv(ENV, "1")
+    model = torch.nn.Linear(4096, 4096, device="cuda")  # 64 MB of weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    ring = types.SimpleNamespace(_ring=None)
+    snapshot = Snapshot()
+    device_commit.prepare(snapshot, optimizer, lambda: ring)
+    assert snapshot.overlap is not None
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    torch.cuda._sleep(2 * CYCLES_PER_S)  # the step's kernels: the copy must come after them
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the committed value: 2.0
+    snapshot.capture({"model": model.state_dict()})
+    model.weight.grad = torch.ones_like(model.weight)
+    optimizer.step()  # the next step's write: waits for the copy on the device, not the host
+    committed = snapshot.tree()["model"]["weight"]
+    assert torch.all(committed == 2.0)
+    assert torch.all(model.weight.detach() == 1.0)

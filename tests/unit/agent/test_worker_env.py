@@ -33,11 +33,13 @@ def test_local_rank_is_the_device_slot_not_the_position_in_the_plan():
 @pytest.mark.parametrize("backend, expected", [
     ("gloo", {}),
     ("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
-              "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1", "NCCL_NVLS_ENABLE": "0",
-              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "30"}),
+              "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0",
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "30",
+              "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30"}),
     (CPU_AND_CUDA, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
-                    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "1", "NCCL_NVLS_ENABLE": "0",
-              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "30"}),
+                    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0",
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "30",
+              "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30"}),
 ])
 def test_nccl_settings_only_with_nccl(backend, expected):
     assert nccl_env(backend) == expected
@@ -67,3 +69,21 @@ def test_a_communicator_that_still_forms_lets_the_abort_through_before_its_deadl
 def test_the_users_own_nccl_settings_win():
     env = _env(CPU_AND_CUDA, base={"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"})
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+
+
+def test_a_group_destructor_that_joins_a_sleeping_heartbeat_monitor_returns_before_the_abort_deadline():
+    # gpu review G2: the monitor sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC after up to two
+    # flight-recorder dumps of TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC each, and ~ProcessGroupNCCL
+    # joins it; leave_aborted drops the groups under ABORT_DEADLINE_S.
+    from elastic.worker.nccl_abort import ABORT_DEADLINE_S
+
+    env = nccl_env(CPU_AND_CUDA)
+    joined_within = float(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) + 2 * float(
+        env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) / 1000
+    assert joined_within < ABORT_DEADLINE_S - 10  # with room for the abort itself
+
+
+def test_a_sticky_cuda_error_is_left_to_the_main_thread_to_classify():
+    # gpu review G10: with 1 the watchdog SIGABRTs on a device-side assert before the main
+    # thread can raise it as the user's error; the crash would be replaced until --max-restarts.
+    assert nccl_env(CPU_AND_CUDA)["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"

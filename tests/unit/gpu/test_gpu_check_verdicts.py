@@ -21,7 +21,7 @@ def canned(monkeypatch, *children):
     seen = {}
 
     def run_children(commands, envs, timeout_s, cwd=None):
-        seen["envs"] = envs
+        seen["envs"], seen["commands"] = envs, commands
         return list(children)
 
     monkeypatch.setattr(checks_nccl, "run_children", run_children)
@@ -33,19 +33,29 @@ def alive(rc=0):
 
 
 def test_stale_dump_key_passes_when_the_workers_env_survives(tmp_path, monkeypatch):
-    seen = canned(monkeypatch, alive(), alive(), Child(-6, "formed\n", "terminate called", time.time()))
+    seen = canned(monkeypatch, alive(), alive(), Child(-6, "formed\n", "terminate called", time.time()), alive())
     outcome = checks_nccl.stale_dump_key(ctx(tmp_path))
     assert outcome.ok and "control with dump-on-timeout died" in outcome.detail
+    assert "once the round entry cleared it" in outcome.detail
     assert outcome.figures["dump_on_timeout_in_workers_env"] == "0"
-    seeded, clean, control = seen["envs"]
+    seeded, clean, control, cleared = seen["envs"]
     assert seeded["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and control["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert cleared["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"  # dumps on: only the clear can save it
     assert seeded["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "1" and seeded["CUDA_VISIBLE_DEVICES"]
+    assert [cmd[-1] == "clear" for cmd in seen["commands"]] == [False, False, False, True]
 
 
 def test_stale_dump_key_fails_when_the_workers_env_is_killed(tmp_path, monkeypatch):
-    canned(monkeypatch, Child(-6, "formed\n", "", time.time()), alive(), Child(-6, "formed\n", "", time.time()))
+    canned(monkeypatch, Child(-6, "formed\n", "", time.time()), alive(), Child(-6, "formed\n", "", time.time()),
+           alive())
     outcome = checks_nccl.stale_dump_key(ctx(tmp_path))
     assert not outcome.ok and "killed by a stale exception_dump key (rc -6)" in outcome.detail
+
+
+def test_stale_dump_key_fails_when_clearing_the_key_does_not_save_a_group_with_dumps_on(tmp_path, monkeypatch):
+    canned(monkeypatch, alive(), alive(), Child(-6, "formed\n", "", time.time()), Child(-6, "formed\n", "", 0.0))
+    outcome = checks_nccl.stale_dump_key(ctx(tmp_path))
+    assert not outcome.ok and "clearing the key at round entry did not save" in outcome.detail
 
 
 @pytest.mark.parametrize("lag, ok", [(0.8, True), (15.2, False)])
@@ -87,3 +97,23 @@ def test_abort_in_setup_says_when_the_init_never_returned(tmp_path, monkeypatch)
     canned(monkeypatch, Child(None, "", "", time.time()), Child(None, "", "", time.time()))
     outcome = checks_nccl.abort_in_setup(ctx(tmp_path))
     assert not outcome.ok and "init_process_group did not return" in outcome.detail
+
+
+def test_commit_stall_reports_both_commits_against_one_copy(tmp_path, monkeypatch):
+    # G13: the draining commit and the overlapped one, each against one D2H copy of the same bytes.
+    import json
+
+    from tests.gpu import checks_jobs
+
+    figures = {"gpu": {"copy_s": 0.02, "step_s": 0.03,
+                       "drain": {"stall_per_commit_s": 0.021, "stall_vs_copy": 1.05, "host_in_commit_s": 0.02},
+                       "overlap": {"stall_per_commit_s": 0.001, "stall_vs_copy": 0.05, "host_in_commit_s": 0.0}}}
+
+    def run_children(commands, envs, timeout_s, cwd=None):
+        (tmp_path / "bench.json").write_text(json.dumps(figures))
+        assert "--matmuls" in commands[0]
+        return [Child(0, "", "", time.time())]
+
+    monkeypatch.setattr(checks_jobs, "run_children", run_children)
+    outcome = checks_jobs.commit_stall(ctx(tmp_path))
+    assert outcome.ok and "drain 21.0 ms = 105%" in outcome.detail and "overlap 1.0 ms = 5%" in outcome.detail

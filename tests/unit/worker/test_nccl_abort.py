@@ -149,3 +149,40 @@ def test_one_abort_that_raises_does_not_stop_the_others():
 
     nccl_abort.abort_all_at_once([fails, lambda: ended.append(1), lambda: ended.append(2)])
     assert sorted(ended) == [1, 2]
+
+
+def test_a_planned_switch_leaves_an_nccl_ring_by_its_abort_and_shuts_no_connection(world_of_one, monkeypatch):
+    # gpu review G8: destroy_process_group finalizes the communicators and waits for the
+    # peers while the runtime's handle is gone already; a peer dying then left a ring that
+    # nothing could abort. Leaving by the (deadline-bounded) abort needs no peer.
+    destroyed = []
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: destroyed.append(a))
+    listener, client, server = _tcp_pair()
+    try:
+        backend = _BlockingBackend(block=False)
+        handle = RingHandle(frozenset({(client.fileno(), _inode(client))}), other_backend=backend)
+        ring_abort.leave_ring(handle, failed=False, round_number=5)
+        assert backend.entered.is_set() and destroyed == []
+        assert not dist.is_initialized()
+        client.sendall(b"x")  # its peers leave at the same commit: nothing was shut
+        assert server.recv(1) == b"x"
+    finally:
+        for s in (listener, client, server):
+            s.close()
+
+
+def test_a_planned_leave_whose_abort_blocks_ends_the_worker_at_the_deadline_not_later(world_of_one, monkeypatch):
+    overruns = []
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: None)
+    backend = _BlockingBackend(block=True)
+    handle = RingHandle(frozenset(), other_backend=backend, deadline_s=0.3, on_overrun=overruns.append)
+    started = time.monotonic()
+    ring_abort.leave_ring(handle, failed=False, round_number=6)
+    assert time.monotonic() - started < 5 and overruns, overruns
+    backend.release.set()
+
+
+def _inode(sock) -> int:
+    import os
+
+    return os.fstat(sock.fileno()).st_ino

@@ -197,3 +197,39 @@ def test_a_loss_announced_during_the_init_aborts_the_ring_it_forms(runtime, live
     thread.join(60)
     assert outcome.get("round") == 2, outcome
     assert runtime._ring.aborted
+
+
+def test_a_stale_nccl_dump_signal_is_gone_before_the_rounds_group_forms(runtime, live_store, monkeypatch):
+    # gpu review G2: an earlier ring's watchdog left "exception_dump" in the job-wide store
+    # (below every /round/<n>/ prefix); this process's first NCCL group would read it and
+    # SIGABRT minutes later. It must be gone when init_process_group starts.
+    host, port = live_store.rsplit(":", 1)
+    job_store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=10))
+    job_store.set(round_store.DUMP_SIGNAL_KEY, b"\x01\x00\x00\x00")
+    runtime._control = control = FakeControl(plan(2, live_store))
+    seen_at_init = []
+    real_init = dist.init_process_group
+
+    def init(*args, **kwargs):
+        seen_at_init.append(job_store.check([round_store.DUMP_SIGNAL_KEY]))
+        real_init(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    thread, outcome = enter_in_thread(runtime, control.plan)
+    thread.join(60)
+    assert outcome.get("round") == 2, outcome
+    assert seen_at_init == [False]
+    assert not job_store.check([round_store.DUMP_SIGNAL_KEY])
+
+
+def test_clearing_the_dump_signal_never_stops_a_round_entry():
+    class Refusing:
+        def delete_key(self, key):
+            raise dist.DistStoreError("store going away")
+
+    assert round_store.clear_dump_signal(Refusing(), 3) is False
+    store = dist.HashStore()
+    assert round_store.clear_dump_signal(store, 3) is False
+    store.set(round_store.DUMP_SIGNAL_KEY, "x")
+    assert round_store.clear_dump_signal(store, 3) is True and not store.check([round_store.DUMP_SIGNAL_KEY])
