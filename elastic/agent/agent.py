@@ -72,6 +72,7 @@ from .health import HealthServer, HealthState, SessionMonitor, SessionWatch
 from .metrics import AgentMetrics, round_change
 from .fate import FAIL, NETWORK_ROUND, REPLACE, RESTART_PLAIN, SUCCEED, Exit, FaultHistory, View, fate
 from .outcome import exit_status
+from .output_pump import worker_output
 from .worker_env import worker_env
 from .workers import Exited, WorkerProcess
 
@@ -112,7 +113,7 @@ class Agent:
         self.events = EventLog(
             os.path.join(config.log_dir or self._scratch, "events.jsonl"), host=config.host_id
         )
-        self._event_tail = EventTail(self.events.path)
+        self._event_tail = EventTail(self.events.path, max_bytes=config.log_max_bytes)
         self.health = HealthState(ttl=config.ttl)
         self.member_id = new_member_id(config.host_id)
         self._session_watch = SessionWatch(self.health, self.events.emit, self.member_id)
@@ -285,7 +286,6 @@ class Agent:
             master=self._plain_stores.address(plan), worker_config=worker_config, socket_ifname=cfg.socket_ifname,
             restart_count=self._restarts, max_restarts=cfg.max_restarts, device_slot=slot,
         )
-        log_path = os.path.join(cfg.log_dir, f"worker-{worker_id}.log") if cfg.log_dir else None
         proc = WorkerProcess(
             worker_id,
             # The bootstrap ties the worker's life to ours (parent-death signal).
@@ -294,7 +294,7 @@ class Agent:
             started_round=plan.round,
             label=lambda w=worker_id: self._label(w),
             inbox=self._inbox,
-            log_path=log_path,
+            output=worker_output(cfg, worker_id),
             error_file=worker_config.error_file,
             marker_file=worker_config.marker_file,
         )
