@@ -54,7 +54,6 @@ from elastic.rendezvous import (
     new_member_id,
 )
 
-from .chaos import ChaosMonkey
 from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
 from ..contract.events import EventLog
@@ -72,9 +71,9 @@ from .health import HealthServer, HealthState, SessionMonitor, SessionWatch
 from .metrics import AgentMetrics, round_change
 from .fate import FAIL, NETWORK_ROUND, REPLACE, RESTART_PLAIN, SUCCEED, Exit, FaultHistory, View, fate
 from .outcome import exit_status
-from .output_pump import worker_output
+from .run_watch import RunWatch
 from .worker_env import worker_env
-from .workers import Exited, WorkerProcess
+from .workers import Exited, WorkerProcess, worker_output
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +127,8 @@ class Agent:
         self._store: Optional[StoreServer] = None
         self._plain_stores: Optional[PlainStores] = None
         self.participant: Optional[Participant] = None
-        self._chaos = config.chaos and ChaosMonkey(config.chaos, workers=self._workers, min_np=config.settings.min_np,
-                                                   max_restarts=config.max_restarts, events=self.events, out=print)
+        # Progress for `elastic-run status`, the summary at the end, --chaos-kill-every's monkey (run_watch.py).
+        self._watch = RunWatch.of(self)
 
     # -- life ---------------------------------------------------------------------
     def run(self) -> int:
@@ -172,7 +171,7 @@ class Agent:
         try:
             return self._loop()
         finally:
-            self._chaos and self._chaos.finish(self._event_tail.read_new())  # the recovery report
+            self._watch.finish(self._event_tail.read_new())  # the chaos report, if any; the run's summary
             self._teardown()
 
     def _loop(self) -> int:
@@ -199,7 +198,7 @@ class Agent:
         """An event of this host's workers or of the agent itself (in file order)."""
         self.metrics.observe(event)
         on_straggler_event(self, event)
-        self._chaos and self._chaos.on_event(event)
+        self._watch.on_event(event)  # and the chaos monkey's
 
     # -- following the plan -----------------------------------------------------------
     def _follow_rounds(self) -> None:

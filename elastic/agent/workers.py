@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from ..contract.faults import ExitRecord, read_record
 from ..contract.log_files import RotatingFile
-from .output_pump import READ_SIZE, OutputPump, SharedConsole, WorkerOutput
+from .output_pump import READ_SIZE, OutputPump, SharedConsole, WorkerOutput, worker_output  # noqa: F401 (the agent's)
 
 
 @dataclass(frozen=True)
