@@ -28,14 +28,16 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..contract.console import OutputRouter, route
+from ..contract.console import LOG_FILE_ONLY, OutputRouter, route
 from ..contract.log_files import DEFAULT_MAX_BYTES, RotatingFile
 
 MAX_LINE = 64 * 1024
 CUT_MARK = b" [elastic-run: line cut at 64 KiB]"
 READ_SIZE = 64 * 1024
 
-_PIECES = re.compile(rb"(\r\n|\r|\n)")
+# Line ends, redraws, and the worker's log-file-only mark: a log record the runtime writes
+# while a bar's line is open starts after the bar, not on a line of its own.
+_PIECES = re.compile(rb"(\r\n|\r|\n|%s)" % LOG_FILE_ONLY.encode())
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,10 @@ class OutputPump:
                     self._end_line(head + CUT_MARK, b"\n")
             elif piece == b"\r":
                 self._end_frame()
+            elif piece == LOG_FILE_ONLY.encode():
+                if self._pending or not self._line_start:
+                    self._end_frame(b"")  # the bar so far; the record is a line of its own
+                self._pending, self._line_start = piece, True
             else:
                 self._end_line(self._pending, piece)
                 self._pending = b""
@@ -173,9 +179,9 @@ class OutputPump:
             return raw
         return route(raw)[0]
 
-    def _end_frame(self) -> None:
+    def _end_frame(self, end: bytes = b"\r") -> None:
         raw = self._route(self._pending)
-        self._write_log(raw + b"\r")
+        self._write_log(raw + end)
         if raw and not self._live:
             self._show(raw)
         self._pending, self._line_start, self._live = b"", False, False
@@ -191,9 +197,12 @@ class OutputPump:
             else:
                 text = f"[{label}]: {text}\n"
             self._console.write(self, text, leaves_open=False)
-        elif self._shown is not None:
+            self._shown = None
+        elif self._to_console and self._shown is not None:
             self._console.write(self, "\n", leaves_open=False)
-        self._shown, self._line_start, self._to_console, self._live = None, True, True, False
+            self._shown = None
+        # A log-file-only line leaves the console alone: a bar's line there stays open.
+        self._line_start, self._to_console, self._live = True, True, False
 
     def _show(self, raw: bytes) -> None:
         label = self._label()
