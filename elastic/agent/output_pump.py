@@ -24,6 +24,7 @@ open on it first ends that line, so the bar redraws on the next one.
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -106,6 +107,15 @@ class SharedConsole:
                 console = cls._by_stream[id(out)] = SharedConsole(out)
             return console
 
+    def break_line(self) -> None:
+        """Something else is about to write to the terminal (the agent's log on stderr)."""
+        with self.lock:
+            if self.open_by is not None:
+                self.out.write("\n")
+                self.out.flush()
+                getattr(self.open_by, "line_closed", lambda: None)()
+                self.open_by = None
+
     def write(self, owner: object, text: str, *, leaves_open: bool) -> None:
         with self.lock:
             if self.open_by is not None and self.open_by is not owner:
@@ -114,6 +124,13 @@ class SharedConsole:
             self.out.write(text)
             self.out.flush()
             self.open_by = owner if leaves_open else None
+
+
+def end_open_bar(_record=None) -> bool:
+    """A filter for the agent's console log handler: its line first ends a worker's open
+    bar line on stdout (same terminal), rather than being appended to the bar."""
+    SharedConsole.of(sys.stdout).break_line()
+    return True
 
 
 def rank_of_label(label: str) -> Optional[int]:

@@ -58,7 +58,7 @@ from ..contract.console import ConsoleFormatter
 from ..contract.devices import BACKENDS, choose_backend, may_have_cuda
 from ..contract.straggler_policy import StragglerOptions
 from ..agent.chaos import ChaosConfig
-from ..agent.output_pump import ConsoleRanks, console_ranks
+from ..agent.output_pump import ConsoleRanks, console_ranks, end_open_bar
 from ..contract.log_files import byte_size
 
 HELP = """\
@@ -332,6 +332,7 @@ def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(ConsoleFormatter("elastic-run: %(message)s"))  # a warning says so
+    console.addFilter(end_open_bar)  # a worker's progress bar line ends before the agent's line
     logging.basicConfig(level=logging.INFO, handlers=[console])
     try:
         config, args = parse(argv)

@@ -116,7 +116,8 @@ def _show(shown: tuple[JobView, Optional[JobProgress]], as_json: bool, out) -> N
     if as_json:
         data = view.to_dict()
         if progress is not None:
-            data["progress"] = {**asdict(progress), "eta_s": progress.eta_s()}
+            known = {k: v for k, v in asdict(progress).items() if v is not None}
+            data["progress"] = {**known, "eta_s": progress.eta_s()}
         out.write(json.dumps(data, separators=(",", ":")) + "\n")
     else:
         out.write(render_text(view, time.time(), progress) + "\n")

@@ -80,8 +80,10 @@ def summarize(timeline: Timeline, *, job_id: str = "", log_dir: Optional[str] = 
     ending = timeline.outcome or "ended"
     worlds = [size for _, size in timeline.world] or [timeline.initial_world]
     world = f"world {worlds[0]}" + (f" -> {worlds[-1]}" if worlds[-1] != worlds[0] else "")
-    job = f"job {job_id} " if job_id else ""
-    lines = [f"elastic-run: {job}{ending}: {steps_done(timeline)} steps in {duration(timeline.end)}, {world}"]
+    # Not "elastic-run: job J failed: ...": that is the one line saying why a job failed.
+    job = f"job {job_id} " if job_id else "job "
+    lines = [f"elastic-run: summary: {job}{ending} after {steps_done(timeline)} steps in {duration(timeline.end)}, "
+             f"{world}"]
     counts = []
     if failed or unrecovered:
         n = len(failed) + len(unrecovered)

@@ -126,3 +126,14 @@ def test_worker_log_rotates_at_its_bound(tmp_path):
     assert open(path + ".1", "rb").read() == b"323456789\n"
     assert open(path + ".2", "rb").read() == b"223456789\n"
     assert not (tmp_path / "worker.log.3").exists()
+
+
+def test_the_agents_log_line_ends_an_open_bar_line_first():
+    out = io.StringIO()
+    console = SharedConsole(out)
+    bar = OutputPump(lambda: "rank0", console, None)
+    bar.feed(b"\r 10%")
+    console.break_line()
+    console.break_line()  # nothing open any more
+    bar.feed(b"\r 20%")
+    assert out.getvalue() == "\r[rank0]:  10%\n\r[rank0]:  20%"

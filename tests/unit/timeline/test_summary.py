@@ -36,19 +36,19 @@ def _many_failures():
 
 @pytest.mark.parametrize("events, log_dir, expected", [
     (_plain_run(), "/logs", [
-        "elastic-run: job j succeeded: 600 steps in 62 s, world 1",
+        "elastic-run: summary: job j succeeded after 600 steps in 62 s, world 1",
         "  no failures, joins or leaves",
         "  timeline: elastic-run timeline /logs -o timeline.png",
     ]),
     (kill_and_join_events(), None, [
-        "elastic-run: job j succeeded: 30 steps in 12 s, world 3",
+        "elastic-run: summary: job j succeeded after 30 steps in 12 s, world 3",
         "  1 failure, 1 join: 1.1 s lost (9% of the wall time), 2 steps re-run",
         "    at 0:05  failure: rank 2 killed, 0.25 s to train again + 2 steps re-run (0.71 s)",
         "    at 0:08  join: world 2 -> 3, 0.10 s to train again",
         "  timeline: not kept (run with --log-dir to keep events.jsonl and draw it)",
     ]),
     (_failure_not_recovered(), "/l", [
-        "elastic-run: job j failed: 20 steps in 4.0 s, world 1",
+        "elastic-run: summary: job j failed after 20 steps in 4.0 s, world 1",
         "  1 failure",
         "    at 0:03  failure: rank 0 failed, not recovered",
         "  timeline: elastic-run timeline /l -o timeline.png",
