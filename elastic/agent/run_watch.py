@@ -24,7 +24,6 @@ from collections import deque
 from typing import Callable, Optional
 
 from elastic.rendezvous import JobKeys
-from elastic.rendezvous.job_lease import put_on_job_lease
 
 from ..timeline.model import build
 from .chaos import ChaosMonkey
@@ -85,8 +84,13 @@ class RunWatch:
         when ``--chaos-kill-every`` asks for one (it kills from the agent's own workers)."""
         cfg = agent.config
         key = JobKeys(cfg.job_id).progress  # kept in an ended job's history (rendezvous/history.py)
-        publish = lambda value: put_on_job_lease(  # noqa: E731
-            agent._etcd, key, value, agent.participant.control.job_lease if agent.participant else None)
+
+        def publish(value: bytes) -> None:
+            # Only on the job's lease: a value put after the job ended must not outlive it.
+            lease = agent.participant.control.job_lease if agent.participant else None
+            if lease:
+                agent._etcd.put(key, value, lease=lease)
+
         chaos = cfg.chaos and ChaosMonkey(cfg.chaos, workers=agent._workers, min_np=cfg.settings.min_np,
                                           max_restarts=cfg.max_restarts, events=agent.events, out=print)
         return cls(job_id=cfg.job_id, log_dir=cfg.log_dir, publish=publish, chaos=chaos)
@@ -133,6 +137,8 @@ class RunWatch:
     def finish(self, last_events=()) -> Optional[str]:
         """The run is over: the chaos report, if any, then the run's summary (printed)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)  # a put under way; one stuck on an absent etcd is left behind
         last_events = list(last_events)
         if self._chaos:
             self._chaos.finish(last_events)
