@@ -32,7 +32,7 @@ from ..timeline.summary import failures_lost, summarize
 
 log = logging.getLogger(__name__)
 
-PUBLISH_S = 2.0
+PUBLISH_S = 1.0  # one small put a second per job: the step records come as often
 # The events the timeline model reads (besides steps).
 _KEPT = frozenset({
     "agent_started", "worker_started", "worker_exited", "failure_detected", "hang_detected", "reform_done",
