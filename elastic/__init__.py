@@ -39,14 +39,15 @@ _LAZY = {
     "ElasticSampler": ".sampler",
     "ObjectState": ".state", "State": ".state", "TorchState": ".state",
     "run": ".worker.recovery",
+    "report": ".worker.step_log",
     # FSDP2's modules take a second or more to import: only jobs that shard pay for them.
     "ShardedState": ".sharded", "device_mesh": ".sharded",
 }
 
 __all__ = [
     "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "ResetLimitExceeded",
-    "ShardedState", "State", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "round", "run",
-    "shutdown", "size",
+    "ShardedState", "State", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "report",
+    "round", "run", "shutdown", "size",
 ]
 
 

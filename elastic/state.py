@@ -488,4 +488,5 @@ class TorchState(State):
         if self.sampler is not None and hasattr(self.sampler, "set_rank"):
             runtime = _runtime()
             self.sampler.set_rank(runtime.rank, runtime.world_size)
+            runtime.steps.sampler = self.sampler  # its counts go with the step records (step_log.py)
         super().on_reset()

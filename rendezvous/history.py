@@ -53,7 +53,7 @@ def keep_ended_job(etcd: Etcd, keys: JobKeys, *, keep_s: float = KEEP_ENDED_S, d
             return False  # still running (or never ran), or already kept by another agent
         kvs, _ = etcd.get_prefix(keys.prefix, retry_deadline=deadline)
         history = [kv for kv in kvs if kv.lease in (0, job_lease) and kv.key != keys.job_lease and (
-            kv.key.startswith(keys.control) or kv.key.startswith(keys.prefix + "rounds/"))]
+            kv.key.startswith(keys.control) or kv.key.startswith(keys.prefix + "rounds/") or kv.key == keys.progress)]
         leftovers = [kv for kv in kvs if kv.key.startswith((keys.requests, keys.prefix + "plainstores/"))]
         lease = etcd.grant_lease(keep_s, retry_deadline=deadline)
         won, _ = etcd.txn([ModRevisionEquals(keys.status, status.mod_revision)],

@@ -120,6 +120,12 @@ class JobKeys:
         return self.reach + member_id
 
     @property
+    def progress(self) -> str:
+        """How far training has got (elastic/agent/run_watch.py): outside control/, whose
+        watchers (every agent and worker) need not wake up for it."""
+        return self.prefix + "progress"
+
+    @property
     def control(self) -> str:
         return self.prefix + "control/"
 

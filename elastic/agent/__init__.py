@@ -19,6 +19,8 @@ contract, the timeline model, ``rendezvous`` and ``checkpoint``.
     peer_probe.py   can we reach our peers' agents while the ring is stalled?
     etcd_writes.py  reports queued while etcd is away, sent in order when it is back
     workers.py      worker processes: start, output, exit, signals
+    output_pump.py  a worker's output: lines prefixed, progress bars live, --console-ranks, bounded lines
+    run_watch.py    progress for `elastic-run status`, the end-of-run summary, the chaos monkey's events
     watchdog.py     hang detection from the workers' progress marks
     health.py       the health endpoint for pod probes
     plain_store.py  a fresh store per round for torchrun-style scripts

@@ -54,7 +54,6 @@ from elastic.rendezvous import (
     new_member_id,
 )
 
-from .chaos import ChaosMonkey
 from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
 from ..contract.events import EventLog
@@ -72,8 +71,9 @@ from .health import HealthServer, HealthState, SessionMonitor, SessionWatch
 from .metrics import AgentMetrics, round_change
 from .fate import FAIL, NETWORK_ROUND, REPLACE, RESTART_PLAIN, SUCCEED, Exit, FaultHistory, View, fate
 from .outcome import exit_status
+from .run_watch import RunWatch
 from .worker_env import worker_env
-from .workers import Exited, WorkerProcess
+from .workers import Exited, WorkerProcess, worker_output
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Agent:
         self.events = EventLog(
             os.path.join(config.log_dir or self._scratch, "events.jsonl"), host=config.host_id
         )
-        self._event_tail = EventTail(self.events.path)
+        self._event_tail = EventTail(self.events.path, max_bytes=config.log_max_bytes)
         self.health = HealthState(ttl=config.ttl)
         self.member_id = new_member_id(config.host_id)
         self._session_watch = SessionWatch(self.health, self.events.emit, self.member_id)
@@ -127,8 +127,8 @@ class Agent:
         self._store: Optional[StoreServer] = None
         self._plain_stores: Optional[PlainStores] = None
         self.participant: Optional[Participant] = None
-        self._chaos = config.chaos and ChaosMonkey(config.chaos, workers=self._workers, min_np=config.settings.min_np,
-                                                   max_restarts=config.max_restarts, events=self.events, out=print)
+        # Progress for `elastic-run status`, the summary at the end, --chaos-kill-every's monkey (run_watch.py).
+        self._watch = RunWatch.of(self)
 
     # -- life ---------------------------------------------------------------------
     def run(self) -> int:
@@ -171,7 +171,7 @@ class Agent:
         try:
             return self._loop()
         finally:
-            self._chaos and self._chaos.finish(self._event_tail.read_new())  # the recovery report
+            self._watch.finish(self._event_tail.read_new())  # the chaos report, if any; the run's summary
             self._teardown()
 
     def _loop(self) -> int:
@@ -198,7 +198,7 @@ class Agent:
         """An event of this host's workers or of the agent itself (in file order)."""
         self.metrics.observe(event)
         on_straggler_event(self, event)
-        self._chaos and self._chaos.on_event(event)
+        self._watch.on_event(event)  # and the chaos monkey's
 
     # -- following the plan -----------------------------------------------------------
     def _follow_rounds(self) -> None:
@@ -285,7 +285,6 @@ class Agent:
             master=self._plain_stores.address(plan), worker_config=worker_config, socket_ifname=cfg.socket_ifname,
             restart_count=self._restarts, max_restarts=cfg.max_restarts, device_slot=slot,
         )
-        log_path = os.path.join(cfg.log_dir, f"worker-{worker_id}.log") if cfg.log_dir else None
         proc = WorkerProcess(
             worker_id,
             # The bootstrap ties the worker's life to ours (parent-death signal).
@@ -294,7 +293,7 @@ class Agent:
             started_round=plan.round,
             label=lambda w=worker_id: self._label(w),
             inbox=self._inbox,
-            log_path=log_path,
+            output=worker_output(cfg, worker_id),
             error_file=worker_config.error_file,
             marker_file=worker_config.marker_file,
         )

@@ -9,9 +9,11 @@ from typing import Optional
 
 from elastic.rendezvous import RendezvousSettings
 
+from ..contract.log_files import DEFAULT_MAX_BYTES
 from ..contract.straggler_policy import StragglerOptions
 from ..contract.worker_config import WorkerConfig
 from .chaos import ChaosConfig
+from .output_pump import ConsoleRanks
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class AgentConfig:
     chaos: Optional[ChaosConfig] = None  # --chaos-kill-every: kill our own workers (chaos.py)
     leave_exit_code: int = 0  # --leave-exit-code: our status after leaving a job that goes on
     shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
+    console_ranks: ConsoleRanks = ConsoleRanks()  # --console-ranks: whose output and bars the console shows
+    log_max_bytes: int = DEFAULT_MAX_BYTES  # --log-max-bytes: events.jsonl and worker logs rotate there (0: never)
 
 
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,

@@ -1,4 +1,4 @@
-"""Local worker processes: start, prefix their output, see them exit, stop them."""
+"""Local worker processes: start, forward their output (output_pump.py), see them exit, stop them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from ..contract.console import OutputRouter
 from ..contract.faults import ExitRecord, read_record
+from ..contract.log_files import RotatingFile
+from .output_pump import READ_SIZE, OutputPump, SharedConsole, WorkerOutput, worker_output  # noqa: F401 (the agent's)
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class WorkerProcess:
         started_round: int,
         label: Callable[[], str],
         inbox: "queue.Queue",
-        log_path: Optional[str],
+        output: WorkerOutput,
         error_file: str,
         marker_file: str,
         out=None,
@@ -50,7 +51,8 @@ class WorkerProcess:
         self.lost_reason: Optional[str] = None  # why we killed it as lost (a hang), if we did
         self._label = label
         self._out = out or sys.stdout
-        self._log = open(log_path, "ab", buffering=0) if log_path else None
+        self._output = output
+        self._log = RotatingFile(output.log_path, output.max_log_bytes) if output.log_path else None
         for path in (error_file, marker_file):
             if os.path.exists(path):
                 os.unlink(path)
@@ -82,16 +84,15 @@ class WorkerProcess:
         return self.proc.poll() is None
 
     def _forward_output(self) -> None:
-        router = OutputRouter()  # details of a failure stay in the log file
-        for raw in iter(self.proc.stdout.readline, b""):
-            raw, to_console = router.route(raw)
-            if self._log is not None:
-                self._log.write(raw)
-            if not to_console:
-                continue
-            line = raw.decode(errors="replace")
-            self._out.write(f"[{self._label()}]: {line}")
-            self._out.flush()
+        # Read as it comes, not by lines: a progress bar's redraws end in \r, not \n.
+        pump = OutputPump(self._label, SharedConsole.of(self._out), self._log, self._output.console_ranks)
+        fd = self.proc.stdout.fileno()
+        while True:
+            data = os.read(fd, READ_SIZE)
+            if not data:
+                break
+            pump.feed(data)
+        pump.close()
         self.proc.stdout.close()
 
     def _wait(self, inbox: "queue.Queue") -> None:

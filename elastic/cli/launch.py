@@ -60,6 +60,8 @@ from ..contract.console import ConsoleFormatter
 from ..contract.devices import BACKENDS, choose_backend, may_have_cuda
 from ..contract.straggler_policy import StragglerOptions
 from ..agent.chaos import ChaosConfig
+from ..agent.output_pump import ConsoleRanks, console_ranks, end_open_bar
+from ..contract.log_files import byte_size
 
 HELP = """\
 Start (or join) an elastic data-parallel job: run SCRIPT in --nproc-per-node worker
@@ -104,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--backend", str, "auto", "auto (cpu:gloo,cuda:nccl when every worker of this host has a GPU, "
         "else gloo), gloo or nccl (one GPU per worker, else refused)")
     opt("--log-dir", help="per-worker logs and events.jsonl")
+    opt("--log-max-bytes", byte_size, "100M", "events.jsonl and each worker log rotate at this size "
+        "(NAME.1 to NAME.5 kept; 100M, 64KiB, ...; 0: never)")
+    opt("--console-ranks", console_ranks, help="ranks whose output the console shows: all, or a list (0,2-3) "
+        "(default: every rank's lines, only rank 0's progress-bar redraws)")
     opt("--health-port", int, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
     opt("--health-addr", help="address the health/metrics server listens on (default: --host-addr; "
                               "0.0.0.0 for every interface)")
@@ -306,6 +312,8 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         chaos=ChaosConfig(args.chaos_kill_every, args.chaos_seed) if args.chaos_kill_every else None,
         leave_exit_code=args.leave_exit_code,
         shard_replicas=args.shard_replicas,
+        console_ranks=args.console_ranks or ConsoleRanks(),
+        log_max_bytes=args.log_max_bytes,
     )
     for line in no_effect.warnings(given, vars(args)):  # once the command is known to be good
         logging.getLogger(__name__).warning("%s", line)
@@ -350,6 +358,7 @@ def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(ConsoleFormatter("elastic-run: %(message)s"))  # a warning says so
+    console.addFilter(end_open_bar)  # a worker's progress bar line ends before the agent's line
     logging.basicConfig(level=logging.INFO, handlers=[console])
     try:
         config, args = parse(argv)

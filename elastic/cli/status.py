@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from dataclasses import asdict
 import json
 import sys
 import threading
@@ -21,6 +22,7 @@ from typing import Callable, Optional, Sequence
 from elastic.rendezvous import ConfigError, Etcd, JobKeys, RendezvousError, validate_job_id
 from elastic.rendezvous.job_view import JobView, job_view, read_job
 
+from ..timeline.progress import JobProgress
 from .options import ETCD_OPTIONS, JOB_OPTIONS, USAGE_ERROR, OptionParser, add_option, coerce_env_values, etcd_config
 
 NOT_FOUND = 1
@@ -55,12 +57,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def render_text(view: JobView, now: float) -> str:
-    """The human view: a few lines of state, then members, rounds and requests."""
+def render_text(view: JobView, now: float, progress: Optional[JobProgress] = None) -> str:
+    """The human view: a few lines of state and progress, then members, rounds and requests."""
     state = view.state + (f": {view.reason}" if view.reason else "")
     lines = [f"job {view.job_id}: {state}" + (f" (since {_ago(view.since, now)})" if view.since else "")]
     if view.round is not None:
         lines.append(f"round {view.round}, world size {view.world_size}")
+    if progress is not None:
+        lines.extend(progress.lines(now))
     by_id = {m.member_id: m for m in view.members}
     if view.coordinator:
         leader = by_id.get(view.coordinator)
@@ -91,16 +95,32 @@ def render_text(view: JobView, now: float) -> str:
     return "\n".join(lines)
 
 
-def _view(etcd: Etcd, keys: JobKeys) -> Optional[JobView]:
+def _view(etcd: Etcd, keys: JobKeys) -> Optional[tuple[JobView, Optional[JobProgress]]]:
     snapshot = read_job(etcd, keys, now=time.time(), deadline=_READ_DEADLINE_S)
-    return None if snapshot is None else job_view(snapshot)
+    return None if snapshot is None else (job_view(snapshot), progress_of_snapshot(snapshot.values))
 
 
-def _show(view: JobView, as_json: bool, out) -> None:
+def progress_of_snapshot(values: dict) -> Optional[JobProgress]:
+    """The progress rank 0's agent publishes (agent/run_watch.py); None if absent or unreadable."""
+    raw = values.get("progress")  # JobKeys.progress, below the job's prefix
+    if not raw:
+        return None
+    try:
+        return JobProgress.from_json(raw)
+    except (TypeError, ValueError):
+        return None  # a malformed value: status shows the rest, not a traceback
+
+
+def _show(shown: tuple[JobView, Optional[JobProgress]], as_json: bool, out) -> None:
+    view, progress = shown
     if as_json:
-        out.write(json.dumps(view.to_dict(), separators=(",", ":")) + "\n")
+        data = view.to_dict()
+        if progress is not None:
+            known = {k: v for k, v in asdict(progress).items() if v is not None}
+            data["progress"] = {**known, "eta_s": progress.eta_s()}
+        out.write(json.dumps(data, separators=(",", ":")) + "\n")
     else:
-        out.write(render_text(view, time.time()) + "\n")
+        out.write(render_text(view, time.time(), progress) + "\n")
     out.flush()
 
 
@@ -138,7 +158,7 @@ def main(argv: Sequence[str], *, out=None, stopped: Optional[Callable[[float], b
         etcd.close()
 
 
-def _watch(etcd: Etcd, keys: JobKeys, as_json: bool, out, view: Optional[JobView],
+def _watch(etcd: Etcd, keys: JobKeys, as_json: bool, out, view: Optional[tuple],
            stopped: Callable[[float], bool]) -> int:
     """Draw, wait, read again, until Ctrl-C. A failed read is shown and tried again."""
     clear = not as_json and out.isatty()

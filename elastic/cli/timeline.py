@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from ..contract.log_files import log_paths
 from ..timeline.model import Timeline, build
 from .extras import MissingExtra, require
 
@@ -20,12 +21,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def find_events_files(log_dir: str) -> list[str]:
-    """Every events.jsonl at or below ``log_dir`` (one per host's log directory)."""
+    """Every events.jsonl at or below ``log_dir`` (one per host's log directory), each
+    after its rotated files (``events.jsonl.N``, oldest first: contract/log_files.py)."""
     found = []
     for root, dirs, files in os.walk(log_dir):
         dirs.sort()
-        if EVENTS_FILE in files:
-            found.append(os.path.join(root, EVENTS_FILE))
+        if EVENTS_FILE in files or EVENTS_FILE + ".1" in files:
+            found.extend(log_paths(os.path.join(root, EVENTS_FILE)))
     return found
 
 

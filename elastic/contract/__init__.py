@@ -4,6 +4,7 @@
     progress.py         progress marks on a shared page, read by the agent's hang watchdog
     worker_config.py    what the agent tells a worker through its environment
     console.py          which lines reach the console and which stay in the log file
+    log_files.py        log rotation at a size bound, and reading rotated logs back
     errors.py           the runtime's errors
     faults.py           what a failure means (its kind and line), and the worker's exit record
     reset_budget.py     how many failures a job survives (worker and agent count alike)

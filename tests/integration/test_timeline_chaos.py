@@ -34,7 +34,9 @@ def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name):
 # A console line from a worker: the agent's "[label]: " and one line of a runtime logger.
 # A multi-line message (a traceback, gloo's text) would bring lines without the logger.
 WORKER_LINE = re.compile(r"^\[rank\d+\]: (elastic|checkpoint|rendezvous): \S")
-AGENT_LINE = re.compile(r"^elastic-run: \S")
+AGENT_LINE = re.compile(r"^elastic-run: \S"
+                        # the end-of-run summary's lines (elastic/timeline/summary.py)
+                        r"|^  (\d+ (failure|join|leave|switch)|no failures|timeline: )|^    (at \d+:\d\d  |\.\.\. \d+ more)")
 # A warning reaches the console labelled (elastic/contract/console.py), a Python warning as "...Warning:".
 WARNING = re.compile(r"\bWARNING\b|\w+Warning: ")
 
@@ -82,6 +84,11 @@ def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path):
     assert len(in_that_round) == 2, in_that_round
     assert all("reform_done" in line and "failed=True" in line for line in in_that_round), in_that_round
     assert {line.split("]")[0] for line in in_that_round} == {"[rank0", "[rank1"}, in_that_round
+    # The end-of-run summary (elastic/timeline/summary.py) says what the kill and the join cost.
+    assert re.search(r"^elastic-run: summary: job \S+ succeeded after \d+ steps in ", first.text(), re.M), first.text()
+    assert re.search(r"^  1 failure, 1 join: .* lost \(\d+% of the wall time\)", first.text(), re.M), first.text()
+    assert re.search(r"^    at \d+:\d\d  failure: rank 2 killed, [\d.]+ s to train again", first.text(), re.M)
+    assert f"  timeline: elastic-run timeline {first.log_dir} -o timeline.png" in first.text()
     for survivor in {e["worker"] for e in broke}:
         log = first.log_dir / f"worker-{survivor}.log"
         assert "elastic: WARNING: ring broken: " in log.read_text(errors="replace"), log

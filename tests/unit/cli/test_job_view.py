@@ -127,7 +127,7 @@ def test_watch_draws_each_read_and_shows_a_failed_read_as_one_line(monkeypatch):
     from elastic.cli import status as status_command
     from elastic.rendezvous import JobKeys, RendezvousConnectionError
 
-    first = job_view(JobSnapshot("job", running_job(), NOW))
+    first = (job_view(JobSnapshot("job", running_job(), NOW)), None)  # no progress published yet
     reads = iter([RendezvousConnectionError("cannot reach etcd at x:1"), first])
 
     def view(_etcd, _keys):
@@ -145,3 +145,17 @@ def test_watch_draws_each_read_and_shows_a_failed_read_as_one_line(monkeypatch):
     assert code == 0 and waits == [2.0, 2.0, 2.0]
     assert [json.loads(lines[0])["round"], lines[1], json.loads(lines[2])["round"]] == [
         2, "elastic-run status: cannot reach etcd at x:1; trying again", 2]
+
+
+def test_status_shows_the_progress_rank_0_publishes_and_ignores_a_malformed_one():
+    from elastic.cli.status import progress_of_snapshot, render_text
+    from elastic.timeline.progress import JobProgress
+
+    values = running_job()
+    values["progress"] = JobProgress(step=40, at=NOW - 2, steps_per_s=10.0, total_steps=100).to_json()
+    progress = progress_of_snapshot(values)
+    text = render_text(job_view(JobSnapshot("job", values, NOW)), NOW, progress)
+    assert "progress: step 40 of 100 (40%), 10 steps/s; last commit 2.0 s ago" in text
+    assert "time left: about 6.0 s at this rate" in text
+    values["progress"] = b"{not json"
+    assert progress_of_snapshot(values) is None
