@@ -118,6 +118,7 @@ API = (
     ("", "elastic.run", ()),
     ("", "elastic.rank", ()), ("", "elastic.size", ()), ("", "elastic.local_rank", ()),
     ("", "elastic.round", ()), ("", "elastic.shutdown", ()),
+    ("", "elastic.report", ()),
     ("State", "elastic.State", ("commit", "sync", "register_reset_callbacks")),
     ("", "elastic.TorchState", ()),
     ("", "elastic.ObjectState", ()),

@@ -185,7 +185,8 @@ OPTION_GROUPS = (
         "--checkpoint-allow-fresh-start", "--checkpoint-take-over", "--final-checkpoint-timeout",
         "--shard-replicas")),
     ("observability", "logs, events, /metrics, and chaos tests (docs/observability.md)", (
-        "--log-dir", "--health-port", "--health-addr", "--chaos-kill-every", "--chaos-seed")),
+        "--log-dir", "--log-max-bytes", "--console-ranks", "--health-port", "--health-addr", "--chaos-kill-every",
+        "--chaos-seed")),
     ("security", "TLS and credentials for an external etcd (SECURITY.md)", (
         "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password")),
     ("compatibility", "torchrun's spellings (--nnodes, --rdzv-id, --nproc_per_node gpu, --standalone ...)\n"
