@@ -37,11 +37,13 @@ from . import horovodrun
 from .join_hint import join_hint
 from . import torchrun
 from . import slurm
+from . import etcd_secrets
 from .options import (
     ETCD_OPTIONS,
     JOB_OPTIONS,
     USAGE_ERROR,
     OptionParser,
+    add_allow_insecure,
     add_option,
     add_switch,
     coerce_env_values,
@@ -132,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--chaos-seed", int, help="seed of --chaos-kill-every's choices (default: random)")
     for flag, text in ETCD_OPTIONS:
         opt(flag, help=text)
+    add_allow_insecure(p)
     opt("--etcd-retry-deadline", positive_float, help="seconds an etcd request is retried while etcd is "
         "unavailable before it counts as failed (default 30); agent and workers ride out longer outages anyway")
     p.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module (python -m)")
@@ -201,6 +204,8 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     args.args = script[1:]
     coerce_env_values(parser, args)
     slurm.apply(args, os.environ)  # under srun: Slurm's job id, node name, rendezvous (explicit options win)
+    etcd_secrets.apply_job_secret(args, os.environ)  # ELASTIC_JOB_SECRET with the user's endpoint
+    etcd_secrets.resolve_password(args, argv)  # from its file; never to workers but as a 0600 file
     if args.backend not in BACKENDS:
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
     if not args.module and not os.path.isfile(args.script):
@@ -253,7 +258,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
             checkpoint["checkpoint_every"] = 100
     etcd_options = {
         k: getattr(args, k)
-        for k in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password", "etcd_retry_deadline")
+        for k in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_retry_deadline")
         if getattr(args, k)
     }
     config = AgentConfig(

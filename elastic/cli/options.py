@@ -12,6 +12,8 @@ import os
 
 from elastic.rendezvous import ConfigError, EtcdConfig
 
+from . import etcd_secrets
+
 # The commands import it from here; its value is the contract's (exit_codes.py).
 from ..contract.exit_codes import USAGE_ERROR  # noqa: F401
 
@@ -121,12 +123,19 @@ ETCD_OPTIONS = (
     ("--etcd-cert", "client certificate (PEM)"),
     ("--etcd-key", "client key (PEM)"),
     ("--etcd-user", "etcd user name"),
-    ("--etcd-password", "etcd password"),
+    ("--etcd-password", "etcd password (visible in ps: prefer --etcd-password-file)"),
+    ("--etcd-password-file", "file holding the etcd password (mode 0600); workers get its path, never the password"),
 )
+
+
+def add_allow_insecure(p: argparse.ArgumentParser) -> None:
+    add_switch(p, "--allow-insecure", "accept an etcd password without TLS (--etcd-ca), or an https:// endpoint "
+               "without a CA; refused otherwise")
 
 
 def etcd_config(args: argparse.Namespace) -> EtcdConfig:
     """The EtcdConfig the options describe (endpoint, TLS files, credentials)."""
+    etcd_secrets.resolve_password(args)
     return EtcdConfig.from_string(
         args.rdzv_endpoint,
         ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,

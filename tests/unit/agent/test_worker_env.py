@@ -67,3 +67,9 @@ def test_a_communicator_that_still_forms_lets_the_abort_through_before_its_deadl
 def test_the_users_own_nccl_settings_win():
     env = _env(CPU_AND_CUDA, base={"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"})
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+
+
+def test_the_etcd_password_and_the_job_secret_are_not_inherited():
+    env = _env(base={"ELASTIC_ETCD_PASSWORD": "s3cret", "ELASTIC_JOB_SECRET": "x" * 64, "HOME": "/h"})
+    assert "ELASTIC_ETCD_PASSWORD" not in env and "ELASTIC_JOB_SECRET" not in env and env["HOME"] == "/h"
+    assert not any("s3cret" in value for value in env.values())
