@@ -137,6 +137,7 @@ class EmbeddedEtcd:
         self._server_names = tuple(server_names)
         self.client_files = None  # job_secret.ClientFiles, with security
         self._tls_args: tuple[str, ...] = ()
+        self._auth_on = False  # set once enable_auth has run on this data dir
         self._log_path = log_path
         self._work_dir: str | None = None  # temp dir we created (removed on stop)
         self.client_port = 0
@@ -301,11 +302,27 @@ class EmbeddedEtcd:
         ]
 
     def _launch(self, timeout: float) -> None:
+        if self.security is not None and not self._auth_on and self.host != "127.0.0.1":
+            # Auth is enabled on loopback first: on the public address, a client (a stranger
+            # adding its own root user, or a node of the job) must never find it still off.
+            public, self.host = self.host, "127.0.0.1"
+            try:
+                self._launch_once(timeout)
+            finally:
+                self.host = public
+            with self._lock:
+                self._process.terminate()
+                self._process.wait(timeout=10)
+                self._close_log()
+        self._launch_once(timeout)
+
+    def _launch_once(self, timeout: float) -> None:
         self._spawn()
         try:
             self._wait_healthy(timeout)
-            if self.security is not None:  # before anyone else can use it
+            if self.security is not None and not self._auth_on:  # before anyone else can use it
                 enable_auth(self.endpoint, self.security, self.security.ca_pem())
+                self._auth_on = True
         except BaseException:
             self.kill()
             raise

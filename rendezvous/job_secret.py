@@ -93,10 +93,13 @@ def read_private_file(path: str, what: str) -> str:
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     try:
         info = os.fstat(fd)
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        # Group bits are allowed on root's files only: a Kubernetes Secret volume is
+        # root-owned, readable by the pod's fsGroup (its own), never by other users.
+        exposed = stat.S_IRWXO | (0 if info.st_uid == 0 else stat.S_IRWXG)
+        if info.st_mode & exposed:
             raise ConfigError(f"{what} {path} can be read by other users (mode {stat.S_IMODE(info.st_mode):o}): "
                               f"chmod 600 it")
-        if info.st_uid != os.getuid():
+        if info.st_uid not in (os.getuid(), 0):
             raise ConfigError(f"{what} {path} belongs to another user (uid {info.st_uid})")
         data = os.read(fd, 1 << 16)
     finally:
@@ -238,10 +241,15 @@ class JobSecret:
         return ServerFiles(cert=cert_path, key=key_path)
 
 
-def enable_auth(endpoint: str, js: JobSecret, ca_pem: bytes, *, prefix: str = "/elastic/", timeout: float = 5.0) -> None:
-    """Create ``root`` and the job user (read/write on ``prefix`` only) and enable auth,
-    over TLS, on a fresh etcd nobody else can have reached yet (it was started with the
-    job's certificate a moment ago). An etcd whose auth is on already is left as it is."""
+def enable_auth(endpoint: str, js: Optional[JobSecret], ca_pem: bytes, *, root_password: Optional[str] = None,
+                user: str = JOB_USER, password: Optional[str] = None, prefix: str = "/elastic/",
+                timeout: float = 5.0) -> bool:
+    """Create ``root`` and the job ``user`` (read/write on ``prefix`` only) and enable auth,
+    over TLS, on an etcd nobody else can have reached yet (the embedded one: on loopback;
+    Kubernetes' etcd: behind its NetworkPolicy). The passwords are ``js``'s, or given.
+    An etcd whose auth is on already is left as it is (False)."""
+    root_password = root_password or js.root_password
+    password = password or js.password
     import grpc
     from etcd3 import etcdrpc
     from etcd3.etcdrpc import auth_pb2
@@ -251,19 +259,20 @@ def enable_auth(endpoint: str, js: JobSecret, ca_pem: bytes, *, prefix: str = "/
     with grpc.secure_channel(endpoint, credentials) as channel:
         auth = etcdrpc.AuthStub(channel)
         try:
-            auth.UserAdd(etcdrpc.AuthUserAddRequest(name=ROOT_USER, password=js.root_password), timeout=timeout)
+            auth.UserAdd(etcdrpc.AuthUserAddRequest(name=ROOT_USER, password=root_password), timeout=timeout)
         except grpc.RpcError as exc:
             if "already exists" in (exc.details() or "") or exc.code() in (
                     grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
-                return  # set up before (a restart on the same data dir): auth is on
+                return False  # set up before (a restart on the same data dir): auth is on
             raise
         auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=ROOT_USER), timeout=timeout)
         auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=ROOT_USER, role=ROOT_USER), timeout=timeout)
-        auth.UserAdd(etcdrpc.AuthUserAddRequest(name=JOB_USER, password=js.password), timeout=timeout)
+        auth.UserAdd(etcdrpc.AuthUserAddRequest(name=user, password=password), timeout=timeout)
         auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=JOB_ROLE), timeout=timeout)
         permission = auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=prefix.encode(),
                                                range_end=prefix_range_end(prefix.encode()))
         auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name=JOB_ROLE, perm=permission),
                                  timeout=timeout)
-        auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=JOB_USER, role=JOB_ROLE), timeout=timeout)
+        auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=user, role=JOB_ROLE), timeout=timeout)
         auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=timeout)
+    return True

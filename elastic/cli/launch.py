@@ -50,7 +50,9 @@ from .options import (
     etcd_config,
     exit_code,
     hang_timeout,
+    non_negative_float,
     non_negative_int,
+    port,
     positive_float,
     positive_int,
     ratio_above_one,
@@ -93,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "on the route to etcd; gloo/NCCL then use the interface holding it)")
     opt("--rdzv-ttl", positive_float, 10.0, "seconds after which a silent host is declared lost")
     opt("--rdzv-timeout", positive_float, 600.0, "seconds to wait for min-np workers before failing")
-    opt("--rdzv-settle", float, 0.5, "seconds to wait for more joiners once min-np are present")
+    opt("--rdzv-settle", non_negative_float, 0.5, "seconds to wait for more joiners once min-np are present")
     opt("--collective-timeout", positive_float, 60.0, "seconds a collective may block before it counts as failed")
     opt("--hang-timeout", hang_timeout, help="seconds without progress after which a worker is declared hung, "
         "killed (replaced within --max-restarts); 0 or off disables (default: 3x the slowest commit interval "
@@ -104,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--backend", str, "auto", "auto (cpu:gloo,cuda:nccl when every worker of this host has a GPU, "
         "else gloo), gloo or nccl (one GPU per worker, else refused)")
     opt("--log-dir", help="per-worker logs and events.jsonl")
-    opt("--health-port", int, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
+    opt("--health-port", port, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
     opt("--health-addr", help="address the health/metrics server listens on (default: --host-addr; "
                               "0.0.0.0 for every interface)")
     opt("--grace-period", positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")

@@ -8,6 +8,7 @@ line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from elastic.rendezvous import ConfigError, EtcdConfig
@@ -48,7 +49,21 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
+    if not value > 0 or math.isinf(value):  # inf overflows timedelta, leases and timeouts (review 11)
+        raise ValueError
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:  # nan would never settle a round
+        raise ValueError
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
         raise ValueError
     return value
 
@@ -64,14 +79,14 @@ def exit_code(text: str) -> int:
 def hang_timeout(text: str) -> float:
     """Seconds (0 or "off" disables); below 1 s a heartbeat gap would already count."""
     value = 0.0 if text.strip().lower() == "off" else float(text)
-    if value != 0 and not value >= 1:
+    if value != 0 and not 1 <= value < math.inf:
         raise ValueError
     return value
 
 
 def ratio_above_one(text: str) -> float:
     value = float(text)
-    if not value > 1:  # at or below 1, half of any ring would be "slower than the median"
+    if not 1 < value < math.inf:  # at or below 1, half of any ring would be "slower than the median"
         raise ValueError
     return value
 
@@ -92,6 +107,8 @@ on_off.__name__ = "1/true/yes/on or 0/false/no/off"
 hang_timeout.__name__ = "number of seconds >= 1, or 0/off"
 non_negative_int.__name__ = "non-negative integer"
 positive_float.__name__ = "positive number"
+non_negative_float.__name__ = "number >= 0"
+port.__name__ = "port number (0-65535)"
 
 
 def add_option(p: argparse.ArgumentParser, flag: str, kind=str, default=None, help: str = "") -> None:

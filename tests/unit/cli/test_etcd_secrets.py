@@ -104,7 +104,7 @@ def test_a_job_secret_gives_the_same_ca_and_password_on_every_host_and_its_file_
     path = str(tmp_path / "secret")
     write_secret_file(path, secret)
     assert read_secret_file(path) == secret
-    os.chmod(path, 0o640)
+    os.chmod(path, 0o604)
     with pytest.raises(ConfigError, match="can be read by other users"):
         read_secret_file(path)
     with pytest.raises(ConfigError, match="too short"):
