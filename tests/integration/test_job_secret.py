@@ -158,3 +158,30 @@ def test_workers_log_in_from_a_0600_file_and_never_see_the_password_in_their_env
         assert "ELASTIC_WORKER_ETCD_PASSWORD_FILE=" in environ  # what it gets instead
         for leaked in (JobSecret(secret).password, secret, "env-s3cret"):
             assert leaked not in environ
+
+
+def test_the_kubernetes_auth_job_enables_auth_once_and_again_harmlessly(tmp_path, capsys):
+    """python -m elastic.cli.etcd_auth, as deploy/workers/etcd-auth-job.yaml runs it, on a TLS etcd without auth."""
+    from elastic.cli import etcd_auth
+    from elastic.rendezvous.job_secret import write_private_file
+
+    secret = new_secret()
+    js = JobSecret(secret)
+    server_files = js.server_files(str(tmp_path), ["127.0.0.1"])
+    files = js.client_files(str(tmp_path))
+    root = write_private_file(str(tmp_path / "root-password"), b"r00t")
+    server = EmbeddedEtcd(binary=etcd_binary_or_skip(), scheme="https", client_options={"ca_cert": files.ca_cert},
+                          extra_args=["--cert-file", server_files.cert, "--key-file", server_files.key]).start()
+    try:
+        argv = ["--endpoint", f"https://{server.endpoint}", "--ca", files.ca_cert, "--root-password-file", root,
+                "--password-file", files.password_file, "--wait", "5"]
+        assert etcd_auth.main(argv) == 0 and etcd_auth.main(argv) == 0
+        assert capsys.readouterr().out.splitlines() == [f"etcd_auth: auth enabled at {server.endpoint}",
+                                                         f"etcd_auth: auth was on already at {server.endpoint}"]
+        with _client(server, tmp_path, secret) as client:
+            client.put("/elastic/k", b"v")
+        with _client(server, tmp_path, secret, password=None, user=None) as stranger:
+            with pytest.raises(RendezvousAuthError):
+                stranger.put("/elastic/k", b"evil")
+    finally:
+        server.stop()
