@@ -636,7 +636,7 @@ def test_etcd_speaks_tls_with_auth_behind_a_network_policy_in_hardened_container
                                                                                          "root-password")
 
     # 2379 only from the job's workers and the auth Job, 2380 only from etcd; nothing else.
-    (policy,) = by_kind(docs, "NetworkPolicy")
+    policy = next(p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "etcd")
     assert selects(policy["spec"]["podSelector"]["matchLabels"], sts["spec"]["template"]["metadata"]["labels"])
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     admitted = {}
@@ -654,6 +654,20 @@ def test_etcd_speaks_tls_with_auth_behind_a_network_policy_in_hardened_container
     assert not any(selects(s, etcd_labels) for s in admitted[2379])
     assert [selects(s, etcd_labels) for s in admitted[2380]] == [True]
     assert not any(selects(s, worker_labels) for s in admitted[2380])
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
+def test_worker_ports_admit_only_the_jobs_pods_but_for_the_health_port(path):
+    docs = render(path)
+    workload, _, container = worker(docs)
+    policy = next(p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "elastic-worker")
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], labels)
+    open_ports = [port["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for port in rule["ports"]]
+    assert open_ports == [int(pod_env(docs)["ELASTIC_HEALTH_PORT"])] == [named_port(container, "health")]
+    (peers,) = [rule["from"] for rule in policy["spec"]["ingress"] if "from" in rule]
+    assert [selects(peer["podSelector"]["matchLabels"], labels) for peer in peers] == [True]
+    assert not any("ports" in rule for rule in policy["spec"]["ingress"] if "from" in rule)  # every port, job only
 
 
 @pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
