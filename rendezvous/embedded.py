@@ -28,6 +28,7 @@ from etcd3 import etcdrpc
 
 from .errors import RendezvousAuthError, RendezvousConnectionError, RendezvousError
 from .etcd import Etcd, EtcdConfig
+from .job_secret import JobSecret, enable_auth
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,16 @@ class EmbeddedEtcd:
         log_path: str | None = None,
         client_options: Mapping[str, object] | None = None,
         port: int = 0,
+        security: JobSecret | None = None,
+        server_names: Sequence[str] = (),
     ):
-        """``port``: a fixed client port (others must find it: Slurm's first node); 0 picks a free one."""
+        """``port``: a fixed client port (others must find it: Slurm's first node); 0 picks a free one.
+
+        ``security``: TLS with a server certificate of the job's CA (for ``host`` and
+        ``server_names``) and etcd auth on before start() returns, clients logging in as
+        the job's user (job_secret.py); ``client_files`` then says what other hosts need."""
+        if security is not None:
+            scheme = "https"
         if scheme not in ("http", "https"):
             raise RendezvousError(f"invalid embedded etcd scheme {scheme!r}: expected http or https")
         self.host = host
@@ -124,6 +133,11 @@ class EmbeddedEtcd:
         self.client_options = dict(client_options or {})
         self._data_dir = data_dir
         self._fixed_port = port
+        self.security = security
+        self._server_names = tuple(server_names)
+        self.client_files = None  # job_secret.ClientFiles, with security
+        self._tls_args: tuple[str, ...] = ()
+        self._auth_on = False  # set once enable_auth has run on this data dir
         self._log_path = log_path
         self._work_dir: str | None = None  # temp dir we created (removed on stop)
         self.client_port = 0
@@ -184,12 +198,14 @@ class EmbeddedEtcd:
         if self.running:
             raise RendezvousError(f"embedded etcd already running at {self.endpoint}")
         self.binary = self.binary or find_etcd_binary()
-        if self._work_dir is None and (self._data_dir is None or self._log_path is None):
-            self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
+        if self._work_dir is None and (self._data_dir is None or self._log_path is None or self.security):
+            self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-")  # 0700: the job's user only
         if self._data_dir is None:
             self._data_dir = os.path.join(self._work_dir, "data")
         if self._log_path is None:
             self._log_path = os.path.join(self._work_dir, "etcd.log")
+        if self.security is not None:
+            self._secure(self._work_dir)
         # Two tries: another process may grab a port between our probe and etcd's bind.
         for last_try in (False, True):
             self.client_port, self.peer_port = _free_ports(self.host, 2)
@@ -202,6 +218,12 @@ class EmbeddedEtcd:
                     raise RendezvousError(f"embedded etcd could not bind free ports: {self._log_tail()}") from None
                 log.info("embedded etcd lost a port race; retrying with new ports")
         return self
+
+    def _secure(self, directory: str) -> None:
+        files = self.client_files = self.security.client_files(directory)
+        server = self.security.server_files(directory, (self.host, *self._server_names))
+        self._tls_args = ("--cert-file", server.cert, "--key-file", server.key)
+        self.client_options.update(ca_cert=files.ca_cert, user=files.user, password=self.security.password)
 
     def restart(self, timeout: float = 20.0) -> None:
         """Start again on the same data dir and ports (after kill() or stop())."""
@@ -275,13 +297,32 @@ class EmbeddedEtcd:
             *self._raft_timers,
             # Fewer entries between snapshots keep the WAL small.
             "--snapshot-count", "10000",
+            *self._tls_args,
             *self.extra_args,
         ]
 
     def _launch(self, timeout: float) -> None:
+        if self.security is not None and not self._auth_on and self.host != "127.0.0.1":
+            # Auth is enabled on loopback first: on the public address, a client (a stranger
+            # adding its own root user, or a node of the job) must never find it still off.
+            public, self.host = self.host, "127.0.0.1"
+            try:
+                self._launch_once(timeout)
+            finally:
+                self.host = public
+            with self._lock:
+                self._process.terminate()
+                self._process.wait(timeout=10)
+                self._close_log()
+        self._launch_once(timeout)
+
+    def _launch_once(self, timeout: float) -> None:
         self._spawn()
         try:
             self._wait_healthy(timeout)
+            if self.security is not None and not self._auth_on:  # before anyone else can use it
+                enable_auth(self.endpoint, self.security, self.security.ca_pem())
+                self._auth_on = True
         except BaseException:
             self.kill()
             raise

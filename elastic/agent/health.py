@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Callable
 
+from elastic.rendezvous import ConfigError
+
 logger = logging.getLogger(__name__)
 
 Probe = Callable[[], "tuple[bool, str]"]
@@ -315,7 +317,11 @@ class HealthServer:
             "metrics": staticmethod(self._metrics) if self._metrics is not None else None,
             "timeout": self._request_timeout,  # the request socket's timeout (StreamRequestHandler)
         })
-        server = _ProbeServer((self._host, self._requested_port), handler)
+        try:
+            server = _ProbeServer((self._host, self._requested_port), handler)
+        except OSError as exc:  # in use, or an address not of this host: the user's to fix (exit 2)
+            raise ConfigError(f"--health-port {self._requested_port}: cannot listen on {self._host}:"
+                              f"{self._requested_port}: {exc.strerror or exc}") from None
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.2},

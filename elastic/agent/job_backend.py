@@ -7,8 +7,9 @@ different backends never form a ring (gpu review G7). So the first agent records
 resolved backend in the job's keys (one create-if-absent transaction), and each later
 agent compares: the same backend is fine; a GPU host asked for ``auto`` in a gloo job
 runs gloo too (any host can); any other difference refuses to start with one line.
-A record on a lease is an ended job's history (history.py): a new job of that id
-starts afresh.
+The record hangs on the job lease (rendezvous/job_lease.py), like the plans, so that
+the key of a job whose agents all died expires with the job's other keys. A record on
+another lease is an ended job's history (history.py): a new job of that id starts afresh.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Optional
 
 from elastic.rendezvous import ConfigError, Etcd, JobKeys
 from elastic.rendezvous.etcd import CreateRevisionEquals, ModRevisionEquals, Put
+from elastic.rendezvous import RendezvousError
+from elastic.rendezvous.job_lease import ensure_job_lease, lease_missing
+from elastic.rendezvous.keys import JOB_LEASE_S
 
 from ..contract.devices import CPU_AND_CUDA
 
@@ -38,17 +42,25 @@ def agree(mine: str, recorded: Optional[tuple[str, str]]) -> str:
                       f"{why}; fix the host or give --backend gloo to every host")
 
 
-def settle(etcd: Etcd, keys: JobKeys, mine: str, host: str, *, deadline: float = 30.0) -> str:
+def settle(etcd: Etcd, keys: JobKeys, mine: str, host: str, *, deadline: float = 30.0,
+           abandoned_after: float = JOB_LEASE_S) -> str:
     """Record ``mine`` as the job's backend if none is, and return the one to use (``agree``)."""
     record = json.dumps({"backend": mine, "host": host}).encode()
     for _ in range(5):  # another agent may write between our read and our write: read again
+        # The coordinator takes the same lease when it starts to lead (ensure_job_lease finds it).
+        lease = ensure_job_lease(etcd, keys, abandoned_after)
         kv = etcd.get(keys.backend, retry_deadline=deadline)
-        if kv is not None and not kv.lease:
+        if kv is not None and kv.lease in (0, lease):  # 0: written before the job lease existed
             found = json.loads(kv.value)
             return agree(mine, (found["backend"], found.get("host", "?")))
         compare = CreateRevisionEquals(keys.backend, 0) if kv is None else ModRevisionEquals(keys.backend,
                                                                                              kv.mod_revision)
-        written, _ = etcd.txn([compare], [Put(keys.backend, record)], retry_deadline=deadline)
+        try:
+            written, _ = etcd.txn([compare], [Put(keys.backend, record, lease=lease)], retry_deadline=deadline)
+        except RendezvousError as exc:
+            if not lease_missing(exc):  # the job lease went (an ended job's history): take a new one
+                raise
+            continue
         if written:
             return mine
     raise ConfigError(f"--backend: could not agree on the job's backend in etcd ({keys.backend} keeps changing)")

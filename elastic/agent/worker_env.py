@@ -14,7 +14,7 @@ from typing import Mapping
 from elastic.rendezvous import RoundPlan
 
 from ..contract.devices import uses_nccl
-from ..contract.worker_config import WorkerConfig
+from ..contract.worker_config import INHERITED_SECRETS, WorkerConfig
 from . import addressing
 
 
@@ -80,7 +80,7 @@ def worker_env(
     rank = plan.rank_of(worker_id)
     local = plan.local_ranks(member_id)
     members = plan.member_order()
-    env = dict(base)
+    env = {k: v for k, v in base.items() if k not in INHERITED_SECRETS}  # the password goes by a 0600 file
     env.update(
         RANK=str(rank),
         # The worker's device slot (device_slots.py): its GPU for the life of the process,

@@ -38,11 +38,13 @@ from . import horovodrun, no_effect
 from .join_hint import join_hint
 from . import torchrun
 from . import slurm
+from . import etcd_secrets
 from .options import (
     ETCD_OPTIONS,
     JOB_OPTIONS,
     USAGE_ERROR,
     OptionParser,
+    add_allow_insecure,
     add_option,
     add_switch,
     coerce_env_values,
@@ -50,7 +52,9 @@ from .options import (
     exit_code,
     group_options,
     hang_timeout,
+    non_negative_float,
     non_negative_int,
+    port,
     positive_float,
     positive_int,
     ratio_above_one,
@@ -95,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "on the route to etcd; gloo/NCCL then use the interface holding it)")
     opt("--rdzv-ttl", positive_float, 10.0, "seconds after which a silent host is declared lost")
     opt("--rdzv-timeout", positive_float, 600.0, "seconds to wait for min-np workers before failing")
-    opt("--rdzv-settle", float, 0.5, "seconds to wait for more joiners once min-np are present")
+    opt("--rdzv-settle", non_negative_float, 0.5, "seconds to wait for more joiners once min-np are present")
     opt("--collective-timeout", positive_float, 60.0, "seconds a collective may block before it counts as failed")
     opt("--hang-timeout", hang_timeout, help="seconds without progress after which a worker is declared hung, "
         "killed (replaced within --max-restarts); 0 or off disables (default: 3x the slowest commit interval "
@@ -110,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(NAME.1 to NAME.5 kept; 100M, 64KiB, ...; 0: never)")
     opt("--console-ranks", console_ranks, help="ranks whose output the console shows: all, or a list (0,2-3) "
         "(default: every rank's lines, only rank 0's progress-bar redraws)")
-    opt("--health-port", int, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
+    opt("--health-port", port, help="serve GET /healthz (pod probes) and /metrics (Prometheus) on this port")
     opt("--health-addr", help="address the health/metrics server listens on (default: --host-addr; "
                               "0.0.0.0 for every interface)")
     opt("--grace-period", positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--chaos-seed", int, help="seed of --chaos-kill-every's choices (default: random)")
     for flag, text in ETCD_OPTIONS:
         opt(flag, help=text)
+    add_allow_insecure(p)
     opt("--etcd-retry-deadline", positive_float, help="seconds an etcd request is retried while etcd is "
         "unavailable before it counts as failed (default 30); agent and workers ride out longer outages anyway")
     p.add_argument(horovodrun.SHIM_FLAG, action="store_true", help="let the script's `import horovod.torch` give "
@@ -224,6 +229,8 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     given = no_effect.given_as(parser, args)
     coerce_env_values(parser, args)
     slurm.apply(args, os.environ)  # under srun: Slurm's job id, node name, rendezvous (explicit options win)
+    etcd_secrets.apply_job_secret(args, os.environ)  # ELASTIC_JOB_SECRET with the user's endpoint
+    etcd_secrets.resolve_password(args, argv)  # from its file; never to workers but as a 0600 file
     if args.backend not in BACKENDS:
         raise ConfigError(f"--backend must be auto, gloo or nccl (got {args.backend!r})")
     if not args.module and not os.path.isfile(args.script):
@@ -283,7 +290,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
             checkpoint["checkpoint_every"] = 100
     etcd_options = {
         k: getattr(args, k)
-        for k in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password", "etcd_retry_deadline")
+        for k in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file", "etcd_retry_deadline")
         if getattr(args, k)
     }
     config = AgentConfig(

@@ -8,9 +8,12 @@ line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from elastic.rendezvous import ConfigError, EtcdConfig
+
+from . import etcd_secrets
 
 # The commands import it from here; its value is the contract's (exit_codes.py).
 from ..contract.exit_codes import USAGE_ERROR  # noqa: F401
@@ -46,7 +49,21 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
+    if not value > 0 or math.isinf(value):  # inf overflows timedelta, leases and timeouts (review 11)
+        raise ValueError
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:  # nan would never settle a round
+        raise ValueError
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
         raise ValueError
     return value
 
@@ -62,14 +79,14 @@ def exit_code(text: str) -> int:
 def hang_timeout(text: str) -> float:
     """Seconds (0 or "off" disables); below 1 s a heartbeat gap would already count."""
     value = 0.0 if text.strip().lower() == "off" else float(text)
-    if value != 0 and not value >= 1:
+    if value != 0 and not 1 <= value < math.inf:
         raise ValueError
     return value
 
 
 def ratio_above_one(text: str) -> float:
     value = float(text)
-    if not value > 1:  # at or below 1, half of any ring would be "slower than the median"
+    if not 1 < value < math.inf:  # at or below 1, half of any ring would be "slower than the median"
         raise ValueError
     return value
 
@@ -90,6 +107,8 @@ on_off.__name__ = "1/true/yes/on or 0/false/no/off"
 hang_timeout.__name__ = "number of seconds >= 1, or 0/off"
 non_negative_int.__name__ = "non-negative integer"
 positive_float.__name__ = "positive number"
+non_negative_float.__name__ = "number >= 0"
+port.__name__ = "port number (0-65535)"
 
 
 # --help's placeholder by the kind of value (--nproc-per-node N, not NODE); else the flag's last word.
@@ -126,12 +145,19 @@ ETCD_OPTIONS = (
     ("--etcd-cert", "client certificate (PEM)"),
     ("--etcd-key", "client key (PEM)"),
     ("--etcd-user", "etcd user name"),
-    ("--etcd-password", "etcd password"),
+    ("--etcd-password", "etcd password (visible in ps: prefer --etcd-password-file)"),
+    ("--etcd-password-file", "file holding the etcd password (mode 0600); workers get its path, never the password"),
 )
+
+
+def add_allow_insecure(p: argparse.ArgumentParser) -> None:
+    add_switch(p, "--allow-insecure", "accept an etcd password without TLS (--etcd-ca), or an https:// endpoint "
+               "without a CA; refused otherwise")
 
 
 def etcd_config(args: argparse.Namespace) -> EtcdConfig:
     """The EtcdConfig the options describe (endpoint, TLS files, credentials)."""
+    etcd_secrets.resolve_password(args)
     return EtcdConfig.from_string(
         args.rdzv_endpoint,
         ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
@@ -188,7 +214,8 @@ OPTION_GROUPS = (
         "--log-dir", "--log-max-bytes", "--console-ranks", "--health-port", "--health-addr", "--chaos-kill-every",
         "--chaos-seed")),
     ("security", "TLS and credentials for an external etcd (SECURITY.md)", (
-        "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password")),
+        "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password", "--etcd-password-file",
+        "--allow-insecure")),
     ("compatibility", "torchrun's spellings (--nnodes, --rdzv-id, --nproc_per_node gpu, --standalone ...)\n"
                       "and horovodrun's (-np, --reset-limit, -H localhost:N ...) are translated, or refused\n"
                       "with what to use instead (docs/torchrun.md)", (

@@ -12,6 +12,14 @@ the job id (``RDZV_PORT_BASE + id % RDZV_PORT_SPAN``, so two jobs sharing a node
 rarely collide), and the other nodes reach it there. It lives and dies with that
 node: a production job points every allocation at an external etcd instead.
 
+That etcd speaks TLS and wants a password, both derived from a per-job secret
+(rendezvous/job_secret.py): ``ELASTIC_JOB_SECRET`` or ``ELASTIC_JOB_SECRET_FILE`` when
+the job gives one, else one the first node generates into a 0600 file under
+``$ELASTIC_JOB_SECRET_DIR`` (default ``~/.elastic-run/secrets``, on the shared home
+directory) that the other nodes read once the first node's etcd listens. Other users
+of the cluster can compute the port but cannot talk to the etcd; a process of theirs
+squatting the port does not hold the job's certificate and is refused in one line.
+
 A requeued job keeps its Slurm id; its default job id gets ``-r<SLURM_RESTART_COUNT>``
 appended, so an external etcd still holding the ended first run's status (kept a day
 for ``elastic-run status``) does not end the new run at once. Training state comes
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import socket
 import threading
@@ -30,6 +39,11 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from elastic.rendezvous import ConfigError, EmbeddedEtcd, RendezvousError
+from elastic.rendezvous.job_secret import SECRET_FILE_ENV, new_secret, read_secret_file, secret_from_env, \
+    write_secret_file
+from elastic.rendezvous.tls_probe import TlsFiles, tls_refusal
+
+from .etcd_secrets import expect_job_secret, use_job_secret
 
 log = logging.getLogger(__name__)
 
@@ -118,31 +132,82 @@ def apply(args: argparse.Namespace, env: Mapping[str, str]) -> None:
         # A requeued run of the job (its own id, -r<N>) takes over its checkpoint directory.
         args.checkpoint_take_over = True
     args.job_id = args.job_id or found.job_id
+    if args.slurm_rendezvous and not (getattr(args, "etcd_ca", None) or getattr(args, "etcd_user", None)):
+        # The job's own etcd: its credentials come from the job secret once serve_rendezvous has it.
+        args.slurm_secret = secret_from_env(env)
+        args.slurm_secret_file = env.get(SECRET_FILE_ENV) or default_secret_file(env, args.job_id)
+        expect_job_secret(args)  # the file paths the workers will get; serve_rendezvous writes them
     args.host_id = args.host_id or found.host_id
     if args.nproc_per_node is None:
         args.nproc_per_node = found.nproc_per_node
 
 
+def default_secret_file(env: Mapping[str, str], job_id: str) -> str:
+    """Where the first node leaves a generated job secret for the others (shared home)."""
+    directory = env.get("ELASTIC_JOB_SECRET_DIR") or os.path.join(os.path.expanduser("~"), ".elastic-run", "secrets")
+    return os.path.join(directory, f"{job_id}.secret")
+
+
 def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
     """main's hook: on the first node, start the embedded etcd the others will reach
-    (returned, for main to stop); on the others, wait until it listens."""
+    (returned, for main to stop); on the others, wait until it listens and prove that
+    it is the job's (its certificate chains to the job's CA)."""
     how = getattr(args, "slurm_rendezvous", None)
     if how is None:
         return None  # not under Slurm, or the user's own endpoint
     host, port = args.rdzv_endpoint.rsplit(":", 1)
+    secured = hasattr(args, "slurm_secret")
     if how == "serve":
         try:
             address = socket.gethostbyname(host)
         except OSError as exc:
             raise RendezvousError(f"cannot resolve this node's name {host} for the job's embedded etcd: {exc}") from None
-        etcd = _StepEtcd(host=address, port=int(port))
+        security, joins = None, ""
+        if secured:
+            secret = args.slurm_secret
+            if secret is None:
+                secret = new_secret()
+                try:
+                    os.makedirs(os.path.dirname(args.slurm_secret_file), mode=0o700, exist_ok=True)
+                    write_secret_file(args.slurm_secret_file, secret)
+                except OSError as exc:
+                    raise RendezvousError(f"cannot write the job secret {args.slurm_secret_file}: "
+                                          f"{exc.strerror or exc} (or set ELASTIC_JOB_SECRET)") from None
+            security = use_job_secret(args, secret)
+            args.etcd_password = security.password
+            joins = f" and {SECRET_FILE_ENV}={args.slurm_secret_file}" if args.slurm_secret is None else \
+                " and the same ELASTIC_JOB_SECRET"
+        etcd = _StepEtcd(host=address, port=int(port), security=security, server_names=(host,))
+        etcd.generated_secret = args.slurm_secret_file if secured and args.slurm_secret is None else None
         etcd.start()
         etcd.keep_up()
-        log.info("embedded etcd for the Slurm job at %s (%s); another allocation joins with "
-                 "--rdzv-endpoint %s --job-id %s", args.rdzv_endpoint, address, args.rdzv_endpoint, args.job_id)
+        log.info("embedded etcd for the Slurm job at %s (%s%s); another allocation joins with "
+                 "--rdzv-endpoint %s --job-id %s%s", args.rdzv_endpoint, address, ", TLS and auth" if secured else "",
+                 args.rdzv_endpoint, args.job_id, joins)
         return etcd
+    deadline = time.monotonic() + WAIT_FOR_EMBEDDED_S
     _wait_for_listener(host, int(port), WAIT_FOR_EMBEDDED_S)
+    if secured:
+        secret = args.slurm_secret or _wait_for_secret(args.slurm_secret_file, deadline)
+        security = use_job_secret(args, secret)
+        args.etcd_password = security.password
+        refusal = tls_refusal(host, int(port), TlsFiles(args.etcd_ca), timeout=5.0)
+        if refusal is not None:
+            raise RendezvousError(f"the listener at {host}:{port} is not this job's etcd, refused: {refusal} "
+                                  f"(another process on the port?)")
     return None
+
+
+def _wait_for_secret(path: str, deadline: float) -> str:
+    """The secret the first node generated (it writes the file before its etcd listens)."""
+    while True:
+        try:
+            return read_secret_file(path)
+        except ConfigError as exc:
+            if os.path.exists(path) or time.monotonic() > deadline:
+                raise RendezvousError(f"{exc} (the first node writes it; without a shared home directory set "
+                                      f"ELASTIC_JOB_SECRET in the batch script)") from None
+        time.sleep(0.2)
 
 
 class _StepEtcd(EmbeddedEtcd):
@@ -175,7 +240,14 @@ class _StepEtcd(EmbeddedEtcd):
                 except RendezvousError as exc:
                     log.warning("cannot start the embedded etcd again: %s", exc)
 
+    generated_secret = None  # the secret file this node wrote: it goes with the job's etcd
+
     def stop(self) -> None:
+        if self.generated_secret:
+            try:
+                os.unlink(self.generated_secret)
+            except OSError:
+                pass
         guard = getattr(self, "_guard", None)
         if guard is None:
             super().stop()

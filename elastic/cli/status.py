@@ -23,7 +23,9 @@ from elastic.rendezvous import ConfigError, Etcd, JobKeys, RendezvousError, vali
 from elastic.rendezvous.job_view import JobView, job_view, read_job
 
 from ..timeline.progress import JobProgress
-from .options import ETCD_OPTIONS, JOB_OPTIONS, USAGE_ERROR, OptionParser, add_option, coerce_env_values, etcd_config
+from . import etcd_secrets
+from .options import (ETCD_OPTIONS, JOB_OPTIONS, USAGE_ERROR, OptionParser, add_allow_insecure, add_option,
+                      coerce_env_values, etcd_config)
 
 NOT_FOUND = 1
 WATCH_INTERVAL_S = 2.0
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "--rdzv-endpoint", help="the job's etcd v3 endpoints HOST:PORT[,HOST:PORT...]")
     for flag, text in [o for o in JOB_OPTIONS if o[0] != "--rdzv-endpoint"] + list(ETCD_OPTIONS):
         add_option(p, flag, help=text)
+    add_allow_insecure(p)
     p.add_argument("--json", action="store_true", help="one JSON object (with --watch: one per line)")
     p.add_argument("--watch", action="store_true", help="draw again every 2 s until Ctrl-C")
     return p
@@ -133,6 +136,7 @@ def main(argv: Sequence[str], *, out=None, stopped: Optional[Callable[[float], b
         if not args.rdzv_endpoint or not args.job_id:
             raise ConfigError("give --rdzv-endpoint and --job-id (or ELASTIC_RDZV_ENDPOINT and ELASTIC_JOB_ID)")
         keys = JobKeys(validate_job_id(args.job_id))
+        etcd_secrets.apply_job_secret(args)  # ELASTIC_JOB_SECRET[_FILE]: the job's own etcd
         config = etcd_config(args)
     except ConfigError as exc:
         print(f"elastic-run status: error: {exc}", file=sys.stderr)

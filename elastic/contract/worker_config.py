@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 PREFIX = "ELASTIC_WORKER_"
+# Never passed on to a worker: the etcd password and the job secret (cli/etcd_secrets.py).
+# A worker reads the password from the 0600 file ``etcd_password_file`` names.
+INHERITED_SECRETS = ("ELASTIC_ETCD_PASSWORD", "ELASTIC_JOB_SECRET")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class WorkerConfig:
     etcd_cert: Optional[str] = None
     etcd_key: Optional[str] = None
     etcd_user: Optional[str] = None
-    etcd_password: Optional[str] = None
+    etcd_password_file: Optional[str] = None  # a 0600 file: the password is never in the environment
     etcd_retry_deadline: Optional[float] = None  # --etcd-retry-deadline (None: EtcdConfig's default)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: Optional[int] = None

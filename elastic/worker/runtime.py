@@ -36,6 +36,7 @@ from elastic.rendezvous import (
     RoundPlan,
 )
 from elastic.rendezvous.errors import RendezvousTimeoutError
+from elastic.rendezvous.job_secret import read_private_file
 
 from .commit_fence import CommitFence
 from ..contract.console import FILE_ONLY
@@ -138,7 +139,8 @@ class Runtime:
                 cert_cert=cfg.etcd_cert,
                 cert_key=cfg.etcd_key,
                 user=cfg.etcd_user,
-                password=cfg.etcd_password,
+                password=read_private_file(cfg.etcd_password_file, "etcd password file")
+                if cfg.etcd_password_file else None,
                 retry_deadline=cfg.etcd_retry_deadline,
             )
         )

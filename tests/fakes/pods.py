@@ -51,6 +51,10 @@ _ENDPOINT_VAR, _ENDPOINT_OPT = "ELASTIC_RDZV_ENDPOINT", "--rdzv-endpoint"
 _CKPT_VAR, _CKPT_OPT = "ELASTIC_CHECKPOINT_DIR", "--checkpoint-dir"
 _LOG_VAR, _LOG_OPT = "ELASTIC_LOG_DIR", "--log-dir"
 _HEALTH_VAR, _HEALTH_OPT = "ELASTIC_HEALTH_PORT", "--health-port"
+# Where the worker pod mounts the etcd CA and password (the Secrets of
+# docs/kubernetes-security.md), and the variables that name files there.
+ETCD_CREDENTIALS_MOUNT = "/etc/elastic-etcd"
+_ETCD_CREDENTIAL_VARS = ("ELASTIC_ETCD_CA", "ELASTIC_ETCD_USER", "ELASTIC_ETCD_PASSWORD_FILE")
 
 
 class ManifestError(ValueError):
@@ -284,9 +288,12 @@ def pod_command(
     extra_args: Sequence[str] = (),
     base_env: Mapping[str, str] | None = None,
     completion_index: int | None = None,
+    etcd_credentials: str | os.PathLike[str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """argv and env that run the manifest's worker pod `pod_name` as a local process.
 
+    - the etcd credentials mount -> `etcd_credentials` (a directory holding ca.crt and
+      password, as the Secrets project them), or, when None, dropped: a plaintext local etcd.
     - ELASTIC_RDZV_ENDPOINT (and any --rdzv-endpoint arg) -> `etcd_endpoint`.
     - ELASTIC_CHECKPOINT_DIR -> `checkpoint_dir`; ELASTIC_LOG_DIR -> `log_dir`, or
       dropped when None (both live on the cluster's shared volume).
@@ -316,6 +323,11 @@ def pod_command(
             pod_env[var] = value
         argv = _set_option(argv, option, value)
 
+    for var in _ETCD_CREDENTIAL_VARS:
+        if etcd_credentials is None:
+            pod_env.pop(var, None)
+        elif pod_env.get(var, "").startswith(ETCD_CREDENTIALS_MOUNT + "/"):
+            pod_env[var] = os.fspath(etcd_credentials) + pod_env[var][len(ETCD_CREDENTIALS_MOUNT):]
     app_path = Path(app_dir)
     argv = [_map_app_dir(part, app_path) for part in argv]
     pod_env = {name: _map_app_dir(value, app_path) for name, value in pod_env.items()}

@@ -17,6 +17,7 @@ import re
 import shlex
 import subprocess
 import sys
+import os
 import tomllib
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def test_full_builds_have_unique_names():
         keys = [(doc["kind"], doc["metadata"]["name"]) for doc in render(path)]
         assert len(keys) == len(set(keys)), keys
         assert {kind for kind, _ in keys} == {
-            "Service", "StatefulSet", "PodDisruptionBudget", "Job", "PersistentVolumeClaim"
+            "Service", "StatefulSet", "PodDisruptionBudget", "Job", "PersistentVolumeClaim", "NetworkPolicy"
         }
 
 
@@ -171,7 +172,7 @@ def test_etcd_is_a_three_member_statefulset_with_stable_peer_names(path):
     members = dict(item.split("=", 1) for item in args["initial-cluster"].split(","))
     assert sorted(members) == [f"{name}-{i}" for i in range(spec["replicas"])]
     for member, url in members.items():
-        assert url.startswith(f"http://{member}.{spec['serviceName']}.")
+        assert url.startswith(f"https://{member}.{spec['serviceName']}.")  # peers speak TLS
     assert args["name"] == "$(POD_NAME)"
     assert args["initial-advertise-peer-urls"] == members[f"{name}-0"].replace(f"{name}-0", "$(POD_NAME)", 1)
     env = {var["name"]: var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for var in etcd["env"]}
@@ -215,7 +216,8 @@ def test_etcd_keeps_quorum_through_voluntary_disruptions(path):
 def test_workers_point_at_the_etcd_client_service(path):
     docs = render(path)
     env = pod_env(docs)
-    host, port = env["ELASTIC_RDZV_ENDPOINT"].rsplit(":", 1)
+    assert env["ELASTIC_RDZV_ENDPOINT"].startswith("https://")
+    host, port = env["ELASTIC_RDZV_ENDPOINT"].removeprefix("https://").rsplit(":", 1)
     service = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == host)
     assert service["spec"].get("clusterIP") != "None", "the client Service, not the headless one"
     assert int(port) in [p["port"] for p in service["spec"]["ports"]]
@@ -584,3 +586,129 @@ def test_an_indexed_job_pod_needs_its_index_and_gets_it_as_kubernetes_sets_it(tm
         "fieldPath": f"metadata.labels['{COMPLETION_INDEX_KEY}']"}}})
     env = manifest_env(docs, pod_name="p", completion_index=4)
     assert env[COMPLETION_INDEX_VAR] == env["IDX"] == "4"
+
+
+# --- who can reach etcd, and with what (review finding 4; docs/kubernetes-security.md) ------
+
+
+def _pod_of(docs: list[dict], name: str) -> dict:
+    return next(d for d in docs if d["kind"] in ("Job", "StatefulSet") and d["metadata"]["name"] == name)
+
+
+def _hardened(workload: dict, read_only_root: bool) -> None:
+    pod = workload["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    for container in pod["containers"]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False and context["capabilities"]["drop"] == ["ALL"]
+        assert context.get("readOnlyRootFilesystem", False) is read_only_root
+
+
+def _secret_behind(pod: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) that the file ``path`` of ``container`` comes from."""
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    name = path[len(mount["mountPath"]) + 1:]
+    sources = [s["secret"] for s in volume["projected"]["sources"]] if "projected" in volume else \
+        [{"name": volume["secret"]["secretName"], "items": [{"key": name, "path": name}]}]
+    return next((s["name"], i["key"]) for s in sources for i in s["items"] if i["path"] == name)
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
+def test_etcd_speaks_tls_with_auth_behind_a_network_policy_in_hardened_containers(path):
+    docs = render(path)
+    sts = one(docs, "StatefulSet")
+    (etcd,) = sts["spec"]["template"]["spec"]["containers"]
+    args = flags(etcd["args"])
+    assert args["listen-client-urls"].startswith("https://") and args["listen-peer-urls"].startswith("https://")
+    assert args["peer-client-cert-auth"] == "true"
+    for flag in ("cert-file", "key-file", "peer-cert-file", "peer-key-file", "peer-trusted-ca-file"):
+        assert _secret_behind(sts["spec"]["template"]["spec"], etcd, args[flag])[0] == "etcd-tls", flag
+    _hardened(sts, read_only_root=True)
+    auth = _pod_of(docs, "etcd-auth")
+    _hardened(auth, read_only_root=True)
+    auth_args = dict(zip(auth["spec"]["template"]["spec"]["containers"][0]["args"][3::2],
+                         auth["spec"]["template"]["spec"]["containers"][0]["args"][4::2]))
+    auth_pod, (auth_container,) = auth["spec"]["template"]["spec"], auth["spec"]["template"]["spec"]["containers"]
+    assert _secret_behind(auth_pod, auth_container, auth_args["--root-password-file"]) == ("etcd-auth",
+                                                                                         "root-password")
+
+    # 2379 only from the job's workers and the auth Job, 2380 only from etcd; nothing else.
+    policy = next(p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "etcd")
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], sts["spec"]["template"]["metadata"]["labels"])
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    admitted = {}
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("from"), "a rule without 'from' admits everyone"
+        labels = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+        assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # no namespaceSelector / ipBlock
+        for port in rule["ports"]:
+            admitted.setdefault(port["port"], []).extend(labels)
+    worker_labels = worker(docs)[0]["spec"]["template"]["metadata"]["labels"]
+    etcd_labels = sts["spec"]["template"]["metadata"]["labels"]
+    auth_labels = auth["spec"]["template"]["metadata"]["labels"]
+    assert sorted(admitted) == [2379, 2380]
+    assert [selects(s, worker_labels) or selects(s, auth_labels) for s in admitted[2379]] == [True, True]
+    assert not any(selects(s, etcd_labels) for s in admitted[2379])
+    assert [selects(s, etcd_labels) for s in admitted[2380]] == [True]
+    assert not any(selects(s, worker_labels) for s in admitted[2380])
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
+def test_worker_ports_admit_only_the_jobs_pods_but_for_the_health_port(path):
+    docs = render(path)
+    workload, _, container = worker(docs)
+    policy = next(p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "elastic-worker")
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], labels)
+    open_ports = [port["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for port in rule["ports"]]
+    assert open_ports == [int(pod_env(docs)["ELASTIC_HEALTH_PORT"])] == [named_port(container, "health")]
+    (peers,) = [rule["from"] for rule in policy["spec"]["ingress"] if "from" in rule]
+    assert [selects(peer["podSelector"]["matchLabels"], labels) for peer in peers] == [True]
+    assert not any("ports" in rule for rule in policy["spec"]["ingress"] if "from" in rule)  # every port, job only
+
+
+@pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")
+def test_workers_read_the_etcd_ca_and_password_from_the_secrets_never_from_env(path):
+    docs = render(path)
+    _, pod, container = worker(docs)
+    env = pod_env(docs)
+    assert "ELASTIC_ETCD_PASSWORD" not in env and env["ELASTIC_ETCD_USER"] == "elastic"
+    assert _secret_behind(pod, container, env["ELASTIC_ETCD_CA"]) == ("etcd-tls", "ca.crt")
+    assert _secret_behind(pod, container, env["ELASTIC_ETCD_PASSWORD_FILE"]) == ("etcd-auth", "elastic-password")
+    assert not any("secretKeyRef" in var.get("valueFrom", {}) for var in container["env"])
+
+
+def test_a_pods_command_line_reaches_an_etcd_with_tls_and_auth_from_the_secrets_files(tmp_path, monkeypatch):
+    """The worker pod's argv and env, its Secret files mapped to a local directory: the
+    launcher parses them and logs in over TLS (a JobSecret etcd: user "elastic", like the
+    Secret's) - and without the files no stranger gets in."""
+    from elastic.cli import launch
+    from elastic.cli.options import etcd_config
+    from elastic.rendezvous import EmbeddedEtcd, Etcd, EtcdConfig, RendezvousError
+    from elastic.rendezvous.job_secret import JobSecret, new_secret, write_private_file
+    from tests.conftest import etcd_binary_or_skip
+
+    js = JobSecret(new_secret())
+    credentials = tmp_path / "secrets"
+    credentials.mkdir(mode=0o700)
+    write_private_file(str(credentials / "ca.crt"), js.ca_pem())
+    write_private_file(str(credentials / "password"), js.password.encode())
+    with EmbeddedEtcd(binary=etcd_binary_or_skip(), security=js) as server:
+        argv, env = pod_command(render(CPU_BUILD), pod_name="elastic-worker-0", completion_index=0,
+                                etcd_endpoint=f"https://{server.endpoint}", checkpoint_dir=tmp_path / "ckpt",
+                                etcd_credentials=credentials)
+        assert env["ELASTIC_ETCD_PASSWORD_FILE"] == str(credentials / "password")
+        for name in list(os.environ):
+            monkeypatch.delenv(name) if name.startswith("ELASTIC_") else None
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        config, args = launch.parse(argv[1:])
+        assert config.etcd_options["etcd_password_file"] == str(credentials / "password")
+        with Etcd(etcd_config(args)) as client:
+            client.put("/elastic/digits/k", b"v")
+        with Etcd(EtcdConfig.from_string(server.endpoint, retry_deadline=1.0)) as stranger:
+            with pytest.raises(RendezvousError):
+                stranger.get("/elastic/digits/k")

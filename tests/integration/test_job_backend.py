@@ -56,4 +56,13 @@ def test_an_ended_jobs_record_does_not_bind_a_new_job_of_that_id(etcd, keys):
     etcd.txn([], [Put(keys.backend, json.dumps({"backend": CPU_AND_CUDA, "host": "old"}).encode(), lease=lease)])
     assert settle(etcd, keys, "gloo", "new") == "gloo"
     kv = etcd.get(keys.backend)
-    assert json.loads(kv.value)["host"] == "new" and not kv.lease
+    assert json.loads(kv.value)["host"] == "new" and kv.lease != lease
+
+
+def test_the_record_hangs_on_the_job_lease_and_goes_with_an_abandoned_job(etcd, keys):
+    assert settle(etcd, keys, "gloo", "a", abandoned_after=600) == "gloo"
+    job_lease = etcd.get(keys.job_lease).lease
+    assert job_lease and etcd.get(keys.backend).lease == job_lease
+    assert settle(etcd, keys, CPU_AND_CUDA, "b") == "gloo"  # still the job's record
+    etcd.revoke_lease(job_lease)  # what its expiry does, a week after the last agent died
+    assert etcd.get(keys.backend) is None

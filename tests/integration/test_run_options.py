@@ -338,16 +338,20 @@ def secure_etcd(tmp_path_factory):
     server.stop()
 
 
-def secure_options(server, pki, password: str) -> list[str]:
+def secure_options(server, pki, password: str, directory: Path) -> list[str]:
+    """The password from a 0600 file, as on a shared host (--etcd-password would be in ps, and warned about)."""
+    password_file = directory / "etcd-password"
+    password_file.write_text(password + "\n")
+    password_file.chmod(0o600)
     return ["--rdzv-endpoint", f"https://{server.endpoint}", "--etcd-ca", pki["ca"], "--etcd-cert", pki["client_cert"],
-            "--etcd-key", pki["client_key"], "--etcd-user", "root", "--etcd-password", password]
+            "--etcd-key", pki["client_key"], "--etcd-user", "root", "--etcd-password-file", str(password_file)]
 
 
 @heavy
 def test_an_agent_and_its_workers_run_over_tls_with_a_password(tmp_path, secure_etcd):
     server, pki = secure_etcd
     job_id = new_job_id("secure")
-    job = train(tmp_path, [*secure_options(server, pki, "s3cret"), "--job-id", job_id, "--host-addr", "127.0.0.1",
+    job = train(tmp_path, [*secure_options(server, pki, "s3cret", tmp_path), "--job-id", job_id, "--host-addr", "127.0.0.1",
                            "--nproc-per-node", "2", "--min-np", "2"],
                 ["--steps", "20", "--step-delay", "0.02"])
     assert job.wait(240) == 0, job.text()[-3000:]
@@ -364,7 +368,7 @@ def test_an_agent_and_its_workers_run_over_tls_with_a_password(tmp_path, secure_
 def test_a_wrong_etcd_password_fails_the_agent_at_once_with_one_line(tmp_path, secure_etcd):
     server, pki = secure_etcd
     started = time.monotonic()
-    job = train(tmp_path, [*secure_options(server, pki, "wrong"), "--job-id", new_job_id("secure"),
+    job = train(tmp_path, [*secure_options(server, pki, "wrong", tmp_path), "--job-id", new_job_id("secure"),
                            "--host-addr", "127.0.0.1", "--nproc-per-node", "1", "--min-np", "1"],
                 ["--steps", "5"])
     assert job.wait(60) == 1, job.text()

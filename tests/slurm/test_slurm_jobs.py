@@ -66,7 +66,7 @@ def test_a_three_node_job_trains_to_the_end_like_a_plain_run(slurm_cluster, tmp_
                                                    "--out", str(tmp_path / "out"), "--steps", "30", "--float64",
                                                    "--global-batch", "30"])  # equal shares of 3 (and of 1)
     assert job.wait() == "COMPLETED", job.text()[-3000:]
-    assert "embedded etcd for the Slurm job at" in job.text()
+    assert "embedded etcd for the Slurm job at" in job.text() and "TLS and auth" in job.text()  # review finding 3
     agents = {e["host"] for e in job.events() if e["event"] == "agent_started"}
     assert agents == set(job.nodes())  # the node names are the host ids
     assert {(s["world"], s["round"]) for s in job.steps()} == {(3, 1)}  # one ring of three, never re-formed
@@ -142,11 +142,14 @@ def test_a_second_allocation_joins_the_running_job(slurm_cluster, tmp_path):
               "--stop-file", str(stop)]
     first = SlurmJob(slurm_cluster, tmp_path / "first", "2", [*ELASTIC, *script], out=out)
     first.wait_for_step(3)
-    join = re.search(r"joins with --rdzv-endpoint (\S+) --job-id (\S+)", first.text())
+    join = re.search(r"joins with --rdzv-endpoint (\S+) --job-id (\S+) and ELASTIC_JOB_SECRET_FILE=(\S+)",
+                     first.text())
     assert join, first.text()[-3000:]
-    endpoint, job_id = join.groups()
+    endpoint, job_id, secret_file = join.groups()
+    # The first run's etcd wants TLS and a password: both come from its job secret.
     second = SlurmJob(slurm_cluster, tmp_path / "second", "1", [*ELASTIC, *script], out=out,
-                      env={"ELASTIC_RDZV_ENDPOINT": endpoint, "ELASTIC_JOB_ID": job_id})
+                      env={"ELASTIC_RDZV_ENDPOINT": endpoint, "ELASTIC_JOB_ID": job_id,
+                           "ELASTIC_JOB_SECRET_FILE": secret_file})
     assert poll(lambda: any(s["world"] == 3 for s in first.steps()), 240, 0.2), second.text()[-3000:]
     grown_at = min(s["step"] for s in first.steps() if s["world"] == 3)
     first.wait_for_step(grown_at + 3)

@@ -87,3 +87,9 @@ def test_a_sticky_cuda_error_is_left_to_the_main_thread_to_classify():
     # gpu review G10: with 1 the watchdog SIGABRTs on a device-side assert before the main
     # thread can raise it as the user's error; the crash would be replaced until --max-restarts.
     assert nccl_env(CPU_AND_CUDA)["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
+
+
+def test_the_etcd_password_and_the_job_secret_are_not_inherited():
+    env = _env(base={"ELASTIC_ETCD_PASSWORD": "s3cret", "ELASTIC_JOB_SECRET": "x" * 64, "HOME": "/h"})
+    assert "ELASTIC_ETCD_PASSWORD" not in env and "ELASTIC_JOB_SECRET" not in env and env["HOME"] == "/h"
+    assert not any("s3cret" in value for value in env.values())

@@ -51,7 +51,7 @@ def test_version_prints_the_installed_version_and_exits_0():
     (["--min-np", "5", "--max-np", "4"], {}, "--min-np 5 is above --max-np 4"),
     (["--np", "8", "--max-np", "4"], {}, "--np 8 is above --max-np 4"),
     (["--np", "2"], {"ELASTIC_MIN_NP": "3"}, "ELASTIC_MIN_NP 3 is above --np 2"),
-    (["--np", "2", "--rdzv-settle", "-1"], {}, "--rdzv-settle must not be negative"),
+    (["--np", "2", "--rdzv-settle", "-1"], {}, "argument --rdzv-settle: invalid number >= 0 value: '-1'"),
     ([], {}, "no SCRIPT"),
 ])
 def test_errors_name_the_options_as_typed(tmp_path, monkeypatch, argv, env, message):

@@ -1,0 +1,187 @@
+"""The job's own etcd from a per-job secret (rendezvous/job_secret.py): TLS and auth on a real etcd.
+
+A client with the secret (its CA and password derived anew, as on another host) reads and
+writes; strangers (plaintext, the CA without the password, another job's secret) can do
+neither; a squatter on the port, started with another secret, is refused in one line, by
+the agent (ELASTIC_JOB_SECRET with --rdzv-endpoint) and by Slurm's other nodes.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+
+import pytest
+
+from elastic.cli import launch, slurm
+from elastic.cli.options import etcd_config
+from elastic.rendezvous import EmbeddedEtcd, Etcd, EtcdConfig, RendezvousAuthError, RendezvousError
+from elastic.rendezvous.job_secret import JobSecret, new_secret, write_secret_file
+from tests.fakes.jobs import ELASTIC_RUN, REPO
+
+from ..conftest import etcd_binary_or_skip
+
+
+@pytest.fixture(scope="module")
+def job_etcd():
+    secret = new_secret()
+    server = EmbeddedEtcd(binary=etcd_binary_or_skip(), security=JobSecret(secret)).start()
+    yield server, secret
+    server.stop()
+
+
+def _client(server, directory, secret, **overrides) -> Etcd:
+    js = JobSecret(secret)  # derived anew: what another host of the job has
+    files = js.client_files(str(directory))
+    options = dict(ca_cert=files.ca_cert, user=files.user, password=js.password, retry_deadline=1.0)
+    options.update(overrides)
+    return Etcd(EtcdConfig(endpoints=((server.host, server.client_port),), **options))
+
+
+def test_a_client_with_the_secret_reads_and_writes_the_job_prefix_only(job_etcd, tmp_path):
+    server, secret = job_etcd
+    with _client(server, tmp_path, secret) as client:
+        client.check()
+        client.put("/elastic/j/k", b"v")
+        assert client.get("/elastic/j/k").value == b"v"
+        with pytest.raises(RendezvousAuthError, match="permission denied"):
+            client.put("/elsewhere", b"v")
+
+
+@pytest.mark.parametrize("stranger", ["plaintext", "ca-without-password", "wrong-password", "another-secret"])
+def test_a_stranger_without_the_secret_can_neither_read_nor_write(job_etcd, tmp_path, stranger):
+    server, secret = job_etcd
+    with _client(server, tmp_path, secret) as owner:
+        owner.put("/elastic/j/mine", b"v")
+    overrides = {
+        "plaintext": dict(ca_cert=None, user=None, password=None),
+        "ca-without-password": dict(user=None, password=None),
+        "wrong-password": dict(password="guess"),
+        "another-secret": {},
+    }[stranger]
+    with _client(server, tmp_path, new_secret() if stranger == "another-secret" else secret, **overrides) as client:
+        for attempt in (lambda: client.get("/elastic/j/mine"), lambda: client.put("/elastic/j/mine", b"evil")):
+            with pytest.raises(RendezvousError):
+                attempt()
+    with _client(server, tmp_path, secret) as owner:
+        assert owner.get("/elastic/j/mine").value == b"v"
+
+
+@pytest.fixture
+def squatter():
+    server = EmbeddedEtcd(binary=etcd_binary_or_skip(), security=JobSecret(new_secret())).start()
+    yield server
+    server.stop()
+
+
+def test_the_agent_refuses_a_squatter_in_one_line(squatter, tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "ELASTIC_JOB_SECRET": new_secret()}
+    result = subprocess.run([*ELASTIC_RUN, "--rdzv-endpoint", squatter.endpoint, "--job-id", "j", "--np", "1",
+                             "--host-addr", "127.0.0.1", "--backend", "gloo", str(REPO / "tests/fakes/train_job.py")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("elastic-run:")]
+    assert len(lines) == 1 and "does not verify against our CA" in lines[0], result.stderr
+
+
+def _slurm_args(tmp_path, monkeypatch, node: str, job: int):
+    for name in list(__import__("os").environ):
+        if name.startswith(("SLURM", "ELASTIC_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", str(job))
+    monkeypatch.setenv("SLURMD_NODENAME", node)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    monkeypatch.setenv("ELASTIC_JOB_SECRET_DIR", str(tmp_path / "secrets"))
+    script = tmp_path / "train.py"
+    script.write_text("")
+    return launch.parse(["--np", "2", "--backend", "gloo", "--host-addr", "127.0.0.1", str(script)])[1]
+
+
+def test_slurms_first_node_serves_with_a_generated_secret_and_the_others_reach_it(tmp_path, monkeypatch):
+    job = random.randrange(1, 10**6)
+    served = slurm.serve_rendezvous(_slurm_args(tmp_path, monkeypatch, "localhost", job))
+    try:
+        secret_file = tmp_path / "secrets" / f"slurm-{job}.secret"
+        assert secret_file.stat().st_mode & 0o777 == 0o600
+        reach = _slurm_args(tmp_path, monkeypatch, "other", job)
+        assert slurm.serve_rendezvous(reach) is None  # listens, and holds the job's certificate
+        with Etcd(etcd_config(reach)) as client:
+            client.put(f"/elastic/slurm-{job}/k", b"v")
+        with Etcd(EtcdConfig.from_string(reach.rdzv_endpoint, retry_deadline=1.0)) as stranger:
+            with pytest.raises(RendezvousError):
+                stranger.get(f"/elastic/slurm-{job}/k")
+    finally:
+        served.stop()
+    assert not secret_file.exists()
+
+
+def test_slurms_other_nodes_refuse_a_squatter_on_the_port_in_one_line(tmp_path, monkeypatch):
+    job = random.randrange(1, 10**6)
+    port = slurm.RDZV_PORT_BASE + job % slurm.RDZV_PORT_SPAN
+    squatter = EmbeddedEtcd(binary=etcd_binary_or_skip(), port=port, security=JobSecret(new_secret())).start()
+    try:
+        (tmp_path / "secrets").mkdir(mode=0o700)
+        write_secret_file(str(tmp_path / "secrets" / f"slurm-{job}.secret"), new_secret())
+        reach = _slurm_args(tmp_path, monkeypatch, "other", job)
+        with pytest.raises(RendezvousError, match="is not this job's etcd, refused: etcd's certificate does not "
+                                                  "verify against our CA") as refused:
+            slurm.serve_rendezvous(reach)
+        assert "\n" not in str(refused.value)
+    finally:
+        squatter.stop()
+
+
+ENVIRON_PROBE = '''
+import json, os, runpy, subprocess, sys
+child = subprocess.run(["cat", "/proc/self/environ"], capture_output=True).stdout
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"self": open("/proc/self/environ", "rb").read().decode("latin-1"),
+                        "child": child.decode("latin-1")}) + "\\n")
+sys.argv = [sys.argv[2], *sys.argv[3:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_workers_log_in_from_a_0600_file_and_never_see_the_password_in_their_environment(job_etcd, tmp_path):
+    server, secret = job_etcd
+    probe, seen = tmp_path / "probe.py", tmp_path / "environ.jsonl"
+    probe.write_text(ENVIRON_PROBE)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "ELASTIC_JOB_SECRET": secret,
+           "ELASTIC_ETCD_PASSWORD": "env-s3cret"}  # ignored for the job secret's, and never passed on
+    result = subprocess.run([*ELASTIC_RUN, "--rdzv-endpoint", server.endpoint, "--job-id", "environ", "--np", "1",
+                             "--host-addr", "127.0.0.1", "--backend", "gloo", str(probe), str(seen),
+                             str(REPO / "tests/fakes/train_job.py"), "--steps", "3", "--out", str(tmp_path / "out")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]  # the worker logged in with the file's password
+    (record,) = [__import__("json").loads(line) for line in seen.read_text().splitlines()]
+    for environ in (record["self"], record["child"]):
+        assert "ELASTIC_WORKER_ETCD_PASSWORD_FILE=" in environ  # what it gets instead
+        for leaked in (JobSecret(secret).password, secret, "env-s3cret"):
+            assert leaked not in environ
+
+
+def test_the_kubernetes_auth_job_enables_auth_once_and_again_harmlessly(tmp_path, capsys):
+    """python -m elastic.cli.etcd_auth, as deploy/workers/etcd-auth-job.yaml runs it, on a TLS etcd without auth."""
+    from elastic.cli import etcd_auth
+    from elastic.rendezvous.job_secret import write_private_file
+
+    secret = new_secret()
+    js = JobSecret(secret)
+    server_files = js.server_files(str(tmp_path), ["127.0.0.1"])
+    files = js.client_files(str(tmp_path))
+    root = write_private_file(str(tmp_path / "root-password"), b"r00t")
+    server = EmbeddedEtcd(binary=etcd_binary_or_skip(), scheme="https", client_options={"ca_cert": files.ca_cert},
+                          extra_args=["--cert-file", server_files.cert, "--key-file", server_files.key]).start()
+    try:
+        argv = ["--endpoint", f"https://{server.endpoint}", "--ca", files.ca_cert, "--root-password-file", root,
+                "--password-file", files.password_file, "--wait", "5"]
+        assert etcd_auth.main(argv) == 0 and etcd_auth.main(argv) == 0
+        assert capsys.readouterr().out.splitlines() == [f"etcd_auth: auth enabled at {server.endpoint}",
+                                                         f"etcd_auth: auth was on already at {server.endpoint}"]
+        with _client(server, tmp_path, secret) as client:
+            client.put("/elastic/k", b"v")
+        with _client(server, tmp_path, secret, password=None, user=None) as stranger:
+            with pytest.raises(RendezvousAuthError):
+                stranger.put("/elastic/k", b"evil")
+    finally:
+        server.stop()
