@@ -23,6 +23,7 @@ Files written to --out (one line per event, flushed at once, so tests can watch)
   device-stall-<step>  written ({"pid", "time"}) by --device-stall-rank right before it queues its device sleep
   oom-<pid>       written (its time) by each rank right before it raises OutOfMemoryError (--oom-step)
   exit0-<step>    written (its pid) by --exit0-rank right before it calls os._exit(0) (once per job)
+  pre_train.jsonl {"pid", "round"} by every worker whose --pre-train-barrier returned
 """
 
 import argparse
@@ -103,6 +104,8 @@ p.add_argument("--record-slots", action="store_true", help="slots.jsonl: {pid, r
 p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                help="where the model and batches live; cuda: the GPU of the worker's LOCAL_RANK (modulo the "
                     "visible GPUs, so several workers can share one through gloo)")
+p.add_argument("--pre-train-barrier", action="store_true", help="a dist.barrier() before train(state), outside "
+               "the decorated function (\"rank 0 downloads, then a barrier\"): pre_train.jsonl {pid, round} after it")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -356,6 +359,10 @@ def train(state):
             if args.break_ring_every and state.step % args.break_ring_every == 0 and rank == world - 1:
                 lifecycle.current()._ring.abort()  # the next all-reduce fails on every rank
 
+
+if args.pre_train_barrier:
+    dist.barrier()
+    append("pre_train.jsonl", {"pid": os.getpid(), "round": elastic.round()})
 
 train(state)
 torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
