@@ -342,8 +342,9 @@ def settings_changed(committed: dict, current: dict) -> str:
                if key in committed and committed[key] != current[key]]
     if not changed:
         return ""
-    return (f"sampler settings differ from its committed state ({'; '.join(changed)}): its progress would "
-            f"mark other samples processed than those trained; construct it as it was committed")
+    # The advice first: a summary cut at its 300th character loses at most the end of a value.
+    return (f"sampler settings differ from its committed state (construct it as committed, or its progress "
+            f"would mark other samples processed than those trained): {'; '.join(changed)}")
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
