@@ -3,8 +3,8 @@ real etcd, a real agent, real gloo workers. In the job's first round every worke
 together and it works; the replacement of a killed worker runs it alone (the survivors
 never run that code again), has no ring for it, and the job fails at once with one line
 that says to move it into the decorated function (elastic/worker/pre_train.py says why it
-cannot be made to work). The same barrier's place inside the function is what every other
-kill test runs: DDP's broadcast in train_job.py's decorated function, on the replacement too.
+cannot be made to work). The same barrier inside the function works on a replacement:
+``test_fault_fates.py``'s replacement test runs it (``--setup-barrier inside``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_a_barrier_before_run_works_at_the_start_and_fails_a_replacement_in_one_line(tmp_path):
     out = tmp_path / "out"
     launcher = ["--np", "2", "--max-restarts", "1", "--collective-timeout", "20"]
-    script = ["--steps", "300", "--step-delay", "0.02", "--pre-train-barrier",
+    script = ["--steps", "300", "--step-delay", "0.02", "--setup-barrier", "before",
               "--kill-at", "3:after-allreduce", "--kill-rank", "1"]
     job = Job(tmp_path, Job.train_args(out, tmp_path / "logs", launcher, script))
     try:
@@ -30,7 +30,7 @@ def test_a_barrier_before_run_works_at_the_start_and_fails_a_replacement_in_one_
         job.kill()
     ended = os.path.getmtime(job.output)
     text = job.text()
-    first_round = read_jsonl(out / "pre_train.jsonl")
+    first_round = read_jsonl(out / "barrier.jsonl")
     assert sorted(r["round"] for r in first_round) == [1, 1], text[-3000:]  # both passed it together
     assert code == USER_ERROR, text[-3000:]
     failed = [line for line in text.splitlines() if line.startswith("elastic-run: job ") and " failed: " in line]
