@@ -49,7 +49,7 @@ class NoRingBeforeRun(ElasticError):
 def explain(exc: BaseException, runtime) -> BaseException:
     """``exc``, or, when it is torch's "no process group" met by a worker that has not entered
     its ring yet, the one-line ``NoRingBeforeRun`` that says what to do instead."""
-    joining = getattr(runtime, "joining_round", None)
+    joining = _joining_round(runtime)
     if joining is None or not isinstance(exc, (ValueError, RuntimeError)) or _NO_GROUP not in str(exc).lower():
         return exc
     site = call_site(exc.__traceback__)
@@ -57,6 +57,15 @@ def explain(exc: BaseException, runtime) -> BaseException:
         f"a collective before @elastic.run{f' ({site})' if site else ''} cannot run on a worker joining the "
         f"job under way (round {joining}): the running workers never run that code again; move it into the "
         f"@elastic.run function (elastic.rank() and elastic.size() work before it)")
+
+
+def _joining_round(runtime):
+    """The round ``runtime`` enters at its first sync, None once it is in a ring (or none
+    runs). ``Runtime.start`` keeps that plan aside as ``_deferred`` for a worker that joins
+    a job under way; read here rather than through a property of runtime.py, a hall kept
+    under its line limit."""
+    deferred = getattr(runtime, "_deferred", None)
+    return deferred.round if deferred is not None else None
 
 
 def call_site(tb) -> str:

@@ -160,10 +160,6 @@ class Runtime:
         else:
             self._enter(plan)
 
-    @property
-    def joining_round(self) -> Optional[int]:  # joining a job under way: no ring until its first sync
-        return self._deferred.round if self._deferred is not None else None
-
     def ensure_joined(self) -> None:
         """Join the ring whose position ``start`` took, if that was deferred."""
         if self._deferred is None:
