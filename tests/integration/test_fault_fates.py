@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from elastic.contract.exit_codes import JOB_FAILED
-from tests.fakes.jobs import Job, read_jsonl
+from tests.fakes.jobs import Job
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -64,6 +64,8 @@ def test_a_worker_that_exits_0_mid_training_is_replaced_and_the_job_trains_to_it
     assert any("exited 0 before its training function returned" in reason for reason in lost), lost
     assert len(_events(job, "worker_started")) == 3, text[-3000:]  # two, and the replacement
     assert exited not in {s["pid"] for s in job.steps() if s["step"] > 6}
+    from tests.fakes.jsonl import read_jsonl  # here, not at the top: a line other branches change
+
     barriers = read_jsonl(tmp_path / "out" / "barrier.jsonl")
     last = {b["pid"] for b in barriers if b["round"] == max(b["round"] for b in barriers) > 1}
     assert len(last) == 2 and exited not in last, barriers  # the survivor and the replacement
