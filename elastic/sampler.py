@@ -40,6 +40,24 @@ The one case no layout can serve is fewer remaining samples than ranks (a world
 that grew at the very end of an epoch): ``batches()`` then yields nothing and
 those samples are skipped for this epoch, with a warning.
 
+Iterating again within an epoch yields only what was not recorded yet, so once an
+epoch is complete a pass is empty until ``set_epoch`` starts the next one (said
+once per epoch in the log). Horovod's sampler repeats its last list instead; that is
+``elastic.horovod``'s behaviour, not this one's: repeating here would train samples
+of an epoch twice under the same epoch number, which is what this sampler exists to
+prevent (a loop that breaks out of the loader mid-epoch and iterates again would
+repeat the epoch's beginning).
+
+Settings and data sets
+----------------------
+``seed``, ``shuffle`` and ``drop_last`` are part of the state: the processed set is
+kept as a prefix of the permutation they make, so a resume with other values (a
+changed default in the script) would mark other samples processed than those that
+were trained. ``load_state_dict`` refuses it in one line naming the field; a state
+committed before these fields existed still loads. A data set without a length (an
+``IterableDataset``) has no indices to sample: such a stream is sharded by the script
+and its position kept in the state (see ``_length_of``).
+
 Constant global batch
 ---------------------
 ``batches(global_batch_size=G)`` fixes the batch of the job instead: each step's
@@ -56,13 +74,15 @@ import logging
 from typing import Iterable, Iterator, Sized
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset, Sampler
 
 from .global_batch import GlobalBatchSampler, global_batch_bounds, non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS = ("epoch", "length", "prefix", "processed")
+# Committed with the progress; absent from states committed before they were (those load).
+_SETTINGS = ("seed", "shuffle", "drop_last")
 
 
 class ElasticSampler(Sampler[int]):
@@ -76,9 +96,7 @@ class ElasticSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        length = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise ValueError(f"ElasticSampler needs a dataset or a length >= 0, got {dataset_or_len!r}")
+        length = _length_of(dataset_or_len)
         self.length = length
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -94,6 +112,7 @@ class ElasticSampler(Sampler[int]):
         self._pass: list[int] | None = None  # R of the current pass (see module doc)
         # Set by batches(): G in the constant-global-batch mode, None for per-rank batches.
         self.global_batch_size: int | None = None
+        self._told_complete: int | None = None  # the epoch whose empty pass was logged
 
     # -- epoch and world -------------------------------------------------------------
 
@@ -194,7 +213,11 @@ class ElasticSampler(Sampler[int]):
         processed; ``processed``: the other processed indices (usually none).
         """
         return {"epoch": self.epoch, "length": self.length, "prefix": self._prefix,
-                "processed": sorted(self._extra)}
+                "processed": sorted(self._extra), **self.settings()}
+
+    def settings(self) -> dict:
+        """What the epoch's permutation and passes are made of: committed with the progress."""
+        return {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def load_state_dict(self, sd: dict) -> None:
         missing = [key for key in _STATE_KEYS if key not in sd]
@@ -202,6 +225,9 @@ class ElasticSampler(Sampler[int]):
             raise ValueError(f"sampler state lacks {missing}: got keys {sorted(sd)}")
         if int(sd["length"]) != self.length:
             raise ValueError(f"sampler state is for a data set of {sd['length']} samples, this one has {self.length}")
+        changed = settings_changed(sd, self.settings())
+        if changed:
+            raise ValueError(changed)
         prefix = int(sd["prefix"])
         if not 0 <= prefix <= self.length:
             raise ValueError(f"sampler state prefix {prefix} is outside [0, {self.length}]")
@@ -227,6 +253,10 @@ class ElasticSampler(Sampler[int]):
     def start_pass(self) -> list[int]:
         """Begin a pass: freeze ``R``, the epoch's remaining indices in order (module doc)."""
         self._pass = self._remaining()
+        if not self._pass and self.remaining_count == 0 and self.length and self._told_complete != self.epoch:
+            self._told_complete = self.epoch
+            logger.warning("sampler: epoch %d is complete: a pass yields nothing until set_epoch(%d)",
+                           self.epoch, self.epoch + 1)
         return self._pass
 
     def current_pass(self) -> list[int]:
@@ -289,6 +319,32 @@ class ElasticSampler(Sampler[int]):
         if self.drop_last and self.global_batch_size is None:
             remaining = remaining[: len(remaining) - len(remaining) % self.num_replicas]
         return remaining
+
+
+def _length_of(dataset_or_len) -> int:
+    """The number of samples; a stream (no ``__len__``) is refused with what to do instead."""
+    if isinstance(dataset_or_len, IterableDataset) or (
+            not isinstance(dataset_or_len, int) and not hasattr(dataset_or_len, "__len__")):
+        raise TypeError(
+            f"ElasticSampler needs a data set with a length (a map-style Dataset), got "
+            f"{type(dataset_or_len).__name__}: shard a stream yourself by elastic.rank() and elastic.size() and "
+            f"keep its position in the state (a plain value, or an object with state_dict())")
+    length = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"ElasticSampler needs a dataset or a length >= 0, got {dataset_or_len!r}")
+    return length
+
+
+def settings_changed(committed: dict, current: dict) -> str:
+    """One line naming each setting that ``committed`` (a sampler state) holds with another
+    value than ``current``; "" if none differs or the state predates the settings."""
+    changed = [f"{key} committed as {committed[key]!r}, now {current[key]!r}" for key in _SETTINGS
+               if key in committed and committed[key] != current[key]]
+    if not changed:
+        return ""
+    # The advice first: a summary cut at its 300th character loses at most the end of a value.
+    return (f"sampler settings differ from its committed state (construct it as committed, or its progress "
+            f"would mark other samples processed than those trained): {'; '.join(changed)}")
 
 
 class ElasticBatchSampler(Sampler[list[int]]):

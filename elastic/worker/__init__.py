@@ -4,8 +4,8 @@ Rounds and process groups (``runtime.py``), the recovery path (``recovery.py``, 
 first), ring abort, the state sync (``sync_plan.py`` decides, ``state_transfer.py``
 moves), the commit and durable fences, reset budgets and nudges, switch points,
 joiners, the round's store, stragglers, step records and test fault points; what a
-failure means (``failures.py``) and how the worker tells its agent it ended
-(``exit_record.py``).
+failure means (``failures.py``), why a joiner's collectives before ``@elastic.run`` cannot
+run (``pre_train.py``) and how the worker tells its agent it ended (``exit_record.py``).
 
 May import ``elastic.contract``, ``rendezvous`` and ``checkpoint``; never the agent,
 the commands, or the user API above it (``elastic/__init__.py``, ``state.py``, ...),

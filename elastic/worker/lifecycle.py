@@ -22,7 +22,7 @@ from ..contract.exit_codes import WORKER_BROKEN
 from ..contract.faults import NETWORK, PROCESS, STORAGE, Fault
 from ..contract.worker_config import WorkerConfig
 from .failures import classify
-from . import exit_record, step_signals
+from . import exit_record, pre_train, step_signals
 from .runtime import Runtime
 
 _current: Optional[Runtime] = None
@@ -111,6 +111,13 @@ def _report_errors_to(path: str) -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        explained = pre_train.explain(value, _current)
+        if explained is not value:
+            # A joiner's collective before @elastic.run: the user's error, in the one line
+            # that says where it is and what to do (pre_train.py); torch's frames add nothing.
+            exit_record.failed(classify(explained))
+            print(f"elastic: {type(explained).__name__}: {explained}", file=sys.stderr)
+            return
         fault = classify(value)
         if fault.kind == PROCESS:
             traceback.print_exception(kind, value, tb, file=sys.__stderr__)  # for the log file

@@ -23,6 +23,7 @@ Files written to --out (one line per event, flushed at once, so tests can watch)
   device-stall-<step>  written ({"pid", "time"}) by --device-stall-rank right before it queues its device sleep
   oom-<pid>       written (its time) by each rank right before it raises OutOfMemoryError (--oom-step)
   exit0-<step>    written (its pid) by --exit0-rank right before it calls os._exit(0) (once per job)
+  barrier.jsonl   {"pid", "round", "where"} by every worker whose --setup-barrier returned
 """
 
 import argparse
@@ -103,6 +104,8 @@ p.add_argument("--record-slots", action="store_true", help="slots.jsonl: {pid, r
 p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                help="where the model and batches live; cuda: the GPU of the worker's LOCAL_RANK (modulo the "
                     "visible GPUs, so several workers can share one through gloo)")
+p.add_argument("--setup-barrier", choices=("before", "inside"), default=None, help="\"rank 0 downloads, then "
+               "dist.barrier()\": before train(state), outside the decorated function, or first thing inside it")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -270,8 +273,15 @@ def hold_until_the_ring_grows():
         state.commit()  # raises HostsUpdatedInterrupt at the switch: train is re-entered
 
 
+def setup_barrier():
+    dist.barrier()
+    append("barrier.jsonl", {"pid": os.getpid(), "round": elastic.round(), "where": args.setup_barrier})
+
+
 @elastic.run
 def train(state):
+    if args.setup_barrier == "inside":  # every worker of every ring enters here: it always has a partner
+        setup_barrier()
     rank, world = elastic.rank(), elastic.size()
     append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world})
     if args.record_slots:
@@ -356,6 +366,9 @@ def train(state):
             if args.break_ring_every and state.step % args.break_ring_every == 0 and rank == world - 1:
                 lifecycle.current()._ring.abort()  # the next all-reduce fails on every rank
 
+
+if args.setup_barrier == "before":
+    setup_barrier()
 
 train(state)
 torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()},

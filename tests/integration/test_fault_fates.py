@@ -47,7 +47,10 @@ def test_every_rank_out_of_memory_at_one_step_fails_the_job_within_a_minute(tmp_
 
 def test_a_worker_that_exits_0_mid_training_is_replaced_and_the_job_trains_to_its_end(tmp_path):
     launcher = ["--np", "2", "--max-restarts", "1", "--collective-timeout", "20"]
-    script = ["--steps", "30", "--step-delay", "0.05", "--exit0-rank", "1", "--exit0-step", "5"]
+    # --setup-barrier inside: "rank 0 downloads, then a barrier" where it belongs, run by the
+    # replacement and the survivor together (test_pre_train_collectives.py: the other place).
+    script = ["--steps", "30", "--step-delay", "0.05", "--exit0-rank", "1", "--exit0-step", "5",
+              "--setup-barrier", "inside"]
     job = Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, script))
     try:
         code = job.wait(300)
@@ -61,6 +64,11 @@ def test_a_worker_that_exits_0_mid_training_is_replaced_and_the_job_trains_to_it
     assert any("exited 0 before its training function returned" in reason for reason in lost), lost
     assert len(_events(job, "worker_started")) == 3, text[-3000:]  # two, and the replacement
     assert exited not in {s["pid"] for s in job.steps() if s["step"] > 6}
+    from tests.fakes.jsonl import read_jsonl  # here, not at the top: a line other branches change
+
+    barriers = read_jsonl(tmp_path / "out" / "barrier.jsonl")
+    last = {b["pid"] for b in barriers if b["round"] == max(b["round"] for b in barriers) > 1}
+    assert len(last) == 2 and exited not in last, barriers  # the survivor and the replacement
 
 
 def test_out_of_memory_on_every_host_fails_the_job_when_the_replacements_meet_it_again(

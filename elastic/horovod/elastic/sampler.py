@@ -11,13 +11,21 @@ Horovod's ``ElasticSampler(dataset, shuffle=True, seed=0)`` is used as
         state.commit()
     state.train_sampler.set_epoch(epoch + 1)  # at the END of an epoch
 
-This class keeps that interface and Horovod's layout of a pass (the epoch's remaining
-indices, padded by wrap-around to a multiple of the world size so that every rank gets
-the same number of samples, rank r taking every W-th from r), on top of
-``elastic.ElasticSampler``: the progress is the set of indices processed by the whole
-world (global, part of the committed state), and after every re-formation the
-remaining indices are partitioned afresh among the new world. What differs from
-Horovod, on purpose:
+This class keeps that interface, Horovod's repeat and Horovod's layout of a pass (the
+epoch's remaining indices, padded by wrap-around to a multiple of the world size so
+that every rank gets the same number of samples, rank r taking every W-th from r), on
+top of ``elastic.ElasticSampler``: the progress is the set of indices processed by the
+whole world (global, part of the committed state), and after every re-formation the
+remaining indices are partitioned afresh among the new world.
+
+The repeat, as Horovod's own test defines it: a pass is the epoch's remaining indices
+as of the last reset (``set_epoch``, ``load_state_dict``, a re-formation), and every
+iteration of the loader yields that same pass again until the next reset; so after
+an epoch ends, a loop that iterates again without ``set_epoch`` trains the epoch's
+pass once more (``elastic.ElasticSampler`` yields nothing there: see its module doc).
+Each iteration's ``record_batch`` calls count from the pass's start, and marking a
+sample processed twice counts it once, so the progress stays the set of samples
+trained. What differs from Horovod, on purpose:
 
 * ``record_batch(batch_idx, batch_size)`` marks the next ``batch_size * W`` positions
   of the current pass processed (``batch_idx`` is ignored, as Horovod ignores it), so
@@ -29,8 +37,6 @@ Horovod, on purpose:
 * ``set_epoch(e)`` with the sampler's current epoch keeps the epoch's progress (a
   script that calls it at an epoch's start would otherwise repeat the epoch after a
   reset); with another epoch it starts that epoch afresh, as Horovod's does.
-* Iterating again within an epoch yields only what was not recorded yet (Horovod
-  yields its last list again until the next reset).
 * The permutation is ``torch.randperm`` seeded with ``seed + epoch`` (Horovod uses
   ``random.Random``), so the order differs from Horovod's for the same seed.
 """
@@ -98,6 +104,12 @@ class ElasticSampler(_ExactlyOnceSampler):
 
     def __len__(self) -> int:
         return math.ceil(len(self.current_pass()) / self.num_replicas)
+
+    def start_pass(self) -> list[int]:
+        """An iteration begins: the pass since the last reset, again (Horovod's repeat)."""
+        pass_indices = self.current_pass()
+        self._recorded_pass, self._recorded = pass_indices, 0
+        return pass_indices
 
     def _pass_with_cursor(self) -> list[int]:
         pass_indices = self.current_pass()

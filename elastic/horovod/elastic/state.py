@@ -152,10 +152,20 @@ class TorchState(ObjectState):
             load_state(getattr(self, name), saved,
                        lambda value, live, place=place: _copy_into(value, live, place, cuda_paths))
 
+    def sync(self):
+        """Horovod's sync ends with a reset of every sampler: its pass is made afresh from the
+        synced progress (a loader iterated after ``state.sync()`` yields what is left)."""
+        plan = super().sync()
+        self._partition_samplers()
+        return plan
+
     def on_reset(self) -> None:
         # Every sampler is partitioned among the ring it will iterate on, before any callback.
+        self._partition_samplers()
+        super().on_reset()
+
+    def _partition_samplers(self) -> None:
         runtime = lifecycle.current()
         for name, kind in self._handled.items():
             if kind == SAMPLER:
                 getattr(self, name).set_rank(runtime.rank, runtime.world_size)
-        super().on_reset()

@@ -142,7 +142,8 @@ def test_state_dict_is_plain_json_data_and_round_trips():
     sampler.set_epoch(3)
     sampler.record_indices([4, 1, 9])
     sd = sampler.state_dict()
-    assert json.loads(json.dumps(sd)) == sd == {"epoch": 3, "length": 20, "prefix": 0, "processed": [1, 4, 9]}
+    assert json.loads(json.dumps(sd)) == sd == {"epoch": 3, "length": 20, "prefix": 0, "processed": [1, 4, 9],
+                                                "seed": 2, "shuffle": True, "drop_last": False}
     other = ElasticSampler(20, seed=2)
     other.load_state_dict(sd)
     assert other.epoch == 3 and other.remaining_count == 17
@@ -162,3 +163,75 @@ def test_invalid_input_raises_clear_errors():
         ElasticSampler(10).load_state_dict({"epoch": 0, "length": 11, "prefix": 0, "processed": []})
     with pytest.raises(ValueError, match="length"):
         ElasticSampler(-1)
+
+
+# -- the settings are part of the state (security review, finding 15) ------------------
+
+
+@pytest.mark.parametrize("committed, now, line", [
+    ({"seed": 0}, {"seed": 1}, "seed committed as 0, now 1"),
+    ({"shuffle": True}, {"shuffle": False}, "shuffle committed as True, now False"),
+    ({"drop_last": False}, {"drop_last": True}, "drop_last committed as False, now True"),
+    ({"seed": 3, "drop_last": True}, {"seed": 4, "drop_last": False},
+     "seed committed as 3, now 4; drop_last committed as True, now False"),
+])
+def test_a_resume_with_other_settings_is_refused_in_one_line_naming_them(committed, now, line):
+    before = ElasticSampler(100, **committed)
+    list(before)
+    before.record_batch(0, 10)
+    after = ElasticSampler(100, **now)
+    with pytest.raises(ValueError) as refused:
+        after.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    message = str(refused.value)
+    assert line in message and "\n" not in message
+    assert after.processed_count == 0  # nothing of the refused state was taken
+
+
+def test_the_security_reviews_case_seed_0_then_1_no_longer_breaks_exactly_once_silently():
+    world = make_world(100, 1, seed=0)
+    run_steps(world, 10, steps=5)
+    with pytest.raises(ValueError, match="seed committed as 0, now 1"):
+        make_world(100, 1, state=world[0].state_dict(), seed=1)
+    resumed = make_world(100, 1, state=world[0].state_dict(), seed=0)  # the same settings: it goes on
+    assert resumed[0].processed_count == 50
+
+
+def test_a_state_committed_before_the_settings_were_still_loads():
+    old = {"epoch": 2, "length": 30, "prefix": 4, "processed": [29]}  # what a PR-era checkpoint holds
+    sampler = ElasticSampler(30, seed=9, shuffle=False)
+    sampler.load_state_dict(old)
+    assert (sampler.epoch, sampler.processed_count) == (2, 5)
+    assert list(sampler) == list(range(4, 29))
+    assert sampler.state_dict()["seed"] == 9  # committed from now on
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(5))
+
+
+class StreamWithLength(Stream):
+    def __len__(self):
+        return 5
+
+
+@pytest.mark.parametrize("dataset", [Stream(), StreamWithLength(), (i for i in range(3))])
+def test_a_data_set_without_indices_is_refused_naming_what_to_do_instead(dataset):
+    with pytest.raises(TypeError) as refused:
+        ElasticSampler(dataset)
+    message = str(refused.value)
+    assert "needs a data set with a length" in message and "shard a stream yourself" in message
+    assert "\n" not in message
+
+
+def test_iterating_again_after_the_epoch_yields_nothing_and_says_so_once(caplog):
+    sampler = ElasticSampler(8, shuffle=False)
+    loader = DataLoader(range(8), batch_size=2, sampler=sampler)
+    for batch_idx, _ in enumerate(loader):
+        sampler.record_batch(batch_idx, 2)
+    with caplog.at_level("WARNING", logger="elastic.sampler"):
+        assert list(loader) == [] and list(loader) == []  # exactly once: no repeat (elastic.horovod repeats)
+    assert [r.getMessage() for r in caplog.records] == [
+        "sampler: epoch 0 is complete: a pass yields nothing until set_epoch(1)"]
+    sampler.set_epoch(1)
+    assert len(list(loader)) == 4

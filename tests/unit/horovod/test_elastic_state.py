@@ -160,6 +160,31 @@ def test_sampler_state_round_trips_and_accepts_horovods_form(hvd):
     sampler.record_batch(0, 3)
     copy = hvd.elastic.ElasticSampler(list(range(8)), seed=2)
     copy.load_state_dict(sampler.state_dict())
-    assert list(copy) == list(sampler) and copy.processed_num == 3
+    # The copy's pass starts at its load; the original's is the pass since its last reset,
+    # which it repeats (Horovod's semantics): the copy yields that pass's unrecorded rest.
+    assert list(copy) == list(sampler)[3:] and copy.processed_num == 3
     copy.load_state_dict({"epoch": 2, "processed_num": 5})
     assert (copy.epoch, copy.processed_num, len(copy)) == (2, 5, 3)
+
+
+def test_sampler_repeats_its_pass_until_a_reset_and_counts_each_sample_once(hvd):
+    sampler = hvd.elastic.ElasticSampler(list(range(6)), shuffle=False)
+    first = list(sampler)
+    sampler.record_batch(0, 2)  # two samples trained, then the loop breaks out and iterates again
+    assert list(sampler) == first == list(range(6))  # Horovod's repeat: the pass since the last reset
+    sampler.record_batch(0, 4)  # the repeat's first 4: two of them again, counted once
+    assert sampler.processed_num == 4
+    sampler.set_rank(0, 1)  # a reset (a re-formation): the pass is what is left
+    assert list(sampler) == [4, 5]
+
+
+def test_sampler_refuses_other_settings_and_still_loads_horovods_form(hvd):
+    sampler = hvd.elastic.ElasticSampler(list(range(8)), seed=2)
+    sampler.record_batch(0, 3)
+    with pytest.raises(ValueError, match="seed committed as 2, now 3"):
+        hvd.elastic.ElasticSampler(list(range(8)), seed=3).load_state_dict(sampler.state_dict())
+    with pytest.raises(ValueError, match="shuffle committed as True, now False"):
+        hvd.elastic.ElasticSampler(list(range(8)), seed=2, shuffle=False).load_state_dict(sampler.state_dict())
+    other = hvd.elastic.ElasticSampler(list(range(8)), seed=3)
+    other.load_state_dict({"epoch": 0, "processed_num": 3})  # Horovod's own form carries no settings
+    assert other.processed_num == 3
