@@ -21,12 +21,20 @@ def live_workers(job: Job) -> list[dict]:
     return [e for e in job.events() if e["event"] == "worker_started" and _alive(e["pid"])]
 
 
-def kill_worker(job: Job, rank: int) -> int:
-    """SIGKILL the live worker that started with `rank`; its pid."""
-    worker = wait_until(lambda: next((e for e in live_workers(job) if e["rank"] == rank), None), 60,
+def worker_pid(job: Job, rank: int, timeout: float = 120) -> int:
+    """The pid of the live worker that started with `rank` (waiting for it to start)."""
+    worker = wait_until(lambda: next((e for e in live_workers(job) if e["rank"] == rank), None), timeout,
                         f"a live worker of rank {rank}")
-    os.kill(worker["pid"], signal.SIGKILL)
     return worker["pid"]
+
+
+def kill_when(job: Job, rank: int, ready, timeout: float, what: str) -> None:
+    """SIGKILL the worker of `rank` as soon as `ready()` holds (its pid is looked up first, so
+    the kill follows the condition within one poll, even in a fast program)."""
+    pid = worker_pid(job, rank, timeout)
+    wait_until(ready, timeout, what, interval=0.02)
+    assert _alive(pid), f"worker {pid} (rank {rank}) ended before {what}: the kill came too late"
+    os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
-from tests.fakes.jobs import Job, wait_until
-from tests.programs.runs import PROGRAMS, kill_worker
+from tests.fakes.jobs import Job
+from tests.programs.runs import PROGRAMS, kill_when
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,8 +53,7 @@ def test_the_tutorial_survives_a_killed_worker_from_its_snapshot_and_equals_a_pl
                          "--np", str(WORLD), "--nproc-per-node", str(WORLD), "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"),
                          str(PROGRAM / "multinode.py"), str(EPOCHS), "1", "--batch_size", str(BATCH),
                          "--dataset_size", str(SIZE), "--snapshot_path", str(snapshot)])
-    wait_until(snapshot.exists, 120, "the first snapshot")
-    kill_worker(job, rank=1)
+    kill_when(job, 1, snapshot.exists, 150, "the first snapshot")
     assert job.wait(180) == 0, job.text()[-3000:]
 
     started = [e for e in job.events() if e["event"] == "worker_started"]

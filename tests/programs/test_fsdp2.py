@@ -14,8 +14,8 @@ import uuid
 import pytest
 import torch
 
-from tests.fakes.jobs import Job, wait_until
-from tests.programs.runs import PROGRAMS, kill_worker
+from tests.fakes.jobs import Job
+from tests.programs.runs import PROGRAMS, kill_when
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -54,8 +54,7 @@ def test_the_fsdp2_example_survives_a_killed_worker_and_equals_a_plain_run(tmp_p
                          "--collective-timeout", "20", "--log-dir", str(tmp_path / "logs"),
                          str(PROGRAM / "example.py"), "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH),
                          "--float64", "--step-delay", "0.3", "--out", str(out)])
-    wait_until(lambda: re.search(r"step 3 world 2", job.text()), 150, "step 3")
-    kill_worker(job, rank=1)
+    kill_when(job, 1, lambda: re.search(r"step 3 world 2", job.text()), 150, "step 3")
     assert job.wait(150) == 0, job.text()[-3000:]
 
     text = job.text()
