@@ -7,18 +7,20 @@ step's loss also equal an uninterrupted run's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import uuid
 
 import pytest
 
-pytest.importorskip("transformers", reason="the Hugging Face program needs transformers (the test extra)")
-pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (the test extra)")
+from tests.fakes.jobs import Job
+from tests.programs.runs import PROGRAMS, kill_when
 
-from tests.fakes.jobs import Job  # noqa: E402
-from tests.programs.runs import PROGRAMS, kill_when  # noqa: E402
-
-pytestmark = pytest.mark.timeout(300)
+# Looked up, not imported: importing transformers at collection would cost every run of the
+# suite seconds. The workers import it.
+MISSING = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)} (pip install -e '.[test]')")]
 
 PROGRAM = PROGRAMS / "hf_trainer" / "train.py"
 STEPS, SAVE, WARMUP, LR = 40, 4, 2, 1e-2
