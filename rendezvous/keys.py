@@ -26,6 +26,14 @@ never read or watch each other's keys.
     /elastic/<job>/plainstores/<n>       "host:port" of round n's fresh TCPStore for
                                          workers that use torchrun's env:// init
                                          (deleted with the store, two rounds later).
+    /elastic/<job>/served/etcd           "1": this job's etcd is the one it serves itself on
+                                         bare metal (served.py), its members on its hosts.
+    /elastic/<job>/served/offers/<host>  JSON Offer: this agent could hold an etcd member
+                                         (address, ports), on its own lease.
+    /elastic/<job>/served/invites/<host> JSON invitation to start the member the steward
+                                         added (its --initial-cluster); deleted with it.
+    /elastic/<job>/served/steward        host id of the agent that changes the members,
+                                         on its lease (election recipe).
     /elastic/<job>/control/lease         the job lease (hex id), on itself: plans, rounds,
                                          the status, requests and plain stores are put on
                                          it; a coordinator refreshes it every
@@ -142,3 +150,8 @@ class JobKeys:
     @property
     def backend(self) -> str:
         return self.control + "backend"
+
+    @property
+    def served(self) -> str:
+        """The job's own etcd (served.py): its marker, offers, invitations and steward."""
+        return self.prefix + "served/"

@@ -32,8 +32,11 @@ from elastic.rendezvous import (
     validate_job_id,
 )
 
+from elastic.rendezvous.member_sync import follow_members
+from elastic.rendezvous.served import MEMBER_SYNC_S, ServedRendezvous
+
 from ..agent import addressing, job_backend
-from . import horovodrun
+from . import bare_metal, horovodrun
 from .join_hint import join_hint
 from . import torchrun
 from . import slurm
@@ -331,24 +334,33 @@ def main(argv: Sequence[str]) -> int:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     embedded = None
+    served = None
     try:
         embedded = slurm.serve_rendezvous(args)  # the first node of a Slurm job serves its rendezvous
         if args.rdzv_endpoint:
             config_of_etcd = etcd_config(args)
             endpoints = args.rdzv_endpoint
+            if embedded is None:  # bare metal: the endpoint's host serves it (bare_metal.py)
+                arrival = bare_metal.serve_or_wait(args, config_of_etcd, config.host_id, config.log_dir)
+                embedded = arrival.member
+                config, config_of_etcd = _follow_a_served_etcd(config, config_of_etcd, arrival)
         else:
             embedded = EmbeddedEtcd().start()
             endpoints = embedded.endpoint
             config_of_etcd = EtcdConfig.from_string(endpoints, retry_deadline=args.etcd_retry_deadline)
             logging.getLogger(__name__).info("%s", join_hint(
                 endpoints, config.job_id, config.settings, config.command, config.nproc_per_node))
-        etcd = Etcd(config_of_etcd)
+        etcd = follow_members(Etcd(config_of_etcd))
         etcd.check()
         # One backend for the whole job: the first host's choice (gpu review G7).
         config = dataclasses.replace(config, backend=job_backend.settle(etcd, JobKeys(config.job_id), config.backend,
                                                                         config.host_id))
+        if config_of_etcd.member_sync:
+            served = ServedRendezvous(etcd, JobKeys(config.job_id), config.host_id, config.host_addr, config.ttl,
+                                      member=embedded, log_dir=config.log_dir).start()
+            embedded = None  # stopped by `served` (removed from the cluster first where others keep it)
         code = Agent(config, etcd, endpoints).run()
-        if embedded is not None:
+        if embedded is not None or (served is not None and served.holds_the_last_member()):
             _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)
         return code
     except ConfigError as exc:
@@ -358,6 +370,23 @@ def main(argv: Sequence[str]) -> int:
         print(f"elastic-run: {exc}", file=sys.stderr)
         return 1
     finally:
+        if served is not None:
+            served.stop()
         if embedded is not None:
             embedded.stop()
 
+
+def _follow_a_served_etcd(config: AgentConfig, config_of_etcd: EtcdConfig,
+                          arrival: bare_metal.Arrival) -> tuple[AgentConfig, EtcdConfig]:
+    """Where the job's etcd is the one it serves itself (started here, or marked so by
+    the host that did): the agent and its workers follow its member list."""
+    with Etcd(config_of_etcd) as probe:
+        if not bare_metal.served_here(probe, JobKeys(config.job_id), arrival):
+            return config, config_of_etcd  # the user's own etcd
+    if arrival.member is not None:
+        logging.getLogger(__name__).warning("%s", bare_metal.spof_note(arrival.member.endpoint))
+        logging.getLogger(__name__).info("%s", join_hint(config_of_etcd.describe(), config.job_id, config.settings,
+                                                         config.command, config.nproc_per_node))
+    options = {**config.etcd_options, "etcd_member_sync": MEMBER_SYNC_S}
+    return (dataclasses.replace(config, etcd_options=options),
+            dataclasses.replace(config_of_etcd, member_sync=MEMBER_SYNC_S))
