@@ -54,9 +54,10 @@ def server_security_for(address: str) -> None:
     return None
 
 
-def member_name(host_id: str) -> str:
-    """An etcd member name from a host id (``--initial-cluster`` splits on ``,`` and ``=``)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", host_id) or "host"
+def member_name(host_id: str, addr: str) -> str:
+    """An etcd member name: the host id and the address it serves on (two hosts that
+    share a default host name stay apart), in the characters ``--initial-cluster`` allows."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{host_id}-{addr}")
 
 
 class ServedMember(EmbeddedEtcd):
@@ -122,7 +123,7 @@ def _binary() -> str:
 def first_member(host: str, port: int, host_id: str, log_dir: Optional[str] = None) -> ServedMember:
     """Start the served etcd's first member on ``host:port`` (raises RendezvousError if
     it cannot: another agent of this host bound the port first, or anything else)."""
-    name = member_name(host_id)
+    name = member_name(host_id, host)
     member = ServedMember(host=host, client_port=port, peer_port=0, name=name, log_path=_log_path(log_dir, name))
     try:
         return member.start()
@@ -153,7 +154,7 @@ class ServedRendezvous:
                  free_ports: Callable[[str], tuple[int, int]] = None):
         self._etcd = etcd
         self._keys = keys
-        self._name = member_name(host_id)
+        self._name = member_name(host_id, addr)
         self._addr = addr
         self._ttl = ttl
         self.member = member  # the one on this host, if any

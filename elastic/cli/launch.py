@@ -356,7 +356,8 @@ def main(argv: Sequence[str]) -> int:
         config = dataclasses.replace(config, backend=job_backend.settle(etcd, JobKeys(config.job_id), config.backend,
                                                                         config.host_id))
         if config_of_etcd.member_sync:
-            served = ServedRendezvous(etcd, JobKeys(config.job_id), config.host_id, config.host_addr, config.ttl,
+            served = ServedRendezvous(etcd, JobKeys(config.job_id), config.host_id,
+                                      embedded.host if embedded is not None else config.host_addr, config.ttl,
                                       member=embedded, log_dir=config.log_dir).start()
             embedded = None  # stopped by `served` (removed from the cluster first where others keep it)
         code = Agent(config, etcd, endpoints).run()
