@@ -151,7 +151,7 @@ class ServedRendezvous:
 
     def __init__(self, etcd: Etcd, keys: JobKeys, host_id: str, addr: str, ttl: float, *,
                  member: Optional[ServedMember] = None, log_dir: Optional[str] = None,
-                 free_ports: Callable[[str], tuple[int, int]] = None):
+                 free_ports: Optional[Callable[[str], tuple[int, int]]] = None, tick: float = TICK_S):
         self._etcd = etcd
         self._keys = keys
         self._name = member_name(host_id, addr)
@@ -166,6 +166,7 @@ class ServedRendezvous:
 
             client, peer = (free_ports or (lambda a: tuple(_free_ports(a, 2))))(addr)
             self.offer = Offer(self._name, addr, client, peer)
+        self._tick = tick
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._session: Optional[Session] = None
@@ -205,7 +206,7 @@ class ServedRendezvous:
 
     def _run(self) -> None:
         election = Election(self._etcd, self._keys.served + "steward", self._name, self._session)
-        while not self._stop.wait(TICK_S):
+        while not self._stop.wait(self._tick):
             try:
                 self._answer_invitation()
                 if election.campaign() is not None:
