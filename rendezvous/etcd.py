@@ -320,7 +320,7 @@ class Etcd:
             if refusal is not None:
                 return RendezvousAuthError(f"TLS handshake with etcd at {where} failed: {refusal}")
         if code in _TRANSIENT_CODES or any(m in lowered for m in _TRANSIENT_MESSAGES):
-            if code == grpc.StatusCode.UNAVAILABLE:
+            if code in _TRANSIENT_CODES:  # a host cut off answers nothing: deadline, not refusal
                 self._failover(index)
             return _TransientError(_short_reason(exc))
         return RendezvousError(f"etcd {what} failed: {_short_reason(exc)}")

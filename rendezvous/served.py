@@ -46,10 +46,13 @@ _START_TIMEOUT_S = 60.0
 
 
 def server_security_for(address: str) -> None:
-    """SECURITY SEAM (the lead wires h-trust's job secret in here at merge): the
-    ``security=`` argument of every served etcd member listening on ``address``, and
-    the client options its clients need. Today: None, a plain-HTTP etcd without auth.
-    Every member this module starts (the first one and the ones it adds) asks here."""
+    """SECURITY SEAM: the ``security=`` argument of EmbeddedEtcd for every served member
+    listening on ``address`` (the first one and each one added later; ServedMember asks
+    here). To be wired to the job secret (rendezvous/job_secret.py) for any address but
+    loopback; then the agents' and workers' EtcdConfig needs the matching CA and root
+    credentials (launch.main's config_of_etcd and AgentConfig.etcd_options), and the
+    peer URLs (served_plan.Offer.peer_url, http today) become https. Today: None, plain
+    HTTP without auth: keep the job's network private (docs/bare-metal.md)."""
     del address
     return None
 
@@ -67,9 +70,9 @@ class ServedMember(EmbeddedEtcd):
                  join: Optional[str] = None, log_path: Optional[str] = None):
         """``join``: the ``--initial-cluster`` of a member added to a running cluster;
         None: the first member of a new one."""
-        # server_security_for(host) goes here as EmbeddedEtcd's security= at merge.
-        server_security_for(host)
-        super().__init__(host=host, port=client_port, log_path=log_path)
+        security = server_security_for(host)  # the security seam: see server_security_for
+        super().__init__(host=host, port=client_port, log_path=log_path,
+                         **({"security": security} if security is not None else {}))
         self._name = name
         self._join = join
         self._initial_cluster = join
