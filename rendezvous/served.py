@@ -170,6 +170,9 @@ class ServedRendezvous:
             client, peer = (free_ports or (lambda a: tuple(_free_ports(a, 2))))(addr)
             self.offer = Offer(self._name, addr, client, peer)
         self._tick = tick
+        # On stop: remove our member from the cluster first (leaving a job that goes on:
+        # the others keep their quorum), or not (the job has ended, its agents are gone).
+        self.leave_cluster = True
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._session: Optional[Session] = None
@@ -187,20 +190,10 @@ class ServedRendezvous:
         self._thread.start()
         return self
 
-    def holds_the_last_member(self) -> bool:
-        """Whether our member is the only voting one (it must outlast the other agents)."""
-        if self.member is None:
-            return False
-        try:
-            members = cluster_rpc.member_list(self._etcd, deadline=3.0)
-        except RendezvousError:
-            return True
-        return not [m for m in members if m.started and not m.is_learner and m.name != self._name]
-
     def stop(self, timeout: float = 30.0) -> None:
-        """Leave: remove our member if others keep the quorum; then stop it. The member
-        is stopped by the loop's thread (an invited member dies with the thread that
-        started it), which ends here."""
+        """Leave: remove our member if ``leave_cluster`` and others keep the quorum; then
+        stop it. The member is stopped by the loop's thread (an invited member dies with
+        the thread that started it), which ends here."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -260,7 +253,8 @@ class ServedRendezvous:
 
     def _steer(self) -> None:
         if self._learners is None:
-            self._learners = cluster_rpc.server_version(self._etcd) >= (3, 4)  # learners: 3.4+ (checked on 3.4.23 and 3.5.1)
+            # Learners since etcd 3.4 (MemberAdd isLearner, MemberPromote: seen working on 3.4.23 and 3.5.1).
+            self._learners = cluster_rpc.server_version(self._etcd) >= (3, 4)
         members = cluster_rpc.member_list(self._etcd)
         seats = [Seat(m.id, m.name, m.peer_urls[0] if m.peer_urls else "", m.is_learner) for m in members]
         offers = self._offers()
@@ -281,7 +275,7 @@ class ServedRendezvous:
             except RendezvousError:
                 self._etcd.delete(self._keys.served + "invites/" + action.offer.host_id)
                 raise
-            what = f"added {action.offer.host_id} ({action.offer.client_url}){' as a learner' if action.learner else ''}"
+            what = f"added {action.offer.host_id} ({action.offer.client_url})" + (" as a learner" if action.learner else "")
         elif isinstance(action, Promote):
             try:
                 cluster_rpc.member_promote(self._etcd, action.member_id)
@@ -304,6 +298,9 @@ class ServedRendezvous:
             self._session.close()  # our offer goes: no steward invites us again
         member, self.member = self.member, None
         if member is None:
+            return
+        if not self.leave_cluster:
+            member.stop()
             return
         try:
             members = cluster_rpc.member_list(self._etcd, deadline=3.0)

@@ -289,13 +289,13 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     return config, args
 
 
-def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> None:
+def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> bool:
     """Keep the embedded etcd up until the job's other agents have left (bounded).
 
     They are still winding down (a joiner's worker may be writing the final
     checkpoint): stopping etcd under them would break their watches and leases and
     fill the end of their logs with warnings about an etcd that went away. A signal
-    ends the wait at once.
+    ends the wait at once. Whether the job has ended (False: it runs on without us).
     """
     interrupted = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -305,21 +305,22 @@ def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> None:
     try:
         status = etcd.get(keys.status, retry_deadline=2.0)
     except RendezvousError:
-        return
+        return False
     if status is None or JobStatus.from_json(status.value).state == RUNNING:
-        return  # we left a running job: waiting would not keep it running for long
+        return False  # we left a running job: waiting would not keep it running for long
     while not interrupted.is_set() and time.monotonic() < deadline:
         try:
             others = len(etcd.get_prefix(keys.members, retry_deadline=2.0)[0])
         except RendezvousError:
-            return
+            return True
         if not others:
-            return
+            return True
         if not said:
             logging.getLogger(__name__).info(
                 "keeping the embedded etcd up until the other %d agent(s) have left (at most %.0f s)", others, timeout)
             said = True
         interrupted.wait(0.5)
+    return True
 
 
 def main(argv: Sequence[str]) -> int:
@@ -361,8 +362,11 @@ def main(argv: Sequence[str]) -> int:
                                       member=embedded, log_dir=config.log_dir).start()
             embedded = None  # stopped by `served` (removed from the cluster first where others keep it)
         code = Agent(config, etcd, endpoints).run()
-        if embedded is not None or (served is not None and served.holds_the_last_member()):
-            _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)
+        if embedded is not None or (served is not None and served.member is not None):
+            # A served member too: every member stays up until the job's agents have all left.
+            ended = _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)
+            if served is not None:
+                served.leave_cluster = not ended  # leaving a running job: the others keep their quorum
         return code
     except ConfigError as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)

@@ -47,7 +47,8 @@ def _plain_run(tmp_path, steps: int) -> dict:
     out = tmp_path / "plain"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     env["PYTHONPATH"] = str(REPO)
-    subprocess.run([sys.executable, str(TRAIN_JOB), "--steps", str(steps), *DATA, "--out", str(out)], env=env, check=True, timeout=120, capture_output=True)
+    subprocess.run([sys.executable, str(TRAIN_JOB), "--steps", str(steps), *DATA, "--out", str(out)], env=env,
+                   check=True, timeout=120, capture_output=True)
     return torch.load(next(out.glob("final-*.pt")), weights_only=True)
 
 
