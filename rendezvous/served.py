@@ -34,7 +34,7 @@ from .election import Election
 from .embedded import EmbeddedEtcd
 from .errors import RendezvousError
 from .etcd import Etcd
-from .keys import JobKeys
+from .keys import SERVED_PREFIX
 from .served_plan import Add, Offer, Promote, Remove, Seat, Wait, decide, initial_cluster
 from .session import Session
 
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0  # how often the steward looks at the members (and others at their invitation)
 MEMBER_SYNC_S = 2.0  # how often every client of a served etcd re-reads its member list
 _START_TIMEOUT_S = 60.0
+NAME_PREFIX = "elastic-"
 
 
 def server_security_for(address: str) -> None:
@@ -58,9 +59,10 @@ def server_security_for(address: str) -> None:
 
 
 def member_name(host_id: str, addr: str) -> str:
-    """An etcd member name: the host id and the address it serves on (two hosts that
-    share a default host name stay apart), in the characters ``--initial-cluster`` allows."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{host_id}-{addr}")
+    """An etcd member name: ``elastic-`` (is_served), the host id and the address it
+    serves on (two hosts that share a default host name stay apart), in the characters
+    ``--initial-cluster`` allows."""
+    return NAME_PREFIX + re.sub(r"[^A-Za-z0-9._-]", "-", f"{host_id}-{addr}")
 
 
 class ServedMember(EmbeddedEtcd):
@@ -141,22 +143,20 @@ def _log_path(log_dir: Optional[str], name: str) -> Optional[str]:
     return os.path.join(log_dir, f"etcd-{name}.log")
 
 
-def mark_served(etcd: Etcd, keys: JobKeys) -> None:
-    etcd.put(keys.served + "etcd", b"1")
-
-
-def is_served(etcd: Etcd, keys: JobKeys) -> bool:
-    return etcd.get(keys.served + "etcd") is not None
+def is_served(etcd: Etcd) -> bool:
+    """Whether this etcd is one a bare-metal job serves itself: its members are named so
+    from their start (a key written after would race the first clients)."""
+    return any(m.name.startswith(NAME_PREFIX) for m in cluster_rpc.member_list(etcd))
 
 
 class ServedRendezvous:
     """This agent's part in the served etcd: offer, hold a member when invited, steer when elected."""
 
-    def __init__(self, etcd: Etcd, keys: JobKeys, host_id: str, addr: str, ttl: float, *,
+    def __init__(self, etcd: Etcd, host_id: str, addr: str, ttl: float, *,
                  member: Optional[ServedMember] = None, log_dir: Optional[str] = None,
                  free_ports: Optional[Callable[[str], tuple[int, int]]] = None, tick: float = TICK_S):
         self._etcd = etcd
-        self._keys = keys
+        self._prefix = SERVED_PREFIX
         self._name = member_name(host_id, addr)
         self._addr = addr
         self._ttl = ttl
@@ -201,7 +201,7 @@ class ServedRendezvous:
     # -- the loop
 
     def _run(self) -> None:
-        election = Election(self._etcd, self._keys.served + "steward", self._name, self._session)
+        election = Election(self._etcd, self._prefix + "steward", self._name, self._session)
         while not self._stop.wait(self._tick):
             try:
                 self._answer_invitation()
@@ -215,11 +215,11 @@ class ServedRendezvous:
 
     def _put_offer(self) -> None:
         value = {"addr": self.offer.addr, "client_port": self.offer.client_port, "peer_port": self.offer.peer_port}
-        self._etcd.put(self._keys.served + "offers/" + self._name, json.dumps(value).encode(),
+        self._etcd.put(self._prefix + "offers/" + self._name, json.dumps(value).encode(),
                        lease=self._session.lease_id)
 
     def _offers(self) -> list[Offer]:
-        kvs, _ = self._etcd.get_prefix(self._keys.served + "offers/")
+        kvs, _ = self._etcd.get_prefix(self._prefix + "offers/")
         offers = []
         for kv in kvs:
             try:
@@ -237,7 +237,7 @@ class ServedRendezvous:
                 log.warning("served etcd: member %s exited", self._name)
                 self.member = None
             return
-        invite = self._etcd.get(self._keys.served + "invites/" + self._name)
+        invite = self._etcd.get(self._prefix + "invites/" + self._name)
         if invite is None:
             return
         cluster = json.loads(invite.value)["initial_cluster"]
@@ -269,11 +269,11 @@ class ServedRendezvous:
             invite = {"initial_cluster": initial_cluster(seats, action.offer)}
             # The invitation first: a plain member added to a lone one takes the quorum
             # with it until it runs, and nothing could be written in between.
-            self._etcd.put(self._keys.served + "invites/" + action.offer.host_id, json.dumps(invite).encode())
+            self._etcd.put(self._prefix + "invites/" + action.offer.host_id, json.dumps(invite).encode())
             try:
                 cluster_rpc.member_add(self._etcd, action.offer.peer_url, learner=action.learner)
             except RendezvousError:
-                self._etcd.delete(self._keys.served + "invites/" + action.offer.host_id)
+                self._etcd.delete(self._prefix + "invites/" + action.offer.host_id)
                 raise
             what = f"added {action.offer.host_id} ({action.offer.client_url})" + (" as a learner" if action.learner else "")
         elif isinstance(action, Promote):
@@ -288,7 +288,7 @@ class ServedRendezvous:
             cluster_rpc.member_remove(self._etcd, action.member_id)
             gone = next((s for s in seats if s.id == action.member_id), None)
             if gone is not None and gone.name:
-                self._etcd.delete(self._keys.served + "invites/" + gone.name)
+                self._etcd.delete(self._prefix + "invites/" + gone.name)
             what = f"removed: {action.why}"
         self.actions.append(what)
         log.info("served etcd: %s in %.2fs", what, time.monotonic() - started)

@@ -28,13 +28,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from elastic.rendezvous import ConfigError, Etcd, EtcdConfig, RendezvousError
-from elastic.rendezvous import JobKeys
-from elastic.rendezvous.served import ServedMember, first_member, is_served, mark_served
+from elastic.rendezvous.served import ServedMember, first_member, is_served
 
 log = logging.getLogger(__name__)
 
 PROBE_S = 2.0  # how long the first look for an etcd at the endpoint waits
-MARK_WAIT_S = 10.0  # how long an agent that waited for the etcd looks for its "served" mark
 
 
 def _loopback(address: str) -> bool:
@@ -113,6 +111,7 @@ class Arrival:
 
     member: Optional[ServedMember] = None
     waited: bool = False
+    candidate: bool = True  # False: a loopback endpoint, a list, Slurm's: never a served etcd
 
 
 def serve_or_wait(args: argparse.Namespace, config: EtcdConfig, host_id: str, log_dir: Optional[str]) -> Arrival:
@@ -120,9 +119,11 @@ def serve_or_wait(args: argparse.Namespace, config: EtcdConfig, host_id: str, lo
     of the job's etcd when this host is the endpoint's and none answers there; else
     wait until one answers."""
     if len(config.endpoints) != 1 or getattr(args, "slurm_rendezvous", None) is not None:
-        return Arrival()  # a list (the user's own cluster), or Slurm's own arrangement
+        return Arrival(candidate=False)  # a list (the user's own cluster), or Slurm's own arrangement
     host, port = config.endpoints[0]
-    if _loopback(host) or _answers(config, PROBE_S):
+    if _loopback(host):
+        return Arrival(candidate=False)
+    if _answers(config, PROBE_S):
         return Arrival()
     address = serving_address(host, resolve(host), bindable, args.host_addr)
     if address is not None:
@@ -134,23 +135,20 @@ def serve_or_wait(args: argparse.Namespace, config: EtcdConfig, host_id: str, lo
             log.info("not serving the rendezvous at %s:%d here (%s): waiting for the one that does",
                      address, port, exc)
         else:
-            with Etcd(config) as etcd:
-                mark_served(etcd, JobKeys(args.job_id))  # before anyone could ask (is_served)
             return Arrival(member)
     wait_for_rendezvous(config, args.rdzv_timeout)
     return Arrival(waited=True)
 
 
-def served_here(etcd: Etcd, keys: JobKeys, arrival: Arrival) -> bool:
-    """Whether the job's etcd is one a host of the job serves: started here, or marked
-    so. An agent that waited for it gives the host that started it a moment to mark it."""
-    deadline = time.monotonic() + (MARK_WAIT_S if arrival.waited else 0.0)
-    while True:
-        if arrival.member is not None or is_served(etcd, keys):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.2)
+def served_here(etcd: Etcd, arrival: Arrival) -> bool:
+    """Whether the job's etcd is one a host of the job serves (started here, or its
+    members named so): then this agent takes part in it."""
+    if arrival.member is not None:
+        return True
+    try:
+        return arrival.candidate and is_served(etcd)
+    except RendezvousError:
+        return False  # an etcd that will not list its members to us is not one we serve
 
 
 def spof_note(endpoint: str) -> str:

@@ -357,7 +357,7 @@ def main(argv: Sequence[str]) -> int:
         config = dataclasses.replace(config, backend=job_backend.settle(etcd, JobKeys(config.job_id), config.backend,
                                                                         config.host_id))
         if config_of_etcd.member_sync:
-            served = ServedRendezvous(etcd, JobKeys(config.job_id), config.host_id,
+            served = ServedRendezvous(etcd, config.host_id,
                                       embedded.host if embedded is not None else config.host_addr, config.ttl,
                                       member=embedded, log_dir=config.log_dir).start()
             embedded = None  # stopped by `served` (removed from the cluster first where others keep it)
@@ -386,7 +386,7 @@ def _follow_a_served_etcd(config: AgentConfig, config_of_etcd: EtcdConfig,
     """Where the job's etcd is the one it serves itself (started here, or marked so by
     the host that did): the agent and its workers follow its member list."""
     with Etcd(config_of_etcd) as probe:
-        if not bare_metal.served_here(probe, JobKeys(config.job_id), arrival):
+        if not bare_metal.served_here(probe, arrival):
             return config, config_of_etcd  # the user's own etcd
     if arrival.member is not None:
         logging.getLogger(__name__).warning("%s", bare_metal.spof_note(arrival.member.endpoint))

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.rendezvous import Etcd, EtcdConfig, JobKeys
+from elastic.rendezvous import Etcd, EtcdConfig
 from elastic.rendezvous.cluster_rpc import member_list
 from elastic.rendezvous.embedded import _free_ports
 from elastic.rendezvous.member_sync import follow_members
-from elastic.rendezvous.served import ServedRendezvous, first_member, is_served, mark_served
+from elastic.rendezvous.served import ServedRendezvous, first_member, is_served
 from tests.conftest import etcd_binary_or_skip
 from tests.fakes.jobs import wait_until
 
@@ -29,7 +29,7 @@ TICK = 0.25  # the steward's pace (1 s in a job)
 
 def voting(etcd: Etcd) -> set[str]:
     try:
-        return {m.name.split("-")[0] for m in member_list(etcd, deadline=1.0) if m.started and not m.is_learner}
+        return {m.name.split("-")[1] for m in member_list(etcd, deadline=1.0) if m.started and not m.is_learner}
     except Exception:  # noqa: BLE001 - a leader change: ask again
         return set()
 
@@ -37,22 +37,20 @@ def voting(etcd: Etcd) -> set[str]:
 def test_three_members_through_learners_and_a_lost_one_replaced(tmp_path):
     etcd_binary_or_skip()
     first = first_member(ADDRS[0], _free_ports(ADDRS[0], 1)[0], "h0", str(tmp_path))
-    keys = JobKeys("served")
     clients = [follow_members(Etcd(EtcdConfig.from_string(first.endpoint, member_sync=0.5, retry_deadline=5.0)))
                for _ in ADDRS]
     hosts: list[ServedRendezvous] = []
     try:
-        mark_served(clients[0], keys)
-        assert is_served(clients[1], keys)
+        assert is_served(clients[1])  # its members' names say so
         for i, addr in enumerate(ADDRS[:3]):
-            hosts.append(ServedRendezvous(clients[i], keys, f"h{i}", addr, TTL, member=first if i == 0 else None,
+            hosts.append(ServedRendezvous(clients[i], f"h{i}", addr, TTL, member=first if i == 0 else None,
                                           log_dir=str(tmp_path), tick=TICK).start())
         wait_until(lambda: voting(clients[1]) == {"h0", "h1", "h2"}, 40, "three voting members")
         actions = [a for host in hosts for a in host.actions]
         assert sum("as a learner" in a for a in actions) == 2 and sum("promoted" in a for a in actions) == 2, actions
         wait_until(lambda: len(clients[2].config.endpoints) == 3, 10, "a client to follow the three members")
 
-        hosts.append(ServedRendezvous(clients[3], keys, "h3", ADDRS[3], TTL, log_dir=str(tmp_path),
+        hosts.append(ServedRendezvous(clients[3], "h3", ADDRS[3], TTL, log_dir=str(tmp_path),
                                       tick=TICK).start())
         clients[0].close()  # host 0 crashes: no request of its own any more, its lease expires
         first.kill()
