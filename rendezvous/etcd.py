@@ -22,6 +22,7 @@ of a create-if-absent txn therefore confirm a loss by reading the key back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -234,12 +235,36 @@ class Etcd:
                 self._channels[index] = channel
             return index, self._channels[index]
 
+    def set_endpoints(self, endpoints: Sequence[tuple[str, int]]) -> None:
+        """Talk to ``endpoints`` from now on (etcd's members changed): channels to the
+        endpoints kept are kept, and so is the current one if it is among them."""
+        endpoints = tuple(endpoints)
+        with self._lock:
+            old = self.config.endpoints
+            if self._closed.is_set() or endpoints == old or not endpoints:
+                return
+            self.config = dataclasses.replace(self.config, endpoints=endpoints)
+            kept = {old[i]: ch for i, ch in enumerate(self._channels) if ch is not None and old[i] in endpoints}
+            dropped = [ch for i, ch in enumerate(self._channels) if ch is not None and old[i] not in endpoints]
+            current = old[self._current]
+            self._channels = [kept.get(endpoint) for endpoint in endpoints]
+            self._current = endpoints.index(current) if current in endpoints else 0
+        for channel in dropped:
+            channel.close()
+        log.info("etcd endpoints now %s", self.config.describe())
+
+    def call(self, what: str, rpc: Callable[[grpc.Channel, float, tuple], T], *, deadline: float | None = None) -> T:
+        """``rpc(channel, timeout, metadata)`` under the client's retry and failover policy
+        (for the requests this class has no method for: etcd's cluster API)."""
+        return self._call(what, rpc, deadline=deadline)
+
     def _failover(self, failed_index: int) -> None:
         with self._lock:
-            if self._current == failed_index and len(self._channels) > 1:
+            # (An index from before set_endpoints may be past the end: the list moved on.)
+            if self._current == failed_index < len(self._channels) and len(self._channels) > 1:
                 self._current = (failed_index + 1) % len(self._channels)
                 log.debug("etcd endpoint %s unavailable; trying %s", netloc(*self.config.endpoints[failed_index]),
-                         netloc(*self.config.endpoints[self._current]))
+                          netloc(*self.config.endpoints[self._current]))
 
     def _count_request(self) -> None:
         with self._lock:
@@ -286,7 +311,7 @@ class Etcd:
             return RendezvousAuthError(f"etcd at {where} requires authentication: configure a user and password")
         if code == grpc.StatusCode.PERMISSION_DENIED:
             return RendezvousAuthError(f"etcd at {where} denied {what} to user {self.config.user!r}: permission denied")
-        if code == grpc.StatusCode.UNAVAILABLE and self._tls is not None:
+        if code == grpc.StatusCode.UNAVAILABLE and self._tls is not None and index < len(self.config.endpoints):
             # gRPC's words for a refused certificate vary with the server and the timing
             # of its alert; the server's own answer to a handshake does not.
             refusal = self._tls.refusal(*self.config.endpoints[index])
@@ -295,7 +320,7 @@ class Etcd:
             if refusal is not None:
                 return RendezvousAuthError(f"TLS handshake with etcd at {where} failed: {refusal}")
         if code in _TRANSIENT_CODES or any(m in lowered for m in _TRANSIENT_MESSAGES):
-            if code == grpc.StatusCode.UNAVAILABLE:
+            if code in _TRANSIENT_CODES:  # a host cut off answers nothing: deadline, not refusal
                 self._failover(index)
             return _TransientError(_short_reason(exc))
         return RendezvousError(f"etcd {what} failed: {_short_reason(exc)}")

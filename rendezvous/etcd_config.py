@@ -25,6 +25,10 @@ class EtcdConfig:
     password: str | None = None
     call_timeout: float = 5.0  # one gRPC call
     retry_deadline: float = 30.0  # how long a call keeps retrying while etcd is unavailable
+    # Seconds between reads of etcd's member list, whose client URLs replace `endpoints`
+    # (member_sync.py); 0: never. For an etcd whose members come and go with the job's
+    # hosts (the rendezvous a bare-metal job serves itself, served.py).
+    member_sync: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -38,6 +42,8 @@ class EtcdConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ConfigError(f"invalid etcd {name} {value!r}: must be a positive number of seconds")
+        if not isinstance(self.member_sync, (int, float)) or self.member_sync < 0 or math.isinf(self.member_sync):
+            raise ConfigError(f"invalid etcd member_sync {self.member_sync!r}: must be seconds >= 0")
         if (self.cert_cert is None) != (self.cert_key is None):
             raise ConfigError("etcd client certificate and key must be given together (got only one)")
         if (self.user is None) != (self.password is None):

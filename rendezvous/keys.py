@@ -26,6 +26,14 @@ never read or watch each other's keys.
     /elastic/<job>/plainstores/<n>       "host:port" of round n's fresh TCPStore for
                                          workers that use torchrun's env:// init
                                          (deleted with the store, two rounds later).
+    /elastic/.served/offers/<member>     JSON Offer: this agent could hold a member of the etcd
+                                         its bare-metal job serves itself (served.py), on its
+                                         lease. Not under a job: one etcd, one set of members,
+                                         whichever jobs use it (".served" is no job id).
+    /elastic/.served/invites/<member>    JSON invitation to start the member the steward
+                                         added (its --initial-cluster); deleted with it.
+    /elastic/.served/steward             member name of the agent that changes the members,
+                                         on its lease (election recipe).
     /elastic/<job>/control/lease         the job lease (hex id), on itself: plans, rounds,
                                          the status, requests and plain stores are put on
                                          it; a coordinator refreshes it every
@@ -66,6 +74,8 @@ JOB_LEASE_REFRESH_S = 3600.0
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROOT = "/elastic"
+# The etcd a bare-metal job serves itself (served.py): its offers, invitations, steward.
+SERVED_PREFIX = ROOT + "/.served/"
 
 
 def validate_job_id(job_id: str) -> str:

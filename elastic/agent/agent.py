@@ -275,8 +275,8 @@ class Agent:
         if slot is None:
             return
         progress_file, stacks_file = self._watchdog.files_for(worker_id)
-        worker_config = config_for_worker(
-            cfg, worker_id, plan.round, endpoints=self._endpoints, member_id=self.member_id,
+        worker_config = config_for_worker(  # etcd's endpoints now: a served etcd's members move (served.py)
+            cfg, worker_id, plan.round, endpoints=self._etcd.config.describe(), member_id=self.member_id,
             events_file=self.events.path, scratch=self._scratch, progress_file=progress_file,
             stacks_file=stacks_file, final_checkpoint_file=self._final_checkpoint_file(worker_id), device_slot=slot,
         )

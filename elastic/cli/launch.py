@@ -33,8 +33,11 @@ from elastic.rendezvous import (
     validate_job_id,
 )
 
+from elastic.rendezvous.member_sync import follow_members
+from elastic.rendezvous.served import MEMBER_SYNC_S, ServedRendezvous
+
 from ..agent import addressing, job_backend
-from . import horovodrun, no_effect
+from . import bare_metal, horovodrun, no_effect
 from .join_hint import join_hint
 from . import torchrun
 from . import slurm
@@ -327,13 +330,13 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     return config, args
 
 
-def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> None:
+def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> bool:
     """Keep the embedded etcd up until the job's other agents have left (bounded).
 
     They are still winding down (a joiner's worker may be writing the final
     checkpoint): stopping etcd under them would break their watches and leases and
     fill the end of their logs with warnings about an etcd that went away. A signal
-    ends the wait at once.
+    ends the wait at once. Whether the job has ended (False: it runs on without us).
     """
     interrupted = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -343,21 +346,22 @@ def _outlast_other_agents(etcd: Etcd, keys: JobKeys, timeout: float) -> None:
     try:
         status = etcd.get(keys.status, retry_deadline=2.0)
     except RendezvousError:
-        return
+        return False
     if status is None or JobStatus.from_json(status.value).state == RUNNING:
-        return  # we left a running job: waiting would not keep it running for long
+        return False  # we left a running job: waiting would not keep it running for long
     while not interrupted.is_set() and time.monotonic() < deadline:
         try:
             others = len(etcd.get_prefix(keys.members, retry_deadline=2.0)[0])
         except RendezvousError:
-            return
+            return True
         if not others:
-            return
+            return True
         if not said:
             logging.getLogger(__name__).info(
                 "keeping the embedded etcd up until the other %d agent(s) have left (at most %.0f s)", others, timeout)
             said = True
         interrupted.wait(0.5)
+    return True
 
 
 def main(argv: Sequence[str]) -> int:
@@ -373,25 +377,38 @@ def main(argv: Sequence[str]) -> int:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     embedded = None
+    served = None
     try:
         embedded = slurm.serve_rendezvous(args)  # the first node of a Slurm job serves its rendezvous
         if args.rdzv_endpoint:
             config_of_etcd = etcd_config(args)
             endpoints = args.rdzv_endpoint
+            if embedded is None:  # bare metal: the endpoint's host serves it (bare_metal.py)
+                arrival = bare_metal.serve_or_wait(args, config_of_etcd, config.host_id, config.log_dir)
+                embedded = arrival.member
+                config, config_of_etcd = _follow_a_served_etcd(config, config_of_etcd, arrival)
         else:
             embedded = EmbeddedEtcd().start()
             endpoints = embedded.endpoint
             config_of_etcd = EtcdConfig.from_string(endpoints, retry_deadline=args.etcd_retry_deadline)
             logging.getLogger(__name__).info("%s", join_hint(
                 endpoints, config.job_id, config.settings, config.command, config.nproc_per_node))
-        etcd = Etcd(config_of_etcd)
+        etcd = follow_members(Etcd(config_of_etcd))
         etcd.check()
         # One backend for the whole job: the first host's choice (gpu review G7).
         config = dataclasses.replace(config, backend=job_backend.settle(etcd, JobKeys(config.job_id), config.backend,
                                                                         config.host_id))
+        if config_of_etcd.member_sync:
+            served = ServedRendezvous(etcd, config.host_id,
+                                      embedded.host if embedded is not None else config.host_addr, config.ttl,
+                                      member=embedded, log_dir=config.log_dir).start()
+            embedded = None  # stopped by `served` (removed from the cluster first where others keep it)
         code = Agent(config, etcd, endpoints).run()
-        if embedded is not None:
-            _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)
+        if embedded is not None or (served is not None and served.member is not None):
+            # A served member too: every member stays up until the job's agents have all left.
+            ended = _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)
+            if served is not None:
+                served.leave_cluster = not ended  # leaving a running job: the others keep their quorum
         return code
     except ConfigError as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
@@ -400,6 +417,23 @@ def main(argv: Sequence[str]) -> int:
         print(f"elastic-run: {exc}", file=sys.stderr)
         return 1
     finally:
+        if served is not None:
+            served.stop()
         if embedded is not None:
             embedded.stop()
 
+
+def _follow_a_served_etcd(config: AgentConfig, config_of_etcd: EtcdConfig,
+                          arrival: bare_metal.Arrival) -> tuple[AgentConfig, EtcdConfig]:
+    """Where the job's etcd is the one it serves itself (started here, or marked so by
+    the host that did): the agent and its workers follow its member list."""
+    with Etcd(config_of_etcd) as probe:
+        if not bare_metal.served_here(probe, arrival):
+            return config, config_of_etcd  # the user's own etcd
+    if arrival.member is not None:
+        logging.getLogger(__name__).warning("%s", bare_metal.spof_note(arrival.member.endpoint))
+        logging.getLogger(__name__).info("%s", join_hint(config_of_etcd.describe(), config.job_id, config.settings,
+                                                         config.command, config.nproc_per_node))
+    options = {**config.etcd_options, "etcd_member_sync": MEMBER_SYNC_S}
+    return (dataclasses.replace(config, etcd_options=options),
+            dataclasses.replace(config_of_etcd, member_sync=MEMBER_SYNC_S))

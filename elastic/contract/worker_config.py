@@ -44,6 +44,7 @@ class WorkerConfig:
     etcd_user: Optional[str] = None
     etcd_password_file: Optional[str] = None  # a 0600 file: the password is never in the environment
     etcd_retry_deadline: Optional[float] = None  # --etcd-retry-deadline (None: EtcdConfig's default)
+    etcd_member_sync: Optional[float] = None  # follow etcd's member list every N s (a served etcd: served.py)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: Optional[int] = None
     checkpoint_interval: Optional[float] = None

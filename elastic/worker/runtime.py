@@ -37,6 +37,7 @@ from elastic.rendezvous import (
 )
 from elastic.rendezvous.errors import RendezvousTimeoutError
 from elastic.rendezvous.job_secret import read_private_file
+from elastic.rendezvous.member_sync import follow_members
 
 from .commit_fence import CommitFence
 from ..contract.console import FILE_ONLY
@@ -132,7 +133,7 @@ class Runtime:
             # Tells the agent this worker follows rounds itself (no restart on change).
             with open(cfg.marker_file, "w") as f:
                 f.write(str(os.getpid()))
-        self._etcd = Etcd(
+        self._etcd = follow_members(Etcd(  # a served etcd's members move (rendezvous/served.py)
             EtcdConfig.from_string(
                 cfg.endpoints,
                 ca_cert=cfg.etcd_ca,
@@ -142,8 +143,9 @@ class Runtime:
                 password=read_private_file(cfg.etcd_password_file, "etcd password file")
                 if cfg.etcd_password_file else None,
                 retry_deadline=cfg.etcd_retry_deadline,
+                member_sync=cfg.etcd_member_sync,
             )
-        )
+        ))
         self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()
         self._commit_fence = CommitFence(self._etcd, JobKeys(cfg.job_id), cfg.worker_id, cfg.rdzv_ttl)
         self._control.add_listener(self._on_control)

@@ -1,0 +1,156 @@
+"""torchrun's multi-node launch on bare metal: the host at ``--rdzv-endpoint`` serves the rendezvous.
+
+Every host runs the same command (``--rdzv-endpoint node0:29400 --job-id job42 ...``).
+When no etcd answers at the endpoint, the agent whose own address is the endpoint's
+host starts the job's etcd there, on that address (the job's network, never loopback),
+and every other agent waits for it within ``--rdzv-timeout``. Once it answers, each
+agent takes part in it (rendezvous/served.py): from three hosts on, the etcd has a
+member on three of them, so the endpoint's host may be lost like any other. Below
+three hosts its one member's host is a single point of failure, said once at start.
+
+"My own address": the endpoint's host, or any address its name resolves to, is one
+this host can bind (an address of one of its interfaces, secondary and IPv6 ones
+included). A name that resolves to loopback on its own host (Debian's 127.0.1.1) is
+taken as this host only with an explicit ``--host-addr``, which is then served on.
+Two agents of one host both match: both try, the bind decides, the other uses it.
+A loopback endpoint (127.0.0.1, localhost) is never served: it is a test's or a
+single host's own etcd, and the default run without an endpoint covers that case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from elastic.rendezvous import ConfigError, Etcd, EtcdConfig, RendezvousError
+from elastic.rendezvous.served import ServedMember, first_member, is_served
+
+log = logging.getLogger(__name__)
+
+PROBE_S = 2.0  # how long the first look for an etcd at the endpoint waits
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address.lower() == "localhost"
+
+
+def serving_address(endpoint_host: str, resolved: Sequence[str], is_local: Callable[[str], bool],
+                    host_addr: Optional[str]) -> Optional[str]:
+    """The address this host serves the rendezvous on, or None if the endpoint is
+    another host's. ``resolved``: what ``endpoint_host`` resolves to here;
+    ``host_addr``: an explicit ``--host-addr`` (None if not given). Raises
+    ConfigError where the answer cannot be known."""
+    if _loopback(endpoint_host):
+        return None
+    routable = [a for a in resolved if not _loopback(a)]
+    for address in routable:
+        if is_local(address):
+            return address
+    if resolved and not routable:
+        # The name resolves to loopback here only: Debian's "127.0.1.1 <hostname>". It
+        # is this host; which of its addresses the others reach, only --host-addr says.
+        if host_addr and not _loopback(host_addr) and is_local(host_addr):
+            return host_addr
+        raise ConfigError(f"--rdzv-endpoint {endpoint_host} resolves to {resolved[0]} (loopback) on this host: "
+                          "give --host-addr with the address the other hosts reach it at, or give the endpoint "
+                          "as that address")
+    return None
+
+
+def resolve(host: str) -> list[str]:
+    try:
+        return list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)))
+    except OSError:
+        return []
+
+
+def bindable(address: str) -> bool:
+    """Whether ``address`` is one of this host's (bind to it succeeds; EADDRNOTAVAIL: not ours)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _answers(config: EtcdConfig, timeout: float) -> bool:
+    with Etcd(config) as etcd:
+        try:
+            etcd.check(timeout=timeout)
+            return True
+        except RendezvousError:
+            return False
+
+
+def wait_for_rendezvous(config: EtcdConfig, timeout: float) -> None:
+    """Until an etcd answers at ``config``'s endpoint (the host there starts it), within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    log.info("waiting up to %.0f s for the rendezvous at %s (the host at that address serves it)",
+             timeout, config.describe())
+    while not _answers(config, min(PROBE_S, max(0.1, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            raise RendezvousError(f"no rendezvous answered at {config.describe()} within --rdzv-timeout "
+                                  f"{timeout:g}s: is elastic-run started on that host, and is the port open?")
+        time.sleep(0.2)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """How this agent found the rendezvous: ``member``, the first member it started
+    (this host is the endpoint's), or None; ``waited``: no etcd answered at first."""
+
+    member: Optional[ServedMember] = None
+    waited: bool = False
+    candidate: bool = True  # False: a loopback endpoint, a list, Slurm's: never a served etcd
+
+
+def serve_or_wait(args: argparse.Namespace, config: EtcdConfig, host_id: str, log_dir: Optional[str]) -> Arrival:
+    """main's hook for a single non-loopback ``--rdzv-endpoint``: start the first member
+    of the job's etcd when this host is the endpoint's and none answers there; else
+    wait until one answers."""
+    if len(config.endpoints) != 1 or getattr(args, "slurm_rendezvous", None) is not None:
+        return Arrival(candidate=False)  # a list (the user's own cluster), or Slurm's own arrangement
+    host, port = config.endpoints[0]
+    if _loopback(host):
+        return Arrival(candidate=False)
+    if _answers(config, PROBE_S):
+        return Arrival()
+    address = serving_address(host, resolve(host), bindable, args.host_addr)
+    if address is not None:
+        try:
+            member = first_member(address, port, host_id, log_dir)
+        except RendezvousError as exc:
+            # Another agent of this host bound the port first (or the port is taken):
+            # the one that bound it serves; we use it like everyone else.
+            log.info("not serving the rendezvous at %s:%d here (%s): waiting for the one that does",
+                     address, port, exc)
+        else:
+            return Arrival(member)
+    wait_for_rendezvous(config, args.rdzv_timeout)
+    return Arrival(waited=True)
+
+
+def served_here(etcd: Etcd, arrival: Arrival) -> bool:
+    """Whether the job's etcd is one a host of the job serves (started here, or its
+    members named so): then this agent takes part in it."""
+    if arrival.member is not None:
+        return True
+    try:
+        return arrival.candidate and is_served(etcd)
+    except RendezvousError:
+        return False  # an etcd that will not list its members to us is not one we serve
+
+
+def spof_note(endpoint: str) -> str:
+    return (f"the job's rendezvous (etcd) runs on this host ({endpoint}) alone until three hosts have joined: "
+            "losing this host before then ends the job; from three hosts on, any one host may be lost")
