@@ -52,7 +52,7 @@ dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=ar
                         timeout=datetime.timedelta(seconds=15))
 # The runtime as State sees it: rank, world, round, backend; no checkpoint policy.
 runtime = types.SimpleNamespace(rank=args.rank, world_size=args.world, backend=args.backend, config=None, round=1,
-                                commit=lambda capture: commit_alone(capture, 1))
+                                commit=lambda capture: commit_alone(capture, runtime.round))
 lifecycle.install(runtime)
 # Two dtypes: two flat buffers. Small chunks: a sync of 4 MB is many transfers.
 state_transfer.CHUNK_BYTES = state_module.CHUNK_BYTES = 256 << 10
