@@ -78,10 +78,9 @@ class ShardedState(State):
             raise TypeError("ShardedState(scheduler=...) takes a factory of the optimizer, e.g. "
                             "lambda opt: StepLR(opt, 100), and needs optimizer=")
         super().__init__(**values)
-        object.__setattr__(self, "_policy_resolved", True)  # State's rank-0 writer is not used: see durable.py
-        object.__setattr__(self, "_durable", None)  # ShardedCheckpoints with --checkpoint-dir
-        object.__setattr__(self, "_durable_resolved", False)
-        for name, value in (("_model_factory", model), ("_optimizer_factory", optimizer),
+        # State's rank-0 writer is not used (_policy_resolved): ShardedCheckpoints with --checkpoint-dir (durable.py).
+        for name, value in (("_policy_resolved", True), ("_durable", None), ("_durable_resolved", False),
+                            ("_model_factory", model), ("_optimizer_factory", optimizer),
                             ("_shard", shard or modules.default_shard), ("_init", init),
                             ("_scheduler_factory", scheduler), ("scheduler", None),
                             ("model", None), ("optimizer", None), ("sampler", sampler),
@@ -124,10 +123,8 @@ class ShardedState(State):
         """The live model and optimizer go, with their memory (``release_storage``)."""
         if self.model is not None:
             release_storage(self.model, self.optimizer)
-        object.__setattr__(self, "model", None)
-        object.__setattr__(self, "optimizer", None)
-        object.__setattr__(self, "scheduler", None)
-        object.__setattr__(self, "_live", None)
+        for name in ("model", "optimizer", "scheduler", "_live"):
+            object.__setattr__(self, name, None)
         for slot in self._held_slots():
             slot.forget_sources()
 

@@ -144,6 +144,12 @@ class Runtime:
         else:
             self._enter(plan)
 
+    @property
+    def position_plan(self) -> Optional[RoundPlan]:
+        """The round this worker has its rank in: a joiner's, entered only at its first
+        sync, is known from the start (``hvd.rank()`` before the first sync)."""
+        return self.plan or self._deferred
+
     def ensure_joined(self) -> None:
         """Join the ring whose position ``start`` took, if that was deferred."""
         if self._deferred is None:
