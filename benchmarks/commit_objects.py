@@ -27,6 +27,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from benchmarks.harness import write_json_report
+from elastic.worker.commit_gate import commit_alone
 from elastic.state import TorchState
 from elastic.worker import lifecycle
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     # A commit outside a job: what it costs besides the copy is a fence and a note that
     # are no-ops here, as they nearly are in a job between membership changes.
     stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
-                                     fence=lambda: None, note_commit=lambda n: None)
+                                     commit=lambda capture: commit_alone(capture, 1))
     lifecycle.install(stand_in)
     # As benchmarks/checkpoint.py: workers run several per host with 1 intra-op thread.
     thread_settings = sorted({torch.get_num_threads(), 1}, reverse=True)

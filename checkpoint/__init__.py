@@ -1,14 +1,15 @@
 """Checkpoints: in-memory snapshots for commit(), durable atomic checkpoints, loading.
 
     snap = Snapshot(); snap.capture(tree)              # cheap, reuses buffers
-    snap.restore_into(tree)                            # in place, keeps tensor identity
+    live = copy_into(snap.tree(), live)                # in place, keeps tensor identity
     writer = DurableWriter(CheckpointPolicy("/ckpt", every_commits=100))
     if writer.due(commits): writer.submit(tree, step=step)   # background, atomic
     loaded = load_latest("/ckpt")                      # (tree, manifest) or None
 """
 from .durable import CheckpointPolicy, DurableWriter, FenceRefusal
 from .restore import CheckpointInfo, CheckpointsUnreadable, list_checkpoints, load_latest
-from .snapshot import Layout, Snapshot, clone_tree
+from .snapshot import Flat, Layout, Plain, Snapshot, clone_tree
+from .tree_copy import copy_into
 
 __all__ = [
     "CheckpointInfo",
@@ -16,9 +17,12 @@ __all__ = [
     "CheckpointsUnreadable",
     "DurableWriter",
     "FenceRefusal",
+    "Flat",
     "Layout",
+    "Plain",
     "Snapshot",
     "clone_tree",
+    "copy_into",
     "list_checkpoints",
     "load_latest",
 ]

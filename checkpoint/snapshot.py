@@ -12,8 +12,8 @@ stream, so a snapshot always lives on the host and survives the loss of the devi
 process group. A tree with CUDA tensors gets two sets of buffers: ``capture`` fills
 the one not holding the last completed capture and returns without waiting for the
 copy (the training stream waits for it on the device, so the next step cannot
-overwrite what is being copied); the new capture becomes what ``tree()`` and
-``restore_into`` read once its copy has completed (an event, waited for there and at
+overwrite what is being copied); the new capture becomes what ``tree()`` reads
+once its copy has completed (an event, waited for there and at
 the next capture). Pinned buffers have exactly the layout's size: host memory is
 registered with CUDA (``cudaHostRegister``) instead of taken from the caching host
 allocator, which rounds every block up to a power of two and keeps it for ever.
@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Snapshot", "Layout", "TensorSpec", "clone_tree", "format_path"]
+__all__ = ["Snapshot", "Flat", "Plain", "Layout", "TensorSpec", "clone_tree", "format_path"]
 
 _ATOM_TYPES = frozenset({int, float, str, bool, bytes, type(None)})
 # Each tensor region starts on a 64-byte boundary so that vectorized copies stay aligned.
@@ -58,15 +58,46 @@ def _all_atoms(values) -> bool:
 
 
 def _copy_plain(value: Any) -> Any:
-    if _is_atom(value):
+    kind = type(value)
+    if kind in _ATOM_TYPES:
         return value  # immutable
-    if type(value) in (list, tuple) and _all_atoms(value):
-        return type(value)(value)  # cheap even for a long list of sample indices
+    if kind is list or kind is tuple:
+        # cheap even for a long list of sample indices
+        return kind(value) if _all_atoms(value) else kind(_copy_plain(v) for v in value)
+    if kind is dict:  # an optimizer's param_groups, a sampler's state: no deepcopy's memo walk
+        return {k: _copy_plain(v) for k, v in value.items()}
     return copy.deepcopy(value)
 
 
-def _flatten(value: Any, path: tuple, tensors: list, plains: list) -> tuple[tuple, bool]:
-    """Return (treedef, contains_tensor), appending leaves to `tensors` / `plains`.
+class Plain:
+    """A value known to hold no tensor: one plain leaf, copied at capture, never walked."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class Flat:
+    """A subtree of tensors only, flattened once and captured again and again: a commit
+    hands the same ``Flat`` while its tensors are the same live objects (``elastic/live_tree.py``)."""
+
+    __slots__ = ("treedef", "tensors", "paths", "signature")
+
+    def __init__(self, tree: Any) -> None:
+        tensors: list = []
+        plains: list = []
+        self.treedef, _ = _flatten(tree, (), tensors, plains)
+        if plains:
+            raise ValueError("a Flat holds tensors only")
+        self.tensors = tensors
+        self.paths = tuple(p for p, _ in _iter_tensors(tree))
+        self.signature = tuple((t.shape, t.dtype, t.is_cuda) for t in tensors)
+
+
+def _flatten(value: Any, path: tuple, tensors: list, plains: list, sigs: list | None = None) -> tuple[tuple, bool]:
+    """Return (treedef, contains_tensor), appending leaves to `tensors` / `plains` (and
+    each tensor's, or each ``Flat``'s, part of the layout's signature to ``sigs``).
 
     A container without any tensor becomes one plain leaf, so a sampler's list of a
     million indices costs one list copy instead of a million tree nodes.
@@ -75,11 +106,21 @@ def _flatten(value: Any, path: tuple, tensors: list, plains: list) -> tuple[tupl
         if value.layout != torch.strided:
             raise ValueError(f"unsupported tensor layout {value.layout} at {format_path(path)}")
         tensors.append(value)
+        if sigs is not None:
+            sigs.append((value.shape, value.dtype, value.is_cuda))
         return _TENSOR, True
-    if _is_atom(value):
+    kind = type(value)
+    if kind is Plain:
+        plains.append(value.value)
+        return _PLAIN, False
+    if kind is Flat:
+        tensors.extend(value.tensors)
+        if sigs is not None:
+            sigs.append(value.signature)
+        return value.treedef, bool(value.tensors)
+    if kind in _ATOM_TYPES:
         plains.append(value)
         return _PLAIN, False
-    kind = type(value)
     if kind in (list, tuple) and _all_atoms(value):
         plains.append(value)
         return _PLAIN, False
@@ -89,7 +130,7 @@ def _flatten(value: Any, path: tuple, tensors: list, plains: list) -> tuple[tupl
         for key in keys:
             if not _is_atom(key):
                 raise ValueError(f"unsupported dict key {key!r} at {format_path(path)}")
-        children = [_flatten(value[k], path + (k,), tensors, plains) for k in keys]
+        children = [_flatten(value[k], path + (k,), tensors, plains, sigs) for k in keys]
         has_tensor = any(c[1] for c in children)
         if not has_tensor:
             del plains[start:]
@@ -101,7 +142,7 @@ def _flatten(value: Any, path: tuple, tensors: list, plains: list) -> tuple[tupl
             return ("O", keys, defs, copy.deepcopy(meta)), True
         return ("D", keys, defs), True
     if kind is list or kind is tuple:
-        children = [_flatten(v, path + (i,), tensors, plains) for i, v in enumerate(value)]
+        children = [_flatten(v, path + (i,), tensors, plains, sigs) for i, v in enumerate(value)]
         if not any(c[1] for c in children):
             del plains[start:]
             plains.append(value)
@@ -137,6 +178,9 @@ def _iter_tensors(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.T
     """
     if isinstance(value, torch.Tensor):
         yield path, value
+    elif type(value) is Flat:
+        for inner, tensor in zip(value.paths, value.tensors):
+            yield path + inner, tensor
     elif isinstance(value, dict):
         for key, child in value.items():
             yield from _iter_tensors(child, path + (key,))
@@ -166,7 +210,7 @@ class Layout:
     """Description of a snapshot: structure, tensor specs, plain values.
 
     A newcomer receives this (as checked plain data: ``elastic/worker/layout_wire.py``,
-    never a pickle), builds ``Snapshot.from_layout(layout)``, receives the buffers and
+    never a pickle), adopts it (``Snapshot.adopt_layout``), receives the buffers and
     reads ``.tree()``.
     """
 
@@ -201,10 +245,6 @@ def _plan(treedef: tuple, tensors: list[torch.Tensor], paths: list[tuple]) -> tu
     return tuple(specs), descs
 
 
-def _signature(treedef: tuple, tensors: list[torch.Tensor]) -> tuple:
-    return treedef, [(t.shape, t.dtype, t.is_cuda) for t in tensors]
-
-
 class _Bank:
     """One set of buffers for a layout, the views of the tree's tensors into them, and
     the plain values captured with them."""
@@ -233,7 +273,6 @@ class Snapshot:
         self._front: _Bank | None = None  # the last completed capture
         self._back: _Bank | None = None  # CUDA layouts: the next capture's (in flight while _pending)
         self._pending: list | None = None  # events of the copies into _back
-        self._by_path: dict[tuple, int] = {}
         self._streams: dict[torch.device, Any] = {}
         self._registered: list[int] = []  # host memory registered with CUDA, unregistered on release
         # Commits that do not drain the device (device_snapshot.OverlappedCopy, opt-in): None here.
@@ -260,7 +299,6 @@ class Snapshot:
         self._settle()  # no copy may still write into them
         _unregister(self._registered)  # before the memory can be freed (views handed out stay valid)
         self._front = self._back = None
-        self._by_path = {}
         if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # give back what the caching host allocator kept of the old layout
         self._front = _Bank(specs, descs, self._registered)
@@ -269,7 +307,6 @@ class Snapshot:
         self._treedef = treedef
         self._specs = specs
         self._buffer_descs = descs
-        self._by_path = {s.path: i for i, s in enumerate(specs)}
 
     # -- capture ------------------------------------------------------------------------
 
@@ -282,8 +319,9 @@ class Snapshot:
         """Copy `tree` into the buffers (re-allocated only when the layout changed)."""
         tensors: list[torch.Tensor] = []
         plains: list = []
-        treedef, _ = _flatten(tree, (), tensors, plains)
-        signature = _signature(treedef, tensors)
+        sigs: list = []
+        treedef, _ = _flatten(tree, (), tensors, plains, sigs)
+        signature = (treedef, sigs)
         if signature != self._signature:
             paths = [p for p, _ in _iter_tensors(tree)]
             specs, descs = _plan(treedef, tensors, paths)
@@ -397,13 +435,6 @@ class Snapshot:
         self._settle()
         return Layout(self._treedef, self._specs, self._buffer_descs, tuple(self._plains))
 
-    @classmethod
-    def from_layout(cls, layout: Layout) -> "Snapshot":
-        """A snapshot with zeroed buffers matching `layout` (fill them, e.g. by broadcast)."""
-        snap = cls()
-        snap.adopt_layout(layout)
-        return snap
-
     def adopt_layout(self, layout: Layout) -> None:
         """Take `layout`'s structure and plain values, ready to receive its buffers.
 
@@ -417,35 +448,6 @@ class Snapshot:
         self._treedef = layout.treedef
         self._front.plains = [_copy_plain(v) for v in layout.plains]
         self._signature = (layout.treedef, [(torch.Size(s.shape), s.dtype, s.kind == "cuda") for s in layout.tensors])
-
-    # -- restoring ----------------------------------------------------------------------
-
-    def restore_into(self, tree: Any) -> None:
-        """Copy captured tensors back in place into the tensors of `tree`.
-
-        Every tensor of `tree` whose path exists in the snapshot is overwritten, so model
-        parameters keep their identity (DDP and optimizer references stay valid). Paths
-        that the snapshot does not have are left alone. Nothing is copied if any shape or
-        dtype differs: ValueError names the first such path.
-        """
-        if self._treedef is None:
-            raise ValueError("snapshot is empty: nothing was captured")
-        self._settle()
-        pairs = []
-        for path, target in _iter_tensors(tree):
-            i = self._by_path.get(path)
-            if i is None:
-                continue
-            spec = self._specs[i]
-            if tuple(target.shape) != spec.shape or target.dtype != spec.dtype:
-                raise ValueError(
-                    f"cannot restore {format_path(path)}: snapshot has shape {list(spec.shape)} "
-                    f"{spec.dtype}, target has shape {list(target.shape)} {target.dtype}"
-                )
-            pairs.append((target, self._views[i]))
-        with torch.no_grad():
-            for target, view in pairs:
-                target.copy_(view)
 
 
 def _host_buffer(numel: int, dtype: torch.dtype, pinned: bool, registered: list) -> torch.Tensor:

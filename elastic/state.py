@@ -39,14 +39,15 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, DurableWriter, Snapshot, clone_tree, load_latest
+from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, DurableWriter, Snapshot, copy_into, load_latest
 
 from .contract.console import FILE_ONLY
-from .contract.errors import HostsUpdatedInterrupt, JobStopping
+from .live_tree import LiveTree, live_tree
 from .stateful import check_plain, is_stateful, load_state, state_of
 from .worker.state_transfer import (CHUNK_BYTES, claim_bounds, gather_holdings, receive_layout, run_transfers,
                                      send_layout)
 from .worker import device_commit
+from .worker.commit_gate import Ticket, act_on
 from .worker.lifecycle import current as _runtime  # the process-wide runtime, set by elastic.init()
 from .worker.sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
 
@@ -113,11 +114,15 @@ class State:
         cuda_paths = getattr(self, "_cuda_paths", frozenset())
         for name, value in tree["values"].items():
             live = getattr(self, name, None)
-            object.__setattr__(self, name, _copy_into(value, live, ("values", name), cuda_paths))
+            object.__setattr__(self, name, copy_into(value, live, ("values", name), cuda_paths))
 
     # -- the API --------------------------------------------------------------
+    def commit_tree(self) -> dict:
+        """``state_tree()`` as a commit copies it (TorchState: its live tensors found once)."""
+        return self.state_tree()
+
     def save(self) -> None:
-        tree = self.state_tree()
+        tree = self.commit_tree()
         tree[_COMMITS] = self._commits
         tree[_COMMIT_ROUND] = self._commit_round
         device_commit.prepare(self._snapshot, getattr(self, "optimizer", None), _runtime)  # GPU, opt-in (G13)
@@ -135,22 +140,21 @@ class State:
     def commit(self) -> None:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
         runtime = _runtime()
-        # Before the snapshot is overwritten: a worker left behind, or a step made on a
-        # broken ring (runtime.check_ring_before_commit), raises here, the previous commit intact.
-        runtime.fence()
         self._resolve_policy(runtime)
+        # One call: a worker left behind, or a step made on a broken ring, raises before
+        # the capture overwrites the snapshot, the previous commit intact (commit_gate.py).
+        act_on(runtime.commit(self._capture), self._commits)
+
+    def _capture(self, ticket: Ticket) -> int:
+        """The state's part of a commit: count it, copy it, hand rank 0's writer what is due."""
         object.__setattr__(self, "_commits", self._commits + 1)
-        object.__setattr__(self, "_commit_round", runtime.round)
+        object.__setattr__(self, "_commit_round", ticket.round)
         self.save()
-        if self._policy is not None and runtime.rank == 0:
+        if self._policy is not None and ticket.rank == 0:
             writer = self._rank0_writer()
             if writer.due(self._commits):
-                self._submit(writer, runtime)
-        action = runtime.note_commit(self._commits)
-        if action == "stop":
-            raise JobStopping(f"job stops after commit {self._commits}")
-        if action == "switch":
-            raise HostsUpdatedInterrupt(f"ring changes after commit {self._commits}")
+                self._submit(writer, ticket)
+        return self._commits
 
     def restore(self) -> None:
         """Roll the live state back to the last commit."""
@@ -288,6 +292,7 @@ class State:
         return self._writer
 
     def _submit(self, writer: DurableWriter, runtime) -> None:
+        # ``runtime``: the Runtime, or a commit's Ticket (both have round, world_size, durable_fence).
         """Write the last commit (the snapshot just taken) in the background."""
         if writer.submit(
             self._snapshot.tree(),
@@ -378,54 +383,6 @@ def _set_rng_states(states: tuple) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-def _copy_into(saved: Any, live: Any, path: tuple = (), cuda_paths: frozenset = frozenset()) -> Any:
-    """``saved`` as a tree whose tensors are ``live``'s own, overwritten in place, where
-    ``live`` has a tensor of the same shape and dtype at the same place, and fresh
-    copies elsewhere: on the live tensor's device if there is one at that place, else
-    on the CUDA device if ``path`` is in ``cuda_paths``. A rollback then allocates
-    nothing: for a state of many GB, fresh tensors cost seconds of page faults on the
-    recovery path."""
-    if isinstance(saved, torch.Tensor):
-        if isinstance(live, torch.Tensor) and live.shape == saved.shape and live.dtype == saved.dtype:
-            with torch.no_grad():
-                return live.copy_(saved)
-        if isinstance(live, torch.Tensor) and live.device != saved.device:
-            return saved.detach().to(live.device, copy=True)
-        if path in cuda_paths and not saved.is_cuda:
-            return saved.detach().to(_cuda_device(), copy=True)
-        return clone_tree(saved)
-    if isinstance(saved, dict) and isinstance(live, dict):
-        copied = type(saved)((key, _copy_into(value, live.get(key), path + (key,), cuda_paths))
-                             for key, value in saved.items())
-        if hasattr(saved, "_metadata"):
-            copied._metadata = copy.deepcopy(saved._metadata)
-        return copied
-    if type(saved) in (list, tuple) and type(live) is type(saved) and len(live) == len(saved):
-        return type(saved)(_copy_into(s, l, path + (i,), cuda_paths) for i, (s, l) in enumerate(zip(saved, live)))
-    if cuda_paths and isinstance(saved, (dict, list, tuple)):
-        return _to_recorded(saved, path, cuda_paths)
-    return clone_tree(saved)
-
-
-def _to_recorded(saved: Any, path: tuple, cuda_paths: frozenset) -> Any:
-    """A fresh copy of ``saved`` whose tensors are on the device kind they were committed from."""
-    if isinstance(saved, torch.Tensor):
-        return saved.detach().to(_cuda_device(), copy=True) if path in cuda_paths else clone_tree(saved)
-    if isinstance(saved, dict):
-        copied = type(saved)((k, _to_recorded(v, path + (k,), cuda_paths)) for k, v in saved.items())
-        if hasattr(saved, "_metadata"):
-            copied._metadata = copy.deepcopy(saved._metadata)
-        return copied
-    if type(saved) in (list, tuple):
-        return type(saved)(_to_recorded(v, path + (i,), cuda_paths) for i, v in enumerate(saved))
-    return clone_tree(saved)
-
-
-def _cuda_device() -> torch.device:
-    """The worker's CUDA device (its slot's: set once at start)."""
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 class TorchState(State):
     """A model, its optimizer, an ``ElasticSampler``, plain values, and any keyword whose
     value has ``state_dict()``/``load_state_dict()``: a scheduler, a GradScaler, EMA
@@ -449,11 +406,19 @@ class TorchState(State):
         object.__setattr__(self, "sampler", sampler)
 
     def state_tree(self) -> dict:
+        return self._tree(None)
+
+    def commit_tree(self) -> dict:
+        live = live_tree(getattr(self, "_live", None), self.model, self.optimizer)
+        object.__setattr__(self, "_live", live)
+        return self._tree(live)
+
+    def _tree(self, live: Optional[LiveTree]) -> dict:
         tree = super().state_tree()
         if self.model is not None:
-            tree["model"] = self.model.state_dict()
+            tree["model"] = live.model_tree() if live is not None else self.model.state_dict()
         if self.optimizer is not None:
-            tree["optimizer"] = self.optimizer.state_dict()
+            tree["optimizer"] = live.optimizer_tree() if live is not None else self.optimizer.state_dict()
         if self.sampler is not None:
             tree["sampler"] = self.sampler.state_dict()
         if self._object_names:
@@ -470,7 +435,7 @@ class TorchState(State):
             self.model.load_state_dict(tree["model"])  # copies into the live parameters
         if self.optimizer is not None:
             # Copies, never the snapshot's buffers (the optimizer writes into its state).
-            self.optimizer.load_state_dict(_copy_into(tree["optimizer"], self.optimizer.state_dict()))
+            self.optimizer.load_state_dict(copy_into(tree["optimizer"], self.optimizer.state_dict()))
         if self.sampler is not None:
             self.sampler.load_state_dict(copy.deepcopy(tree["sampler"]))
         # After the optimizer: a scheduler's load leaves the optimizer's learning rate alone.
@@ -482,7 +447,7 @@ class TorchState(State):
                 continue
             place = (_OBJECTS, name)
             load_state(getattr(self, name), saved[name],
-                       lambda value, live, place=place: _copy_into(value, live, place, cuda_paths))
+                       lambda value, live, place=place: copy_into(value, live, place, cuda_paths))
 
     def on_reset(self) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_rank"):

@@ -68,7 +68,7 @@ def state_of(owner: str, name: str, obj: Any) -> Any:
 def load_state(obj: Any, saved: Any, copy_into: Callable[[Any, Any], Any]) -> None:
     """Give ``obj`` the committed ``saved`` (a tree that may be a snapshot's views);
     ``copy_into(saved, live)`` is ``saved`` with ``live``'s tensors overwritten in place
-    (``elastic.state._copy_into`` at the object's place in the tree).
+    (``elastic.checkpoint.copy_into`` at the object's place in the tree).
 
     A module copies into its own parameters and buffers itself. Anything else gets its
     own tensors overwritten in place where their shapes match (no allocation on the

@@ -77,7 +77,7 @@ def local_size() -> int:
 def _plan_of(runtime):
     """The round this worker has its rank in: None in a world of one; a joiner's
     round is entered only at its first sync, but its rank is known already."""
-    return getattr(runtime, "plan", None) or getattr(runtime, "_deferred", None)
+    return getattr(runtime, "position_plan", None)
 
 
 def _plan():

@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 
 from ..contract.console import FILE_ONLY
-from ..contract.errors import ElasticError, HostsUpdatedInterrupt, JobStopping
+from ..contract.errors import ElasticError
 from ..state import State, checkpoint_policy
 from ..worker import fault_points
+from ..worker.commit_gate import Verdict, act_on
 from ..worker.lifecycle import current as _runtime
 from ..worker.sync_plan import CommitId, SyncPlan
 from . import durable, meta_wire, modules
@@ -77,10 +78,9 @@ class ShardedState(State):
             raise TypeError("ShardedState(scheduler=...) takes a factory of the optimizer, e.g. "
                             "lambda opt: StepLR(opt, 100), and needs optimizer=")
         super().__init__(**values)
-        object.__setattr__(self, "_policy_resolved", True)  # State's rank-0 writer is not used: see durable.py
-        object.__setattr__(self, "_durable", None)  # ShardedCheckpoints with --checkpoint-dir
-        object.__setattr__(self, "_durable_resolved", False)
-        for name, value in (("_model_factory", model), ("_optimizer_factory", optimizer),
+        # State's rank-0 writer is not used (_policy_resolved): ShardedCheckpoints with --checkpoint-dir (durable.py).
+        for name, value in (("_policy_resolved", True), ("_durable", None), ("_durable_resolved", False),
+                            ("_model_factory", model), ("_optimizer_factory", optimizer),
                             ("_shard", shard or modules.default_shard), ("_init", init),
                             ("_scheduler_factory", scheduler), ("scheduler", None),
                             ("model", None), ("optimizer", None), ("sampler", sampler),
@@ -95,22 +95,21 @@ class ShardedState(State):
         """Snapshot this worker's shards and start their replication; raise HostsUpdatedInterrupt
         if the ring changes here (after the copies have arrived: the new ring needs them)."""
         runtime = _runtime()
-        runtime.fence()
+        verdict = runtime.commit(lambda ticket: self._capture(runtime, ticket))
+        if verdict is not Verdict.CONTINUE:
+            self._finish_replication(None, raise_errors=True)
+        act_on(verdict, self._commits)
+
+    def _capture(self, runtime, ticket) -> int:
         self._await_copies()
         object.__setattr__(self, "_commits", self._commits + 1)
-        object.__setattr__(self, "_commit_round", runtime.round)
+        object.__setattr__(self, "_commit_round", ticket.round)
         self._snapshot_and_replicate(runtime, wait=False)
         if self._commits >= 5:
             fault_points.sharded("replicating", runtime.rank)
         if self._durable is not None and self._durable.due(self._commits):
             self._write_durable(runtime)
-        action = runtime.note_commit(self._commits)
-        if action in ("stop", "switch"):
-            self._finish_replication(None, raise_errors=True)
-        if action == "stop":
-            raise JobStopping(f"job stops after commit {self._commits}")
-        if action == "switch":
-            raise HostsUpdatedInterrupt(f"ring changes after commit {self._commits}")
+        return self._commits
 
     def save(self) -> None:
         self._snapshot_and_replicate(_runtime(), wait=True)
@@ -124,10 +123,8 @@ class ShardedState(State):
         """The live model and optimizer go, with their memory (``release_storage``)."""
         if self.model is not None:
             release_storage(self.model, self.optimizer)
-        object.__setattr__(self, "model", None)
-        object.__setattr__(self, "optimizer", None)
-        object.__setattr__(self, "scheduler", None)
-        object.__setattr__(self, "_live", None)
+        for name in ("model", "optimizer", "scheduler", "_live"):
+            object.__setattr__(self, name, None)
         for slot in self._held_slots():
             slot.forget_sources()
 

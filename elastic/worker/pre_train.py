@@ -61,11 +61,8 @@ def explain(exc: BaseException, runtime) -> BaseException:
 
 def _joining_round(runtime):
     """The round ``runtime`` enters at its first sync, None once it is in a ring (or none
-    runs). ``Runtime.start`` keeps that plan aside as ``_deferred`` for a worker that joins
-    a job under way; read here rather than through a property of runtime.py, a hall kept
-    under its line limit."""
-    deferred = getattr(runtime, "_deferred", None)
-    return deferred.round if deferred is not None else None
+    runs): ``Runtime.joining_round``."""
+    return getattr(runtime, "joining_round", None)
 
 
 def call_site(tb) -> str:

@@ -27,19 +27,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from elastic.rendezvous import (
-    STOPPING,
-    ControlChannel,
-    Etcd,
-    EtcdConfig,
-    JobKeys,
-    RoundPlan,
-)
+from elastic.rendezvous import ControlChannel, Etcd, EtcdConfig, JobKeys, RoundPlan
 from elastic.rendezvous.errors import RendezvousTimeoutError
 from elastic.rendezvous.job_secret import read_private_file
 from elastic.rendezvous.member_sync import follow_members
 
 from .commit_fence import CommitFence
+from .commit_gate import CommitGate, Ticket, Verdict
 from ..contract.console import FILE_ONLY
 from ..contract.devices import uses_nccl
 from .durable_fence import fence as checkpoint_fence
@@ -47,12 +41,10 @@ from .reset_nudge import ResetNudge
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.faults import NETWORK
 from .failures import classify_init
-from . import device_commit, device_watch, fault_points, nccl_abort, round_store, switch_points
+from . import device_commit, fault_points, nccl_abort, round_store
 from ..contract.events import EventLog
-from .joiners import JoinerWatch
 from ..contract.progress import Progress
 from .step_log import StepLog
-from .switch_points import SwitchPoints
 from .ring_abort import (RingHandle, broken_reason, check_ring, forget_failed_init, forming_ring, leave_ring,
                          peer_lost, prepare_ring, ring_breaks, socket_snapshot)
 from .stragglers import StragglerWatch
@@ -84,22 +76,13 @@ class Runtime:
         )
         self._etcd: Optional[Etcd] = None
         self._control: Optional[ControlChannel] = None
-        self._store = None  # the round's PrefixStore
-        self._switch_at: Optional[int] = None
-        self._switch_action = "switch"  # what the ring does at _switch_at: "switch" or "stop"
-        self._switch_points = SwitchPoints()  # the commits where it may (switch_points.py)
-        self._commits = 0  # commits in the current round
-        self._joiners = JoinerWatch()  # rank 0's look at a pending round's joiners
         self._deferred: Optional[RoundPlan] = None  # a joiner's round, entered at its first sync
         self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
         self._forming: Optional[tuple] = None  # (plan, RingHandle) of a round whose init is under way
         self._tried_round = 0  # the newest round whose init we began (it may have failed)
         self._backend_lock = threading.Lock()
-        self._progress: Optional[Progress] = None  # marks for the agent's hang watchdog
-        self._device_watch = None  # GPU workers: device progress for the same (device_watch.py)
-        self._stragglers: Optional[StragglerWatch] = None  # step times, exchanged every few commits
-        self._commit_fence: Optional[CommitFence] = None
         self.steps = StepLog(self.events, config.worker_id if config else "local")  # for the timeline
+        self.gate = CommitGate(self.steps, self.check_ring_before_commit)  # a commit's one call
 
     @property
     def max_resets(self) -> int:
@@ -124,11 +107,11 @@ class Runtime:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             return
         cfg = self.config
+        gate = self.gate
         if cfg.progress_file:
-            self._progress = Progress(cfg.progress_file, cfg.stacks_file)
+            gate.progress = Progress(cfg.progress_file, cfg.stacks_file)
         # Its exchanges give every rank the same pace: switch points are spaced by it.
-        self._stragglers = StragglerWatch(self, cfg.straggler_ratio,
-                                          on_pace=lambda *pace: self._switch_points.agree(*pace))
+        gate.stragglers = StragglerWatch(self, cfg.straggler_ratio, on_pace=lambda *pace: gate.points.agree(*pace))
         if cfg.marker_file:
             # Tells the agent this worker follows rounds itself (no restart on change).
             with open(cfg.marker_file, "w") as f:
@@ -147,7 +130,8 @@ class Runtime:
             )
         ))
         self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()
-        self._commit_fence = CommitFence(self._etcd, JobKeys(cfg.job_id), cfg.worker_id, cfg.rdzv_ttl)
+        gate.control = self._control
+        gate.commit_fence = CommitFence(self._etcd, JobKeys(cfg.job_id), cfg.worker_id, cfg.rdzv_ttl)
         self._control.add_listener(self._on_control)
         # The device slot its agent gave this process (device_slots.py): LOCAL_RANK and the
         # CUDA device for its whole life, set once, before any process group exists.
@@ -164,6 +148,17 @@ class Runtime:
         else:
             self._enter(plan)
 
+    @property
+    def position_plan(self) -> Optional[RoundPlan]:
+        """The round this worker has its rank in: a joiner's, entered only at its first
+        sync, is known from the start (``hvd.rank()`` before the first sync)."""
+        return self.plan or self._deferred
+
+    @property
+    def joining_round(self) -> Optional[int]:
+        """The round a joiner enters at its first sync; None once it is in a ring."""
+        return self._deferred.round if self._deferred is not None else None
+
     def ensure_joined(self) -> None:
         """Join the ring whose position ``start`` took, if that was deferred."""
         if self._deferred is None:
@@ -174,60 +169,37 @@ class Runtime:
             plan = newest
         self._enter(plan)
 
-    # -- the switch at a commit (scale-up, graceful leave) ----------------------
+    # -- a commit (commit_gate.py) -----------------------------------------------
+    def commit(self, capture) -> Verdict:
+        """A state's commit, the one call it makes: fence, ring check, ``capture(ticket)``,
+        step log, pace exchange and the switch decision, in that order (commit_gate.py)."""
+        ticket = Ticket(self.round, self.rank, self.world_size, self.durable_fence)
+        verdict = self.gate.at_commit(capture, ticket, self.plan)
+        if verdict is not Verdict.CONTINUE:
+            device_commit.before_planned_leave(self)  # overlapped commits: the step's kernels end first
+        return verdict
+
     def begin_round(self) -> None:
         """The training function is (re-)entered on the current ring."""
-        self._commits = 0
-        self.steps.begin()
-        if self._commit_fence is not None:
-            self._commit_fence.reset()  # in step with the ring: a long re-formation is no gap
-        if self._progress is not None:
-            self._progress.mark(interval=False)  # the re-formation is no step interval
-        if self._stragglers is not None:
-            self._stragglers.begin_round()
+        self.gate.begin()
 
     def end_training(self) -> None:
         """The training function returned for good."""
         self.steps.close()
-        if self._progress is not None:
-            self._progress.board.left_training()
-
-    def note_commit(self, number: Optional[int] = None) -> Optional[str]:
-        """Count a commit (``number``: the job's commit count); at the commit where the whole
-        ring acts together, say what it does: "stop" (the job was told to stop) or "switch"."""
-        self._commits += 1
-        self.steps.commit(number, self.world_size)
-        if self._progress is not None:
-            # The first commit of a round follows DDP's broadcast and warm-up: not a step.
-            self._progress.mark(interval=self._commits > 1, commit=True)
-        if self._stragglers is not None:
-            self._stragglers.on_commit(self._commits)  # every few commits: one small all_gather
-        if not self.should_switch(self._commits):
-            return None
-        device_commit.before_planned_leave(self)  # overlapped commits: the step's kernels end first
-        return self._switch_action
+        if self.gate.progress is not None:
+            self.gate.progress.board.left_training()
 
     @property
     def progress_board(self):
         """The worker's progress board (contract/progress.py), None outside elastic-run."""
-        return self._progress.board if self._progress is not None else None
-
-    def fence(self) -> None:
-        """Called first thing in ``commit()``: a worker the job left behind (its host was
-        paused or cut off past the TTL) completes no commit, nor checkpoint, in a round
-        that is over; it re-joins instead (commit_fence.py)."""
-        if self._commit_fence is not None:
-            self._commit_fence.check(self.round, self._control.plan)
-        if self._progress is not None:  # GPU workers: the step's device work, before the ring check's sync
-            self._device_watch = device_watch.commit_mark(self._device_watch, self._progress.board)
-        self.check_ring_before_commit()
+        return self.gate.progress.board if self.gate.progress is not None else None
 
     def check_ring_before_commit(self) -> None:
-        """Called by ``fence()``, before ``commit()`` overwrites the snapshot: raise ``RingBroken``
-        (a ring failure; the previous commit stays the rollback target) unless the step's
-        collectives completed without error. On NCCL that takes a sync of the current
-        stream: its collectives do not block the host, and an abort lets the queued
-        optimizer step apply partial gradients. gloo's raise at once: no sync there."""
+        """Before ``commit()`` overwrites the snapshot: raise ``RingBroken`` (a ring failure;
+        the previous commit stays the rollback target) unless the step's collectives
+        completed without error. On NCCL that takes a sync of the current stream: its
+        collectives do not block the host, and an abort lets the queued optimizer step
+        apply partial gradients. gloo's raise at once: no sync there."""
         with self._backend_lock:
             ring = self._ring
         check_ring(ring, device_sync=device_commit.drains_at_commit(self.backend))  # (G13: opt-in overlap)
@@ -236,37 +208,9 @@ class Runtime:
         """Why the current ring is broken (aborted, its backend's error), or None (gpu review G12)."""
         return broken_reason(self._ring)  # one read of the attribute: no lock needed
 
-    def should_switch(self, commits: int) -> bool:
-        """Called at every commit (``commits`` counts this round's commits)."""
-        if self._store is None:
-            return False
-        if self._switch_at is None:
-            if self.rank == 0:
-                newest = self._control.plan
-                stopping = self._control.status.state == STOPPING
-                pending = newest is not None and newest.round > self.round
-                if stopping or (pending and self._joiners.ready(self.plan, newest)):
-                    # Everyone is within one step of us (each step has a collective
-                    # with rank 0), so all will read this before their commit+1.
-                    # The action travels with the commit number: every worker does
-                    # what rank 0 decided, never what its own copy of the status says.
-                    self._switch_action = "stop" if stopping else "switch"
-                    self._switch_at = self._switch_points.next_point(commits)
-                    self._store.set("switch_at", f"{self._switch_at} {self._switch_action}")
-            elif self._switch_points.is_point(commits) and self._store.check(["switch_at"]):
-                at, action = switch_points.parse_switch_at(self._store.get("switch_at"), commits)
-                # The store is not the job: act once our own view of etcd shows why.
-                switch_points.confirm(action, lambda: switch_points.has_grounds(action, self._control, self.round))
-                self._switch_at, self._switch_action = at, action
-        return self._switch_at is not None and commits >= self._switch_at
-
     def ring_change_ready(self) -> bool:
-        """Rank 0's view, asked between commits (``hvd.elastic``'s ``check_host_updates``):
-        would the ring switch to a newer round at a commit now (its joiners have arrived)?"""
-        if self._store is None or self._control.status.state == STOPPING:
-            return False
-        newest = self._control.plan
-        return newest is not None and newest.round > self.round and self._joiners.ready(self.plan, newest)
+        """Rank 0's view, asked between commits (``hvd.elastic``'s ``check_host_updates``)."""
+        return self.gate.ring_change_ready(self.plan, self.round)
 
     # -- moving to the next round ----------------------------------------------
     def reform(self, reason: str, *, failed: bool) -> ReformTimes:
@@ -340,10 +284,7 @@ class Runtime:
         with self._backend_lock:
             ring, self._ring = self._ring, None
         aborted = ring is not None and ring.aborted
-        self._store = None
-        self._joiners.forget()
-        self._switch_at = None
-        self._switch_action = "switch"
+        self.gate.leave()
         leave_ring(ring, failed=failed, round_number=self.round)
         if collect and not aborted:
             # Nobody shut the old connections down: freeing the old gloo pairs now
@@ -441,9 +382,7 @@ class Runtime:
                 self._ring.abort()
             self.previous_plan, self.plan = self.plan, plan
             self.round = plan.round
-        self._store = store
-        self._switch_at = None
-        self._switch_points = SwitchPoints()
+        self.gate.enter(store)
         self._take_position(plan)
 
     def _connect_store(self, plan: RoundPlan):
@@ -506,16 +445,16 @@ class Runtime:
         self.release_group()
         if self._control is not None:
             self._control.close()
-        if self._commit_fence is not None:
-            self._commit_fence.close()
+        gate = self.gate
+        if gate.commit_fence is not None:
+            gate.commit_fence.close()
         if self._etcd is not None:
             self._etcd.close()
-        if self._device_watch is not None:
-            self._device_watch.close()
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
-        if self._stragglers is not None:
-            self._stragglers.close()
-            self._stragglers = None
+        gate.close()
+        if gate.progress is not None:
+            gate.progress.close()
+            gate.progress = None
+        if gate.stragglers is not None:
+            gate.stragglers.close()
+            gate.stragglers = None
 

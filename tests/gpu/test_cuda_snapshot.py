@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from elastic.worker.commit_gate import commit_alone
 from elastic.checkpoint import Snapshot
 from elastic.state import State, TorchState
 from elastic.worker import lifecycle
@@ -20,8 +21,8 @@ CYCLES_PER_S = int(1e9)  # torch.cuda._sleep spins cycles; about a second on a 1
 @pytest.fixture
 def runtime():
     stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="nccl",
-                                     fence=lambda: torch.cuda.current_stream().synchronize(),
-                                     note_commit=lambda n: None)
+                                     commit=lambda capture: commit_alone(
+                                         lambda t: (torch.cuda.current_stream().synchronize(), capture(t)), 1))
     lifecycle.install(stand_in)
     yield stand_in
     lifecycle.install(None)
@@ -53,9 +54,9 @@ def test_a_capture_returns_before_its_copy_completes():
     torch.cuda.synchronize()
     torch.cuda._sleep(2 * CYCLES_PER_S)  # the copy queues behind a second of device work
     snapshot.capture({"x": x})
-    assert snapshot.in_flight  # the host did not wait
+    assert not all(event.query() for event in snapshot._pending)  # the host did not wait
     assert torch.all(snapshot.tree()["x"] == 1.0)  # reading waits for it
-    assert not snapshot.in_flight
+    assert snapshot._pending is None
 
 
 def test_buffers_are_pinned_at_exactly_the_layouts_size():

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from ...contract.devices import capability
 from ...contract.errors import HostsUpdatedInterrupt
-from ...state import State, _copy_into
+from elastic.checkpoint import copy_into
+from ...state import State
 from ...stateful import is_stateful, load_state
 from ...worker import lifecycle
 from .sampler import ElasticSampler
@@ -150,7 +151,7 @@ class TorchState(ObjectState):
             # the snapshot's buffers.
             place = ("handled", name)
             load_state(getattr(self, name), saved,
-                       lambda value, live, place=place: _copy_into(value, live, place, cuda_paths))
+                       lambda value, live, place=place: copy_into(value, live, place, cuda_paths))
 
     def sync(self):
         """Horovod's sync ends with a reset of every sampler: its pass is made afresh from the

@@ -10,17 +10,18 @@ import types
 import pytest
 import torch
 
+from elastic.worker.commit_gate import commit_alone
 from elastic.checkpoint import Snapshot
-from elastic import state as state_module
-from elastic.state import State, _copy_into
+from elastic.checkpoint import tree_copy
+from elastic.checkpoint import copy_into
+from elastic.state import State
 from elastic.worker import lifecycle
 
 
 @pytest.fixture
 def runtime():
     stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
-                                     fence=lambda: None, check_ring_before_commit=lambda: None,
-                                     note_commit=lambda n: None)
+                                     commit=lambda capture: commit_alone(capture, 1))
     lifecycle.install(stand_in)
     yield stand_in
     lifecycle.install(None)
@@ -38,18 +39,18 @@ def test_a_value_of_the_same_shape_is_overwritten_in_place(runtime):
 def test_a_value_of_another_shape_follows_the_live_tensors_device():
     saved = {"values": {"ema": torch.ones(2)}}
     live = torch.empty(5, device="meta")
-    placed = _copy_into(saved["values"]["ema"], live, ("values", "ema"))
+    placed = copy_into(saved["values"]["ema"], live, ("values", "ema"))
     assert placed.device.type == "meta" and placed.shape == (2,)
 
 
 def test_a_value_without_a_live_tensor_goes_to_the_recorded_device(monkeypatch):
-    monkeypatch.setattr(state_module, "_cuda_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(tree_copy, "_cuda_device", lambda: torch.device("meta"))
     saved = {"scaler": torch.ones(1), "history": [torch.ones(2), 3]}
     cuda = frozenset({("values", "s", "scaler"), ("values", "s", "history", 0)})
-    placed = _copy_into(saved, None, ("values", "s"), cuda)
+    placed = copy_into(saved, None, ("values", "s"), cuda)
     assert placed["scaler"].device.type == "meta" and placed["history"][0].device.type == "meta"
     assert placed["history"][1] == 3
-    assert _copy_into(torch.ones(1), None, ("values", "x"), cuda).device.type == "cpu"  # not recorded
+    assert copy_into(torch.ones(1), None, ("values", "x"), cuda).device.type == "cpu"  # not recorded
 
 
 def test_the_snapshot_names_the_paths_captured_from_cuda():

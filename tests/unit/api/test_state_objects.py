@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from elastic.worker.commit_gate import commit_alone
 from elastic.checkpoint import CheckpointPolicy
 from elastic.state import TorchState
 from elastic.worker import lifecycle
@@ -18,8 +19,7 @@ from elastic.worker import lifecycle
 @pytest.fixture
 def runtime():
     stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
-                                     fence=lambda: None, note_commit=lambda n: None,
-                                     durable_fence=lambda: None,
+                                     commit=lambda capture: commit_alone(capture, 1),
                                      events=types.SimpleNamespace(emit=lambda *a, **k: None))
     lifecycle.install(stand_in)
     yield stand_in

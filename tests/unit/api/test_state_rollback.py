@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from elastic.checkpoint import Snapshot
-from elastic.state import _copy_into
+from elastic.checkpoint import copy_into
 
 
 def adam_after_a_step():
@@ -26,7 +26,7 @@ def test_a_rollback_overwrites_the_optimizers_own_tensors():
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()  # moves on from the commit
     saved = snapshot.tree()
-    optimizer.load_state_dict(_copy_into(saved, optimizer.state_dict()))
+    optimizer.load_state_dict(copy_into(saved, optimizer.state_dict()))
     for index, (param, state) in enumerate(optimizer.state.items()):
         assert state["exp_avg"] is own[id(param)]  # the same tensor, overwritten
         assert torch.equal(state["exp_avg"], saved["state"][index]["exp_avg"])
@@ -42,7 +42,7 @@ def test_a_joiner_without_optimizer_state_gets_fresh_copies():
     snapshot = Snapshot()
     snapshot.capture(trained.state_dict())
     fresh = torch.optim.Adam(torch.nn.Linear(4, 3).parameters(), lr=0.1)
-    fresh.load_state_dict(_copy_into(snapshot.tree(), fresh.state_dict()))
+    fresh.load_state_dict(copy_into(snapshot.tree(), fresh.state_dict()))
     views = {v.data_ptr() for state in snapshot.tree()["state"].values() for v in state.values()}
     for index, state in enumerate(fresh.state.values()):
         for key, value in state.items():

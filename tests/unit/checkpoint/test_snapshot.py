@@ -1,11 +1,11 @@
-"""Snapshot: reused buffers, in-place restore, layouts for newcomers, clone_tree."""
+"""Snapshot: reused buffers, in-place restore (copy_into), layouts for newcomers, clone_tree."""
 import pickle
 from collections import OrderedDict
 
 import pytest
 import torch
 
-from elastic.checkpoint import Snapshot, clone_tree
+from elastic.checkpoint import Snapshot, clone_tree, copy_into
 
 
 def _model_and_optimizer(seed: int = 0):
@@ -13,6 +13,12 @@ def _model_and_optimizer(seed: int = 0):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, optimizer
+
+
+def _adopted(layout):
+    snap = Snapshot()
+    snap.adopt_layout(layout)
+    return snap
 
 
 def _train_step(model, optimizer):
@@ -59,7 +65,7 @@ def test_capture_and_restore_round_trip_with_momentum():
 
     for _ in range(3):
         _train_step(model, optimizer)
-    snap.restore_into(_tree(model, optimizer))
+    copy_into(snap.tree(), _tree(model, optimizer))
 
     restored = clone_tree(_tree(model, optimizer, epoch=3))
     _assert_trees_equal(restored["model"], expected["model"])
@@ -109,7 +115,7 @@ def test_restore_into_keeps_tensor_identity():
     momentum_before = [optimizer.state[p]["momentum_buffer"] for p in params_before]
 
     _train_step(model, optimizer)
-    snap.restore_into(_tree(model, optimizer))
+    copy_into(snap.tree(), _tree(model, optimizer))
 
     assert all(a is b for a, b in zip(model.parameters(), params_before))
     assert [p.data_ptr() for p in model.parameters()] == ptrs_before
@@ -117,27 +123,15 @@ def test_restore_into_keeps_tensor_identity():
     assert all(torch.equal(p, s) for p, s in zip(model.parameters(), saved))
 
 
-def test_restore_into_names_the_first_mismatching_path_and_copies_nothing():
+def test_a_tensor_of_another_shape_is_a_fresh_copy_and_the_live_one_is_left_alone():
     snap = Snapshot()
-    snap.capture({"model": {"a": torch.ones(2), "b": torch.ones(3)}})
-    target = {"model": {"a": torch.zeros(2), "b": torch.zeros(4)}}
-    with pytest.raises(ValueError, match="model/b") as info:
-        snap.restore_into(target)
-    assert "\n" not in str(info.value)
-    assert torch.equal(target["model"]["a"], torch.zeros(2))  # validated before any copy
-
-    wrong_dtype = {"model": {"a": torch.zeros(2, dtype=torch.float64)}}
-    with pytest.raises(ValueError, match="model/a"):
-        snap.restore_into(wrong_dtype)
-
-
-def test_restore_into_skips_paths_the_snapshot_does_not_have():
-    snap = Snapshot()
-    snap.capture({"a": torch.full((2,), 3.0)})
-    target = {"a": torch.zeros(2), "extra": torch.zeros(1)}
-    snap.restore_into(target)
-    assert torch.equal(target["a"], torch.full((2,), 3.0))
-    assert torch.equal(target["extra"], torch.zeros(1))
+    snap.capture({"model": {"a": torch.full((2,), 3.0), "b": torch.ones(3)}})
+    target = {"model": {"a": torch.zeros(2), "b": torch.zeros(4)}, "extra": torch.zeros(1)}
+    restored = copy_into(snap.tree(), target)
+    assert restored["model"]["a"] is target["model"]["a"] and torch.equal(target["model"]["a"], torch.full((2,), 3.0))
+    assert restored["model"]["b"] is not target["model"]["b"] and torch.equal(target["model"]["b"], torch.zeros(4))
+    assert restored["model"]["b"].untyped_storage().data_ptr() not in {b.data_ptr() for b in snap.buffers()}
+    assert torch.equal(target["extra"], torch.zeros(1))  # a path the snapshot does not have
 
 
 def test_mutating_the_source_after_capture_does_not_change_the_snapshot():
@@ -170,7 +164,7 @@ def test_from_layout_plus_buffers_reproduces_the_tree():
     source.capture(_tree(model, optimizer, epoch=2))
 
     layout = pickle.loads(pickle.dumps(source.layout()))  # what broadcast_object_list does
-    newcomer = Snapshot.from_layout(layout)
+    newcomer = _adopted(layout)
     assert [b.shape for b in newcomer.buffers()] == [b.shape for b in source.buffers()]
     assert layout.nbytes == source.nbytes == newcomer.nbytes
     for dst, src in zip(newcomer.buffers(), source.buffers()):
@@ -179,7 +173,7 @@ def test_from_layout_plus_buffers_reproduces_the_tree():
 
     other_model, other_optimizer = _model_and_optimizer(seed=1)
     other_optimizer.load_state_dict(clone_tree(newcomer.tree()["optimizer"]))
-    newcomer.restore_into({"model": other_model.state_dict()})
+    copy_into(newcomer.tree()["model"], other_model.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(other_model.parameters(), model.parameters()))
 
 
@@ -226,7 +220,7 @@ def test_cuda_tensors_go_to_pinned_host_memory():
     assert len(gpu_buffer) == 1 and gpu_buffer[0].device.type == "cpu"
     assert torch.equal(snap.tree()["w"], tree["w"].cpu())
     target = {"w": torch.zeros(1000, device="cuda")}
-    snap.restore_into(target)
+    copy_into(snap.tree(), target)
     assert torch.equal(target["w"], tree["w"])
 
 
@@ -235,7 +229,7 @@ def test_adopt_layout_reuses_the_buffers_of_an_equal_layout_and_reallocates_for_
     _train_step(model, optimizer)
     source = Snapshot()
     source.capture(_tree(model, optimizer, epoch=1))
-    receiver = Snapshot.from_layout(source.layout())
+    receiver = _adopted(source.layout())
     first = [b.data_ptr() for b in receiver.buffers()]
 
     _train_step(model, optimizer)

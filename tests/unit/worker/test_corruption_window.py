@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from elastic.contract.faults import PROCESS, RING, USER
-from elastic.worker import lifecycle, recovery
+from elastic.worker import lifecycle
+from elastic.worker.outcome import Broken, outcome_of
 from elastic.worker.failures import classify_in_window
 from elastic.worker.ring_abort import RingHandle, broken_reason
 
@@ -64,7 +65,7 @@ def test_the_training_functions_error_after_an_abort_is_a_ring_interruption(monk
 
     if not interrupted:
         with pytest.raises(ValueError):
-            recovery._call(body)
+            outcome_of(body)
         return
-    outcome = recovery._call(body)
-    assert outcome is not None and outcome.failed and "after the ring broke" in outcome.reason
+    outcome = outcome_of(body)
+    assert isinstance(outcome, Broken) and outcome.failed and "after the ring broke" in outcome.reason

@@ -33,7 +33,7 @@ def torchs_own_error():
     (RuntimeError("Connection closed by peer"), 4, False),
 ])
 def test_only_torchs_no_group_error_on_a_worker_not_yet_in_its_ring_is_explained(error, joining, explained):
-    runtime = SimpleNamespace(_deferred=SimpleNamespace(round=joining) if joining else None)
+    runtime = SimpleNamespace(joining_round=joining or None)
     result = pre_train.explain(error, runtime)
     assert (result is not error) == explained
     if explained:
@@ -46,7 +46,7 @@ def test_only_torchs_no_group_error_on_a_worker_not_yet_in_its_ring_is_explained
 
 def test_torchs_real_message_is_the_one_recognised_and_the_line_names_the_users_call():
     error = torchs_own_error()  # raised in torch, called from here: this file is "the script"
-    line = str(pre_train.explain(error, SimpleNamespace(_deferred=SimpleNamespace(round=3))))
+    line = str(pre_train.explain(error, SimpleNamespace(joining_round=3)))
     assert line.startswith("a collective before @elastic.run (test_pre_train.py:")
     assert len(failures.summarize(pre_train.NoRingBeforeRun(line))) < 300  # never cut
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from elastic.contract.errors import PeersUnreachable, ResetLimitExceeded
-from elastic.worker.recovery import _Interruption, _reform
+from elastic.contract.faults import RING, Fault
+from elastic.worker.outcome import Broken
+from elastic.worker.recovery import _reform
 from elastic.contract.reset_budget import ResetBudget
 
 
@@ -25,7 +27,7 @@ class _FailingRuntime:
 
 
 def _interruption():
-    return _Interruption("RuntimeError: Connection closed by peer", failed=True, detected=0.0)
+    return Broken(Fault(RING, "RuntimeError: Connection closed by peer"), detected=0.0)
 
 
 def test_a_budget_spent_on_unreachable_peers_exits_as_a_network_fault_without_its_traceback():

@@ -16,13 +16,14 @@ import pytest
 from elastic.contract.errors import PeerDataInvalid
 from elastic.worker import switch_points
 from elastic.worker.failures import RING, classify
-from elastic.worker.runtime import Runtime
+from elastic.worker.commit_gate import CommitGate, SwitchAt, Verdict, decide_switch
+from elastic.worker.switch_points import SwitchPoints
 from elastic.rendezvous import STOPPING, JobStatus, RoundPlan
 from elastic.rendezvous.rounds import Slot
 
 
 class DictStore:
-    """The calls ``should_switch`` makes on the round's PrefixStore."""
+    """The calls ``CommitGate.verdict`` makes on the round's PrefixStore."""
 
     def __init__(self):
         self.data: dict[str, bytes] = {}
@@ -47,21 +48,33 @@ def plan(round_number, workers):
                      hosts={"m": ("h", "127.0.0.1")}, store_addr="127.0.0.1:1", created=time.time())
 
 
+class Ring:
+    """One rank's gate in the ring ``current``."""
+
+    def __init__(self, rank, store, control, current):
+        self.gate = CommitGate(steps=None, check_ring=lambda: None)
+        self.gate.control = control
+        self.gate.enter(store)
+        self.rank, self.current = rank, current
+
+    def acts(self, commits) -> Verdict:
+        self.gate.commits = commits
+        return self.gate.verdict(self.rank, self.current.round, self.current)
+
+
 def runtime(rank, store, control, current):
-    rt = Runtime(None)
-    rt.rank, rt.round, rt.plan = rank, current.round, current
-    rt._store, rt._control = store, control
-    return rt
+    return Ring(rank, store, control, current)
 
 
 CURRENT = plan(3, ["m.w0", "m.w1"])
 
 
 def commit_until_acting(rt, limit=20):
-    """Commit until ``should_switch`` says the ring acts; (commit number, action)."""
+    """Commit until the gate's verdict says the ring acts; (commit number, action)."""
     for commits in range(1, limit + 1):
-        if rt.should_switch(commits):
-            return commits, rt._switch_action
+        verdict = rt.acts(commits)
+        if verdict is not Verdict.CONTINUE:
+            return commits, verdict.value
     return None, None
 
 
@@ -81,7 +94,7 @@ def test_the_other_ranks_do_what_rank_0_published_not_what_their_own_status_says
     # The other rank's status lags (its watch delivers the stop a moment later): it waits
     # for its own view of etcd to show the reason, then acts as rank 0 published.
     if rank0_sees_stop:
-        threading.Timer(0.2, lambda: setattr(other._control, "status", JobStatus(STOPPING))).start()
+        threading.Timer(0.2, lambda: setattr(other.gate.control, "status", JobStatus(STOPPING))).start()
     assert commit_until_acting(other) == (2, expected)
 
 
@@ -102,9 +115,9 @@ def test_a_malformed_or_past_switch_at_is_a_ring_failure_not_a_stop(value):
     store.set("switch_at", value)
     other = runtime(1, store, Control(CURRENT), CURRENT)
     with pytest.raises(PeerDataInvalid) as raised:
-        other.should_switch(1)  # every commit of a fresh round is a point: it reads the value
+        other.acts(1)  # every commit of a fresh round is a point: it reads the value
     assert classify(raised.value).kind == RING
-    assert other._switch_action == "switch" and other._switch_at is None
+    assert other.gate.switch is None
 
 
 @pytest.mark.parametrize("action", ["stop", "switch"])
@@ -117,7 +130,7 @@ def test_a_well_formed_switch_at_that_etcd_gives_no_reason_for_is_a_ring_failure
     with pytest.raises(PeerDataInvalid, match="etcd shows no reason"):
         commit_until_acting(other, limit=3)
     assert time.monotonic() - started < 5
-    assert other._switch_at is None
+    assert other.gate.switch is None
 
 
 @pytest.mark.parametrize("value, commits, expected", [
@@ -126,3 +139,29 @@ def test_a_well_formed_switch_at_that_etcd_gives_no_reason_for_is_a_ring_failure
 ])
 def test_parse_switch_at(value, commits, expected):
     assert switch_points.parse_switch_at(value, commits) == expected
+
+
+# -- rank 0's choice, a pure function ---------------------------------------------------
+
+def _points(every=1, origin=0):
+    points = SwitchPoints()
+    points.every, points.origin = every, origin
+    return points
+
+
+@pytest.mark.parametrize("stopping, pending, ready, commits, every, expected", [
+    (False, False, True, 5, 1, None),  # nothing to do
+    (False, True, False, 5, 1, None),  # a round pending, its joiners not yet arrived
+    (False, True, True, 5, 1, SwitchAt(6, Verdict.SWITCH)),  # at the next point
+    (True, False, False, 5, 1, SwitchAt(6, Verdict.STOP)),
+    (True, True, True, 5, 1, SwitchAt(6, Verdict.STOP)),  # a stop wins over a pending round
+    (False, True, True, 5, 4, SwitchAt(8, Verdict.SWITCH)),  # points every 4 commits
+    (True, False, False, 8, 4, SwitchAt(12, Verdict.STOP)),  # at a point: the next one
+])
+def test_rank_0_decides_at_the_next_switch_point(stopping, pending, ready, commits, every, expected):
+    asked = []
+    ready_fn = lambda: asked.append(1) or ready  # noqa: E731
+    choice = decide_switch(stopping=stopping, pending=pending, joiners_ready=ready_fn, commits=commits,
+                           points=_points(every))
+    assert choice == expected
+    assert bool(asked) == (pending and not stopping), "the joiners' store is read only for a pending round"
