@@ -116,7 +116,7 @@ def test_user_error_fails_the_job_without_reform_loop(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--min-np", "5", "--max-np", "4", "x.py"], "max_np (4) must be at least min_np (5)"),
+        (["--min-np", "5", "--max-np", "4", "x.py"], "--min-np 5 is above --max-np 4"),
         (["--np", "2", "missing_script.py"], "script not found: missing_script.py"),
         (["--np", "0", "x.py"], "--np"),
         (["--rdzv-endpoint", "127.0.0.1:2379", "--np", "1", "x.py"], "--job-id is required"),
