@@ -162,6 +162,45 @@ def test_every_room_has_a_docstring_saying_what_it_holds_and_may_import():
         assert "import" in doc.lower(), f"elastic/{room}/__init__.py does not say what it may import"
 
 
+def _private_names_from_other_rooms(module: str) -> list[str]:
+    path = MODULES[module]
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        if source in MODULES and room_of(source) != room_of(module):
+            found += [f"{source}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_room_imports_another_rooms_private_names():
+    """A room's private names (``_x``) are its own: another room that needs one needs a
+    public name for it, so that the seam is visible where it is defined."""
+    found = {module: names for module in MODULES if (names := _private_names_from_other_rooms(module))}
+    assert found == {}
+
+
+def test_only_the_contract_and_the_classifier_decide_what_a_failure_is():
+    """A ``Fault`` (contract/faults.py) is made in elastic/contract/ and by the classifier
+    (worker/failures.py) only: every other place asks them, none adds its own rule."""
+    deciders = {"elastic.worker.failures"}
+    found = []
+    for module, path in MODULES.items():
+        if module in deciders or room_of(module) == "contract":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "Fault":
+                found.append(f"{module}:{node.lineno}")
+    assert found == []
+
+
 def test_no_test_hook_reads_the_environment_in_product_code():
     """Faults for tests are installed by the test's own fault plan (tests/fakes/fault_plan/),
     never switched on by an ELASTIC_TEST_* variable that a production process could carry."""

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from ..contract.errors import PeerDataInvalid
 from ..worker import wire
-from ..worker.state_transfer import _device
+from ..worker.state_transfer import wire_device
 from ..worker.sync_plan import CommitId
 from .modules import CommitMeta
 from .reshard_plan import TensorLayout
@@ -32,7 +32,7 @@ def _ints(value: Any, arity: int, what: str) -> tuple[int, ...]:
 def gather_reports(report: tuple, world: int, current_round: int, backend: str) -> list[tuple]:
     """Every rank's (held shards, metas, pending copies), each checked (``decode_report``)."""
     data = wire.dumps([[list(t) for t in part] for part in report])
-    bodies = wire.all_gather_bytes(data, world, _device(backend), "shard report", MAX_REPORT_BYTES)
+    bodies = wire.all_gather_bytes(data, world, wire_device(backend), "shard report", MAX_REPORT_BYTES)
     return [decode_report(body, rank, current_round) for rank, body in enumerate(bodies)]
 
 
@@ -98,7 +98,7 @@ def _meta(value: Any, current_round: int) -> CommitMeta:
 def broadcast_meta(meta: Optional[CommitMeta], src: int, rank: int, current_round: int,
                    backend: str) -> Optional[CommitMeta]:
     """``src``'s commit meta (or None) on every rank, checked (``decode_meta``)."""
-    body = wire.broadcast_bytes(encode_meta(meta) if rank == src else None, src, rank, _device(backend),
+    body = wire.broadcast_bytes(encode_meta(meta) if rank == src else None, src, rank, wire_device(backend),
                                 "commit meta", MAX_META_BYTES)
     return decode_meta(body, src, current_round)
 
@@ -115,7 +115,7 @@ def decode_meta(body: bytes, src: int, current_round: int) -> Optional[CommitMet
 def broadcast_found(found: Optional[tuple[str, dict]], rank: int, backend: str) -> Optional[tuple[str, dict]]:
     """Rank 0's newest durable checkpoint, (path, manifest) or None, on every rank."""
     data = wire.dumps(list(found) if found is not None else None) if rank == 0 else None
-    body = wire.broadcast_bytes(data, 0, rank, _device(backend), "durable checkpoint", MAX_REPORT_BYTES)
+    body = wire.broadcast_bytes(data, 0, rank, wire_device(backend), "durable checkpoint", MAX_REPORT_BYTES)
     value = wire.loads(body, "durable checkpoint from rank 0", limit=MAX_REPORT_BYTES)
     if value is None:
         return None

@@ -118,6 +118,12 @@ def classify_in_window(exc: BaseException, ring_broken: Optional[str]) -> Fault:
     return Fault(RING, f"{fault.reason} (after the ring broke: {ring_broken})"[:400])
 
 
+def broken_process(why: str) -> Fault:
+    """The worker's own process cannot go on (an NCCL abort past its deadline, a device
+    that does not answer): its agent replaces it."""
+    return Fault(PROCESS, why)
+
+
 def classify_init(exc: BaseException, *, peer_lost: bool) -> Fault:
     """What a failed ``init_process_group`` of a new round means. A broken ring while
     every worker of the round reached its store and none was declared lost means the

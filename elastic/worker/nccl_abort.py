@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..contract.exit_codes import WORKER_BROKEN
-from ..contract.faults import PROCESS, Fault
 from . import exit_record
+from .failures import broken_process
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ ABORT_DEADLINE_S = 60.0
 def exit_broken(why: str) -> None:
     """End this worker now: its agent sees WORKER_BROKEN and replaces it."""
     log.error("worker process broken: %s; exiting with status %d so that its agent replaces it", why, WORKER_BROKEN)
-    exit_record.failed(Fault(PROCESS, why))
+    exit_record.failed(broken_process(why))
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -45,7 +45,7 @@ _LAYOUT_TAG = 1 << 30
 MAX_LAYOUT_BYTES = 512 << 20
 
 
-def _device(backend: str) -> torch.device:
+def wire_device(backend: str) -> torch.device:
     # Only a ring with no part for host tensors (pure NCCL) needs device tensors; a mixed
     # one ("cpu:gloo,cuda:nccl") sends host tensors through its gloo part.
     if capability(backend).wire_device == "cuda":
@@ -69,7 +69,7 @@ def gather_holdings(rank: int, world_size: int, commit: Optional[CommitId], back
     """Every rank's commit identity: one all_gather of (holds, round, count). A claim the
     ring's history does not allow (``bounds``) is PeerDataInvalid, a ring failure."""
     mine = torch.tensor([commit is not None, commit.round if commit else 0, commit.count if commit else 0],
-                        dtype=torch.int64, device=_device(backend))
+                        dtype=torch.int64, device=wire_device(backend))
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine)
     holdings = []
@@ -89,7 +89,7 @@ def send_layout(layout, receivers: Sequence[int], backend: str) -> None:
     """Send the newest commit's layout (structure, sizes, plain values) to ``receivers``."""
     # Blocking sends in the receivers' order: each receiver already waits for exactly
     # these two messages from us, so none of them waits on another (NCCL included).
-    wire.send_bytes(layout_wire.encode(layout), receivers, _device(backend), _LAYOUT_TAG)
+    wire.send_bytes(layout_wire.encode(layout), receivers, wire_device(backend), _LAYOUT_TAG)
 
 
 def receive_layout(src: int, backend: str, wait_s: Optional[float] = None):
@@ -99,7 +99,7 @@ def receive_layout(src: int, backend: str, wait_s: Optional[float] = None):
     timeout (--collective-timeout): a load of tens of GB from network storage outlasts
     it, and every attempt would time out and load again (gpu review G11). Honoured on a
     ring with a part for host tensors (gloo); pure NCCL's watchdog keeps its own."""
-    data = wire.recv_bytes(src, _device(backend), _LAYOUT_TAG, f"state layout from rank {src}", MAX_LAYOUT_BYTES,
+    data = wire.recv_bytes(src, wire_device(backend), _LAYOUT_TAG, f"state layout from rank {src}", MAX_LAYOUT_BYTES,
                            wait_s=wait_s)
     return layout_wire.decode(data, limit=MAX_LAYOUT_BYTES)
 
@@ -139,7 +139,7 @@ def _view(buffers: list[torch.Tensor], transfer: Transfer) -> torch.Tensor:
 def _transfer_staged(transfers: list[Transfer], sending: bool, buffers: list[torch.Tensor]) -> None:
     """Move ``transfers`` through two device buffers per peer, a batch of every peer's
     next chunk at a time (see the module docstring)."""
-    device = _device("nccl")
+    device = wire_device("nccl")
     by_peer: dict[int, list[torch.Tensor]] = {}
     for _, transfer in _tagged(transfers, sending):
         peer = transfer.receiver if sending else transfer.holder
