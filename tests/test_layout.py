@@ -52,6 +52,15 @@ def room_of(module: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "api"
 
 
+def _source_of(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    """The dotted module a ``from ... import`` in ``module`` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(module: str) -> set[str]:
     """The project modules ``module`` imports (a name imported from a package that is
     itself a module counts as that module, not as the package)."""
@@ -62,12 +71,7 @@ def imports_of(module: str) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = _source_of(module, node, is_package)
             submodules = [f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in MODULES]
             targets = submodules if len(submodules) == len(node.names) else [source, *submodules]
         else:
@@ -169,12 +173,7 @@ def _private_names_from_other_rooms(module: str) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if not isinstance(node, ast.ImportFrom):
             continue
-        if node.level:
-            base = module.split(".") if is_package else module.split(".")[:-1]
-            base = base[: len(base) - (node.level - 1)]
-            source = ".".join(base + ([node.module] if node.module else []))
-        else:
-            source = node.module or ""
+        source = _source_of(module, node, is_package)
         if source in MODULES and room_of(source) != room_of(module):
             found += [f"{source}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
     return found

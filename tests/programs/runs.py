@@ -11,7 +11,9 @@ import os
 import signal
 from pathlib import Path
 
-from tests.fakes.jobs import Job, wait_until
+import torch
+
+from tests.fakes.jobs import Job, read_jsonl, wait_until
 
 PROGRAMS = Path(__file__).resolve().parent
 
@@ -35,6 +37,24 @@ def kill_when(job: Job, rank: int, ready, timeout: float, what: str) -> None:
     wait_until(ready, timeout, what, interval=0.02)
     assert _alive(pid), f"worker {pid} (rank {rank}) ended before {what}: the kill came too late"
     os.kill(pid, signal.SIGKILL)
+
+
+def check_restarted_equal_to_plain(job: Job, world: int, resumed: str, steps: Path, out: Path, plain_run) -> None:
+    """A torchrun-semantics job killed once: every worker was started twice, the program said
+    ``resumed``, every step it logged in ``steps`` (re-run ones included) had the plain run's
+    learning rate, and its float64 weights at ``out`` equal the plain run's (1e-12).
+    ``plain_run()`` gives (final weights, {step: lr})."""
+    assert job.wait(200) == 0, job.text()[-3000:]
+    assert len([e for e in job.events() if e["event"] == "worker_started"]) == 2 * world, job.text()[-3000:]
+    assert resumed in job.text(), job.text()[-3000:]
+    expected, lrs = plain_run()
+    logged = read_jsonl(steps)
+    assert sorted({r["step"] for r in logged}) == sorted(lrs)
+    for record in logged:  # steps the kill cut short were trained again, each time with the same rate
+        assert record["lr"] == lrs[record["step"]], record
+    final = torch.load(out, weights_only=True)
+    for name, value in expected.items():
+        assert torch.allclose(final[name], value, rtol=0, atol=1e-12), (name, (final[name] - value).abs().max())
 
 
 def _alive(pid: int) -> bool:

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.fakes.jobs import Job, read_jsonl
-from tests.programs.runs import PROGRAMS, kill_when
+from tests.fakes.jobs import Job
+from tests.programs.runs import PROGRAMS, check_restarted_equal_to_plain, kill_when
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
@@ -58,17 +58,4 @@ def test_an_accelerate_loop_resumes_from_its_state_after_a_killed_worker_and_equ
                          "--out", str(out), "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
                          "--save-every", str(SAVE), "--step-delay", "0.1"])
     kill_when(job, 1, (checkpoints / str(SAVE)).exists, 150, f"checkpoint {SAVE}")
-    assert job.wait(200) == 0, job.text()[-3000:]
-
-    assert len([e for e in job.events() if e["event"] == "worker_started"]) == 2 * WORLD, job.text()[-3000:]
-    assert "resumed at step" in job.text()
-    expected, lrs = plain_run()
-    logged = read_jsonl(tmp_path / "final.pt.steps.jsonl")
-    assert sorted({r["step"] for r in logged}) == sorted(lrs)
-    # Steps after the checkpoint that the kill cut short were trained again (none, if the
-    # kill came before step SAVE + 1 was logged): each time with the same learning rate.
-    for record in logged:
-        assert record["lr"] == lrs[record["step"]], record
-    final = torch.load(out, weights_only=True)
-    for name, value in expected.items():
-        assert torch.allclose(final[name], value, rtol=0, atol=1e-12), (name, (final[name] - value).abs().max())
+    check_restarted_equal_to_plain(job, WORLD, "resumed at step", tmp_path / "final.pt.steps.jsonl", out, plain_run)

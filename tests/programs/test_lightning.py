@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.fakes.jobs import Job, read_jsonl
-from tests.programs.runs import PROGRAMS, kill_when
+from tests.fakes.jobs import Job
+from tests.programs.runs import PROGRAMS, check_restarted_equal_to_plain, kill_when
 
 # Looked up, not imported: importing Lightning at collection would cost every run of the suite
 # seconds. The workers import it.
@@ -62,17 +62,5 @@ def test_a_lightning_fit_resumes_from_last_ckpt_after_a_killed_worker_and_equals
                          "--out", str(out), "--max-steps", str(STEPS), "--batch-size", str(BATCH),
                          "--save-every", str(SAVE), "--step-delay", "0.2"])
     kill_when(job, 1, (checkpoints / "last.ckpt").exists, 150, "the first checkpoint")
-    assert job.wait(200) == 0, job.text()[-3000:]
-
-    assert len([e for e in job.events() if e["event"] == "worker_started"]) == 2 * WORLD, job.text()[-3000:]
-    assert "Restoring states from the checkpoint path" in job.text(), job.text()[-3000:]
-    expected, lrs = plain_run()
-    logged = read_jsonl(tmp_path / "final.pt.steps.jsonl")
-    assert sorted({r["step"] for r in logged}) == sorted(lrs)
-    # Steps after the checkpoint that the kill cut short were trained again: each time with the
-    # same learning rate.
-    for record in logged:
-        assert record["lr"] == lrs[record["step"]], record
-    final = torch.load(out, weights_only=True)
-    for name, value in expected.items():
-        assert torch.allclose(final[name], value, rtol=0, atol=1e-12), (name, (final[name] - value).abs().max())
+    check_restarted_equal_to_plain(job, WORLD, "Restoring states from the checkpoint path",
+                                   tmp_path / "final.pt.steps.jsonl", out, plain_run)
