@@ -37,6 +37,6 @@ def join_hint(endpoint: str, job_id: str, settings: RendezvousSettings, command:
         text += f" (it waits as a spare while the job has its --max-np {settings.max_np} workers)"
     if endpoint.startswith(LOOPBACK_HOSTS):
         text += ("; this etcd listens on loopback, so that works from this machine only (another terminal): "
-                 "to run on several hosts, start an etcd they all reach and give every host "
-                 "--rdzv-endpoint ETCD_HOST:PORT --job-id NAME")
+                 "to run on several hosts, give every host --rdzv-endpoint HOST:PORT --job-id NAME, "
+                 "HOST one host's address: that host serves the rendezvous (docs/deploy/bare-metal.md)")
     return text

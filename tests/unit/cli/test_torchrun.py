@@ -193,7 +193,7 @@ def test_the_join_hint_is_a_whole_command(endpoint, settings, here, command, exp
     hint = join_hint(endpoint, "local", settings, command, here)
     printed = re.search(r"join with: (.*?)(?: \(|;|$)", hint).group(1)
     assert printed == expected and "..." not in hint
-    assert "from this machine only" in hint and "start an etcd they all reach" in hint
+    assert "from this machine only" in hint and "that host serves the rendezvous" in hint
     assert ("waits as a spare" in hint) == (here >= settings.max_np)
 
 
