@@ -3,24 +3,15 @@ never commits a stale one: each way a model or optimizer can swap a tensor is ca
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 
 from elastic.live_tree import LiveTree, live_tree
 from elastic.state import TorchState
-from elastic.worker import lifecycle
-from elastic.worker.commit_gate import commit_alone
 
 
-@pytest.fixture(autouse=True)
-def runtime():
-    stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
-                                     commit=lambda capture: commit_alone(capture, 1))
-    lifecycle.install(stand_in)
-    yield stand_in
-    lifecycle.install(None)
+pytestmark = pytest.mark.usefixtures("runtime")  # tests/unit/api/conftest.py
 
 
 def _job(momentum=0.9):

@@ -5,26 +5,16 @@ kind the commit recorded."""
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 
-from elastic.worker.commit_gate import commit_alone
 from elastic.checkpoint import Snapshot
 from elastic.checkpoint import tree_copy
 from elastic.checkpoint import copy_into
 from elastic.state import State
-from elastic.worker import lifecycle
 
 
-@pytest.fixture
-def runtime():
-    stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
-                                     commit=lambda capture: commit_alone(capture, 1))
-    lifecycle.install(stand_in)
-    yield stand_in
-    lifecycle.install(None)
 
 
 def test_a_value_of_the_same_shape_is_overwritten_in_place(runtime):

@@ -4,26 +4,15 @@ share the model's snapshot buffers; anything else is refused in one line."""
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from elastic.worker.commit_gate import commit_alone
 from elastic.checkpoint import CheckpointPolicy
 from elastic.state import TorchState
-from elastic.worker import lifecycle
 
 
-@pytest.fixture
-def runtime():
-    stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
-                                     commit=lambda capture: commit_alone(capture, 1),
-                                     events=types.SimpleNamespace(emit=lambda *a, **k: None))
-    lifecycle.install(stand_in)
-    yield stand_in
-    lifecycle.install(None)
 
 
 class Counter:
