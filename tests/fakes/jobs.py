@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -31,6 +32,7 @@ class Job:
                  prefix: Sequence[str] = ()):
         """``prefix`` goes before the command, e.g. ``ip netns exec <ns>`` (tests/fakes/netns.py)."""
         self.tmp = tmp
+        self.name = name
         self.out = tmp / "out"
         self.log_dir = tmp / "logs"
         self.output = tmp / f"{name}.txt"
@@ -70,12 +72,23 @@ class Job:
         newest = max(e["round"] for e in entries)
         return next(e["pid"] for e in entries if e["round"] == newest and e["rank"] == rank)
 
-    def wait(self, timeout: float = 120) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"elastic-run did not finish within {timeout}s:\n{self.text()[-3000:]}")
+    def wait(self, timeout: float = 120, also: Sequence["Job"] = ()) -> int:
+        """The exit code; past ``timeout`` the job is killed and the assertion shows the end
+        of its console and of the consoles of ``also`` (the other agents of the job)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                # In slices, so that another agent of the job failing ends the wait at once.
+                return self.proc.wait(min(1.0, max(0.0, deadline - time.monotonic())) if also else timeout)
+            except subprocess.TimeoutExpired:
+                failed = [job for job in also if job.proc.poll() not in (None, 0)]
+                if not failed and time.monotonic() < deadline:
+                    continue
+                break
+        self.kill()
+        others = "".join(f"\n--- {job.name}:\n{job.text()[-3000:]}" for job in also)
+        why = f"{failed[0].name} exited {failed[0].proc.returncode}" if failed else f"did not finish within {timeout}s"
+        raise AssertionError(f"elastic-run {self.name}: {why}:\n{self.text()[-3000:]}{others}")
 
     def kill(self) -> None:
         try:

@@ -63,14 +63,14 @@ def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path):
     # again, so the job cannot end before the joiner (slow to start under load) arrives.
     args = ["--epochs", "1", "--dataset-size", "360", "--step-delay", "0.05", "--hold-below-world", "3"]
     first = agent(tmp_path, None, None, 3, args, name="first")
-    found = wait_until(lambda: re.search(r"embedded etcd at (\S+); join with: .* --job-id (\S+) ", first.text()),
+    found = wait_until(lambda: re.search(r"embedded etcd at (\S+); join with: elastic-run --rdzv-endpoint \S+ --job-id (\S+) ", first.text()),
                        60, "the embedded etcd")
     endpoint, job_id = found.groups()
     first.wait_for_step(8)
     os.kill(first.worker_pid(2), signal.SIGKILL)
     wait_until(lambda: any(e["event"] == "reform_done" for e in first.events()), 60, "the shrink")
     second = agent(tmp_path, endpoint, job_id, 1, args, name="second")
-    assert first.wait(240) == 0, first.text()[-3000:]
+    assert first.wait(240, also=[second]) == 0, first.text()[-3000:]
     assert second.wait(60) == 0, second.text()[-3000:]
 
     # The kill on the console: one line per surviving worker, its reform_done; what gloo
