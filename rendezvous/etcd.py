@@ -315,7 +315,10 @@ class Etcd:
             # gRPC's words for a refused certificate vary with the server and the timing
             # of its alert; the server's own answer to a handshake does not.
             refusal = self._tls.refusal(*self.config.endpoints[index])
-            if refusal is None and any(m in lowered for m in _TLS_MESSAGES):
+            # "Shutting down endpoint", "Endpoint closing": a handshake cut short (our own
+            # deadline on a loaded host, a server restarting), not refused: retried below.
+            cut_short = any(m in lowered for m in ("shutting down", "endpoint closing"))
+            if refusal is None and any(m in lowered for m in _TLS_MESSAGES) and not cut_short:
                 refusal = _tls_problem(details)
             if refusal is not None:
                 return RendezvousAuthError(f"TLS handshake with etcd at {where} failed: {refusal}")

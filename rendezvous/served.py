@@ -14,12 +14,20 @@ Leaving: an agent whose member is not the last voting one removes it before stop
 it, so the members left keep their quorum; the last one stays up until the other
 agents have left (the launcher's wait), as the embedded etcd always did.
 
-Security: on anything but loopback this etcd is to run with TLS and auth from the
-job's secret. ``server_security_for`` is the one seam where that is decided.
+Security: given the job's secret (job_secret.py; elastic/cli/bare_metal.py decides
+when one is required: on anything but loopback), every member serves TLS with a
+certificate of the job's CA for its own address, members speak TLS to each other and
+accept only peers holding a certificate of that CA (``--peer-client-cert-auth``), and
+etcd's auth is on from the first member's start (root and the job's user, as
+enable_auth does for Slurm's etcd). Changing the members takes etcd's root role, so the
+steward changes them through a client logged in as root (its password derives from
+the secret): a process without the secret can neither read the job's keys nor add or
+remove a member.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -34,7 +42,9 @@ from .election import Election
 from .embedded import EmbeddedEtcd
 from .errors import RendezvousError
 from .etcd import Etcd
+from .job_secret import ROOT_USER, JobSecret
 from .keys import SERVED_PREFIX
+from .member_sync import follow_members
 from .served_plan import Add, Offer, Promote, Remove, Seat, Wait, decide, initial_cluster
 from .session import Session
 
@@ -44,18 +54,6 @@ TICK_S = 1.0  # how often the steward looks at the members (and others at their 
 MEMBER_SYNC_S = 2.0  # how often every client of a served etcd re-reads its member list
 _START_TIMEOUT_S = 60.0
 NAME_PREFIX = "elastic-"
-
-
-def server_security_for(address: str) -> None:
-    """SECURITY SEAM: the ``security=`` argument of EmbeddedEtcd for every served member
-    listening on ``address`` (the first one and each one added later; ServedMember asks
-    here). To be wired to the job secret (rendezvous/job_secret.py) for any address but
-    loopback; then the agents' and workers' EtcdConfig needs the matching CA and root
-    credentials (launch.main's config_of_etcd and AgentConfig.etcd_options), and the
-    peer URLs (served_plan.Offer.peer_url, http today) become https. Today: None, plain
-    HTTP without auth: keep the job's network private (docs/bare-metal.md)."""
-    del address
-    return None
 
 
 def member_name(host_id: str, addr: str) -> str:
@@ -69,16 +67,20 @@ class ServedMember(EmbeddedEtcd):
     """One member of the served etcd on this host, at the ports its offer named."""
 
     def __init__(self, *, host: str, client_port: int, peer_port: int, name: str,
-                 join: Optional[str] = None, log_path: Optional[str] = None):
+                 join: Optional[str] = None, log_path: Optional[str] = None,
+                 security: Optional[JobSecret] = None):
         """``join``: the ``--initial-cluster`` of a member added to a running cluster;
-        None: the first member of a new one."""
-        security = server_security_for(host)  # the security seam: see server_security_for
-        super().__init__(host=host, port=client_port, log_path=log_path,
-                         **({"security": security} if security is not None else {}))
+        None: the first member of a new one. ``security``: the job's secret (TLS to
+        clients and peers, auth on); None: plain HTTP without auth."""
+        super().__init__(host=host, port=client_port, log_path=log_path, security=security)
         self._name = name
         self._join = join
         self._initial_cluster = join
         self._fixed_peer = peer_port
+        self._public = host  # EmbeddedEtcd serves on loopback while it turns auth on; peers never do
+        self._peer_tls: tuple[str, ...] = ()
+        # A member joining a running cluster finds auth on already (it is the cluster's).
+        self._auth_on = join is not None
         # Several members on several hosts: etcd's own raft timers (100 ms, 1 s), not
         # the short ones of a lone member on loopback.
         self._raft_timers = ()
@@ -94,17 +96,37 @@ class ServedMember(EmbeddedEtcd):
         self._data_dir = os.path.join(self._work_dir, "data")
         self._log_path = self._log_path or os.path.join(self._work_dir, "etcd.log")
         self.client_port, self.peer_port = self._fixed_port, self._fixed_peer
+        if self.security is not None:
+            self._secure(self._work_dir)
         try:
             self._launch(timeout)
         except Exception as exc:
             raise RendezvousError(f"etcd member {self._name} did not start at {self.endpoint}: {exc}") from None
         return self
 
+    def _secure(self, directory: str) -> None:
+        super()._secure(directory)
+        cert, key = self._tls_args[1], self._tls_args[3]
+        # Members accept only peers that hold a certificate of the job's CA.
+        self._peer_tls = ("--peer-cert-file", cert, "--peer-key-file", key, "--peer-client-cert-auth",
+                          "--peer-trusted-ca-file", self.client_files.ca_cert)
+
+    @property
+    def peer_url(self) -> str:
+        host = f"[{self._public}]" if ":" in self._public else self._public
+        return f"{'https' if self.security is not None else 'http'}://{host}:{self.peer_port}"
+
     def _command(self) -> list[str]:
         command = super()._command()
-        if self._join is not None:
+        # The peer URL is the public address's, also while the client URL is loopback's
+        # (auth being turned on): it is recorded in the data dir at the first start.
+        for flag in ("--listen-peer-urls", "--initial-advertise-peer-urls"):
+            command[command.index(flag) + 1] = self.peer_url
+        if self._join is None:
+            command[command.index("--initial-cluster") + 1] = f"{self._name}={self.peer_url}"
+        else:
             command[command.index("--initial-cluster-state") + 1] = "existing"
-        return command
+        return [*command, *self._peer_tls]
 
     def _wait_healthy(self, timeout: float) -> None:
         if self._join is None:
@@ -125,11 +147,14 @@ def _binary() -> str:
     return find_etcd_binary()
 
 
-def first_member(host: str, port: int, host_id: str, log_dir: Optional[str] = None) -> ServedMember:
+def first_member(host: str, port: int, host_id: str, log_dir: Optional[str] = None,
+                 security: Optional[JobSecret] = None) -> ServedMember:
     """Start the served etcd's first member on ``host:port`` (raises RendezvousError if
-    it cannot: another agent of this host bound the port first, or anything else)."""
+    it cannot: another agent of this host bound the port first, or anything else);
+    secured with ``security``, the job's secret, if given."""
     name = member_name(host_id, host)
-    member = ServedMember(host=host, client_port=port, peer_port=0, name=name, log_path=_log_path(log_dir, name))
+    member = ServedMember(host=host, client_port=port, peer_port=0, name=name, log_path=_log_path(log_dir, name),
+                          security=security)
     try:
         return member.start()
     except OSError as exc:
@@ -154,8 +179,15 @@ class ServedRendezvous:
 
     def __init__(self, etcd: Etcd, host_id: str, addr: str, ttl: float, *,
                  member: Optional[ServedMember] = None, log_dir: Optional[str] = None,
-                 free_ports: Optional[Callable[[str], tuple[int, int]]] = None, tick: float = TICK_S):
+                 free_ports: Optional[Callable[[str], tuple[int, int]]] = None, tick: float = TICK_S,
+                 security: Optional[JobSecret] = None):
+        """``security``: the job's secret when the served etcd is secured (every member
+        this host starts is then, and members are changed as root); None: plain."""
         self._etcd = etcd
+        self._security = security
+        # Changing members takes etcd's root role once auth is on: a client of its own.
+        self._admin = etcd if security is None else follow_members(Etcd(dataclasses.replace(
+            etcd.config, user=ROOT_USER, password=security.root_password)))
         self._prefix = SERVED_PREFIX
         self._name = member_name(host_id, addr)
         self._addr = addr
@@ -163,12 +195,12 @@ class ServedRendezvous:
         self.member = member  # the one on this host, if any
         self._log_dir = log_dir
         if member is not None:
-            self.offer = Offer(self._name, addr, member.client_port, member.peer_port)
+            self.offer = Offer(self._name, addr, member.client_port, member.peer_port, tls=security is not None)
         else:
             from .embedded import _free_ports
 
             client, peer = (free_ports or (lambda a: tuple(_free_ports(a, 2))))(addr)
-            self.offer = Offer(self._name, addr, client, peer)
+            self.offer = Offer(self._name, addr, client, peer, tls=security is not None)
         self._tick = tick
         # On stop: remove our member from the cluster first (leaving a job that goes on:
         # the others keep their quorum), or not (the job has ended, its agents are gone).
@@ -197,6 +229,8 @@ class ServedRendezvous:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._admin is not self._etcd:
+            self._admin.close()
 
     # -- the loop
 
@@ -214,7 +248,8 @@ class ServedRendezvous:
         self._leave_cluster()
 
     def _put_offer(self) -> None:
-        value = {"addr": self.offer.addr, "client_port": self.offer.client_port, "peer_port": self.offer.peer_port}
+        value = {"addr": self.offer.addr, "client_port": self.offer.client_port, "peer_port": self.offer.peer_port,
+                 "tls": self.offer.tls}
         self._etcd.put(self._prefix + "offers/" + self._name, json.dumps(value).encode(),
                        lease=self._session.lease_id)
 
@@ -225,7 +260,7 @@ class ServedRendezvous:
             try:
                 value = json.loads(kv.value)
                 offers.append(Offer(kv.key.rsplit("/", 1)[1], str(value["addr"]), int(value["client_port"]),
-                                    int(value["peer_port"]), kv.create_revision))
+                                    int(value["peer_port"]), kv.create_revision, bool(value.get("tls", False))))
             except (ValueError, KeyError, TypeError):
                 log.warning("served etcd: ignoring a malformed offer at %s", kv.key)
         return offers
@@ -246,7 +281,8 @@ class ServedRendezvous:
         log_path = _log_path(self._log_dir, self._name)
         started = time.monotonic()
         member = ServedMember(host=self.offer.addr, client_port=self.offer.client_port,
-                              peer_port=self.offer.peer_port, name=self._name, join=cluster, log_path=log_path)
+                              peer_port=self.offer.peer_port, name=self._name, join=cluster, log_path=log_path,
+                              security=self._security)
         self.member = member.start()
         log.info("served etcd: member %s started at %s in %.2fs (cluster %s)", self._name, member.endpoint,
                  time.monotonic() - started, cluster)
@@ -271,21 +307,21 @@ class ServedRendezvous:
             # with it until it runs, and nothing could be written in between.
             self._etcd.put(self._prefix + "invites/" + action.offer.host_id, json.dumps(invite).encode())
             try:
-                cluster_rpc.member_add(self._etcd, action.offer.peer_url, learner=action.learner)
+                cluster_rpc.member_add(self._admin, action.offer.peer_url, learner=action.learner)
             except RendezvousError:
                 self._etcd.delete(self._prefix + "invites/" + action.offer.host_id)
                 raise
             what = f"added {action.offer.host_id} ({action.offer.client_url})" + (" as a learner" if action.learner else "")
         elif isinstance(action, Promote):
             try:
-                cluster_rpc.member_promote(self._etcd, action.member_id)
+                cluster_rpc.member_promote(self._admin, action.member_id)
             except RendezvousError as exc:
                 log.debug("served etcd: %s not promoted yet: %s", action.name, exc)
                 return
             what = f"promoted {action.name}"
         else:
             assert isinstance(action, Remove)
-            cluster_rpc.member_remove(self._etcd, action.member_id)
+            cluster_rpc.member_remove(self._admin, action.member_id)
             gone = next((s for s in seats if s.id == action.member_id), None)
             if gone is not None and gone.name:
                 self._etcd.delete(self._prefix + "invites/" + gone.name)
@@ -307,7 +343,7 @@ class ServedRendezvous:
             ours = next((m for m in members if m.name == self._name), None)
             voting = [m for m in members if m.started and not m.is_learner and m is not ours]
             if ours is not None and voting:
-                cluster_rpc.member_remove(self._etcd, ours.id, deadline=5.0)
+                cluster_rpc.member_remove(self._admin, ours.id, deadline=5.0)
                 log.info("served etcd: member %s removed on leaving (%d left)", self._name, len(voting))
         except RendezvousError as exc:
             log.info("served etcd: member %s not removed on leaving: %s", self._name, exc)

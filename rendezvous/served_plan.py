@@ -34,14 +34,19 @@ class Offer:
     client_port: int
     peer_port: int
     order: int = 0  # its key's create revision: the first to offer goes first
+    tls: bool = False  # a secured served etcd: https between members and to clients
 
     @property
     def peer_url(self) -> str:
-        return f"http://{_url_host(self.addr)}:{self.peer_port}"
+        return f"{self.scheme}://{_url_host(self.addr)}:{self.peer_port}"
 
     @property
     def client_url(self) -> str:
-        return f"http://{_url_host(self.addr)}:{self.client_port}"
+        return f"{self.scheme}://{_url_host(self.addr)}:{self.client_port}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
 
 
 @dataclass(frozen=True)

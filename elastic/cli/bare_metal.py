@@ -15,6 +15,18 @@ taken as this host only with an explicit ``--host-addr``, which is then served o
 Two agents of one host both match: both try, the bind decides, the other uses it.
 A loopback endpoint (127.0.0.1, localhost) is never served: it is a test's or a
 single host's own etcd, and the default run without an endpoint covers that case.
+
+Secured by default (``served_security``): every host is given the same job secret
+(``--job-secret-file FILE`` or ``ELASTIC_JOB_SECRET_FILE``, a 0600 file; or the secret
+itself in ``ELASTIC_JOB_SECRET``), as Slurm's batch script hands one to its steps, and
+the served etcd runs with TLS (clients and peers) and auth from it. Why a file the user
+copies and not one the endpoint's host generates: bare-metal hosts share no directory
+and no channel that only the job can read; anything the endpoint's host could publish
+to the others, a stranger on the network could read too. Without a secret, a served
+etcd off loopback is refused in one line naming the fix, unless ``--allow-insecure``
+(one warning line). A host without the secret that finds the endpoint speaking TLS is
+told to get the secret, at once; a host with it that finds a listener whose certificate
+is not the job's CA's is refused (a squatter on the port), never followed.
 """
 
 from __future__ import annotations
@@ -23,12 +35,14 @@ import argparse
 import ipaddress
 import logging
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from elastic.rendezvous import ConfigError, Etcd, EtcdConfig, RendezvousError
 from elastic.rendezvous.served import ServedMember, first_member, is_served
+from elastic.rendezvous.tls_probe import TlsFiles, tls_refusal
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +54,49 @@ def _loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return address.lower() == "localhost"
+
+
+@dataclass(frozen=True)
+class ServedSecurity:
+    """Whether a served etcd member on some address runs with the job's secret, and
+    the one warning line to print when it does not where it should."""
+
+    secure: bool
+    warning: Optional[str] = None
+
+
+NO_SECRET = ("the job's etcd would be served on {address} without TLS or authentication, open to anyone who "
+             "can reach it: give every host the same secret file (`openssl rand -hex 32 > job.secret; chmod 600 "
+             "job.secret`, copy it to each host, then --job-secret-file job.secret), or --allow-insecure on a "
+             "network only the job can reach")
+INSECURE = ("--allow-insecure: the job's etcd on {address} runs without TLS or authentication: anyone who can "
+            "reach it can read, join or end the job")
+
+
+def served_security(address: str, has_secret: bool, allow_insecure: bool) -> ServedSecurity:
+    """The decision for a served etcd member on ``address`` (every host that holds one
+    decides the same way). Raises ConfigError (one line, naming the fix) where a member
+    off loopback would run without the job's secret and --allow-insecure was not given."""
+    if has_secret:
+        return ServedSecurity(True)
+    if _loopback(address):
+        return ServedSecurity(False)  # this machine's own processes only, as the embedded etcd always was
+    if allow_insecure:
+        return ServedSecurity(False, INSECURE.format(address=address))
+    raise ConfigError(NO_SECRET.format(address=address))
+
+
+def speaks_tls(host: str, port: int, timeout: float = 2.0) -> bool:
+    """Whether the listener at ``host:port`` completes a TLS handshake (whatever its certificate)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # only asking whether it speaks TLS at all
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=host):
+                return True
+    except (OSError, ssl.SSLError):
+        return False
 
 
 def serving_address(endpoint_host: str, resolved: Sequence[str], is_local: Callable[[str], bool],
@@ -98,10 +155,27 @@ def wait_for_rendezvous(config: EtcdConfig, timeout: float) -> None:
     log.info("waiting up to %.0f s for the rendezvous at %s (the host at that address serves it)",
              timeout, config.describe())
     while not _answers(config, min(PROBE_S, max(0.1, deadline - time.monotonic()))):
+        _check_listener(config)
         if time.monotonic() >= deadline:
             raise RendezvousError(f"no rendezvous answered at {config.describe()} within --rdzv-timeout "
                                   f"{timeout:g}s: is elastic-run started on that host, and is the port open?")
         time.sleep(0.2)
+
+
+def _check_listener(config: EtcdConfig) -> None:
+    """A listener at the endpoint that is not one we can use, said at once: a secured
+    etcd while this host has no secret, or (with the secret) one whose certificate is
+    not the job's CA's: a squatter, or a job of another secret."""
+    (host, port), = config.endpoints
+    if config.ca_cert is None:
+        if speaks_tls(host, port):
+            raise ConfigError(f"the rendezvous at {host}:{port} is secured (TLS) and this host has no job secret: "
+                              f"give it the same secret file as the host at {host} (--job-secret-file FILE)")
+        return
+    refusal = tls_refusal(host, port, TlsFiles(config.ca_cert), timeout=2.0)
+    if refusal is not None:
+        raise RendezvousError(f"the listener at {host}:{port} is not this job's etcd, refused: {refusal} (another "
+                              f"process on the port, or a host given another --job-secret-file?)")
 
 
 @dataclass(frozen=True)
@@ -127,8 +201,12 @@ def serve_or_wait(args: argparse.Namespace, config: EtcdConfig, host_id: str, lo
         return Arrival()
     address = serving_address(host, resolve(host), bindable, args.host_addr)
     if address is not None:
+        js = getattr(args, "job_secret", None)
+        security = served_security(address, js is not None, bool(getattr(args, "allow_insecure", False)))
+        if security.warning:
+            log.warning("%s", security.warning)
         try:
-            member = first_member(address, port, host_id, log_dir)
+            member = first_member(address, port, host_id, log_dir, security=js if security.secure else None)
         except RendezvousError as exc:
             # Another agent of this host bound the port first (or the port is taken):
             # the one that bound it serves; we use it like everyone else.

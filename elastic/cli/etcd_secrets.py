@@ -12,9 +12,10 @@ A password without TLS would cross the network in cleartext, and an ``https://``
 endpoint without a CA would silently be spoken to in plaintext: both are refused in
 one line unless ``--allow-insecure``.
 
-A job secret (``ELASTIC_JOB_SECRET`` or ``ELASTIC_JOB_SECRET_FILE``; rendezvous/job_secret.py)
-with an explicit ``--rdzv-endpoint`` means "the job's own etcd, started with that
-secret": the CA, user and password come from it.
+A job secret (``ELASTIC_JOB_SECRET``, or the file ``--job-secret-file`` /
+``ELASTIC_JOB_SECRET_FILE`` names; rendezvous/job_secret.py) with an explicit
+``--rdzv-endpoint`` means "the job's own etcd, started with that secret": the CA, user
+and password come from it, and an etcd this host serves for the job is secured with it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from elastic.rendezvous.job_secret import (
     JobSecret,
     client_paths,
     read_private_file,
+    read_secret_file,
     secret_from_env,
     write_private_file,
 )
@@ -111,6 +113,7 @@ def use_job_secret(args: argparse.Namespace, secret: str) -> JobSecret:
     files = js.client_files(private_dir())
     args.etcd_ca, args.etcd_user, args.etcd_password_file = files.ca_cert, files.user, files.password_file
     args.etcd_password = None
+    args.job_secret = js  # a served etcd's members and its steward (root) need more than the files
     return js
 
 
@@ -119,7 +122,8 @@ def apply_job_secret(args: argparse.Namespace, environ=os.environ) -> None:
     Slurm's, which slurm.py handles) gives the etcd credentials, unless the user gave some."""
     if getattr(args, "slurm_rendezvous", None) or not args.rdzv_endpoint:
         return
-    secret = secret_from_env(environ)
+    file = getattr(args, "job_secret_file", None)  # --job-secret-file, or its ELASTIC_JOB_SECRET_FILE
+    secret = read_secret_file(file) if file and not environ.get(SECRET_ENV) else secret_from_env(environ)
     if secret is None:
         return
     if args.etcd_ca or args.etcd_user:
@@ -127,3 +131,18 @@ def apply_job_secret(args: argparse.Namespace, environ=os.environ) -> None:
         return
     use_job_secret(args, secret)
 
+
+
+def secret_source(args: argparse.Namespace) -> tuple[list[str], str]:
+    """What another host's command needs to reach this job's etcd (words for the join
+    hint) and what to do first (a note, or ""): the secret file's path (the user copies
+    it), the same secret in the environment, or --allow-insecure as this host was given."""
+    if getattr(args, "job_secret", None) is not None:
+        file = getattr(args, "job_secret_file", None)
+        if file and not os.environ.get(SECRET_ENV):
+            path = os.path.abspath(file)
+            return ["--job-secret-file", path], f"copy {path} to every host first, mode 0600"
+        return [], f"with the same {SECRET_ENV} in its environment"
+    if getattr(args, "allow_insecure", False):
+        return ["--allow-insecure"], ""
+    return [], ""

@@ -386,7 +386,7 @@ def main(argv: Sequence[str]) -> int:
             if embedded is None:  # bare metal: the endpoint's host serves it (bare_metal.py)
                 arrival = bare_metal.serve_or_wait(args, config_of_etcd, config.host_id, config.log_dir)
                 embedded = arrival.member
-                config, config_of_etcd = _follow_a_served_etcd(config, config_of_etcd, arrival)
+                config, config_of_etcd = _follow_a_served_etcd(config, config_of_etcd, arrival, args)
         else:
             embedded = EmbeddedEtcd().start()
             endpoints = embedded.endpoint
@@ -401,7 +401,9 @@ def main(argv: Sequence[str]) -> int:
         if config_of_etcd.member_sync:
             served = ServedRendezvous(etcd, config.host_id,
                                       embedded.host if embedded is not None else config.host_addr, config.ttl,
-                                      member=embedded, log_dir=config.log_dir).start()
+                                      member=embedded, log_dir=config.log_dir,
+                                      security=getattr(args, "job_secret", None) if config_of_etcd.secure else None
+                                      ).start()
             embedded = None  # stopped by `served` (removed from the cluster first where others keep it)
         code = Agent(config, etcd, endpoints).run()
         if embedded is not None or (served is not None and served.member is not None):
@@ -423,17 +425,23 @@ def main(argv: Sequence[str]) -> int:
             embedded.stop()
 
 
-def _follow_a_served_etcd(config: AgentConfig, config_of_etcd: EtcdConfig,
-                          arrival: bare_metal.Arrival) -> tuple[AgentConfig, EtcdConfig]:
+def _follow_a_served_etcd(config: AgentConfig, config_of_etcd: EtcdConfig, arrival: bare_metal.Arrival,
+                          args: argparse.Namespace) -> tuple[AgentConfig, EtcdConfig]:
     """Where the job's etcd is the one it serves itself (started here, or marked so by
     the host that did): the agent and its workers follow its member list."""
     with Etcd(config_of_etcd) as probe:
         if not bare_metal.served_here(probe, arrival):
             return config, config_of_etcd  # the user's own etcd
+    if arrival.member is None:  # this host may be invited to hold a member: the same rule as the endpoint's
+        security = bare_metal.served_security(config.host_addr, config_of_etcd.secure,
+                                              bool(getattr(args, "allow_insecure", False)))
+        if security.warning:
+            logging.getLogger(__name__).warning("%s", security.warning)
     if arrival.member is not None:
         logging.getLogger(__name__).warning("%s", bare_metal.spof_note(arrival.member.endpoint))
         logging.getLogger(__name__).info("%s", join_hint(config_of_etcd.describe(), config.job_id, config.settings,
-                                                         config.command, config.nproc_per_node))
+                                                         config.command, config.nproc_per_node,
+                                                         secret=etcd_secrets.secret_source(args)))
     options = {**config.etcd_options, "etcd_member_sync": MEMBER_SYNC_S}
     return (dataclasses.replace(config, etcd_options=options),
             dataclasses.replace(config_of_etcd, member_sync=MEMBER_SYNC_S))

@@ -147,12 +147,14 @@ ETCD_OPTIONS = (
     ("--etcd-user", "etcd user name"),
     ("--etcd-password", "etcd password (visible in ps: prefer --etcd-password-file)"),
     ("--etcd-password-file", "file holding the etcd password (mode 0600); workers get its path, never the password"),
+    ("--job-secret-file", "file (mode 0600) holding the job's secret, the same on every host: the etcd the job "
+                          "serves itself (bare metal, Slurm) runs with TLS and auth from it (SECURITY.md)"),
 )
 
 
 def add_allow_insecure(p: argparse.ArgumentParser) -> None:
-    add_switch(p, "--allow-insecure", "accept an etcd password without TLS (--etcd-ca), or an https:// endpoint "
-               "without a CA; refused otherwise")
+    add_switch(p, "--allow-insecure", "accept an etcd password without TLS (--etcd-ca), an https:// endpoint "
+               "without a CA, or serving the job's etcd off loopback without --job-secret-file; refused otherwise")
 
 
 def etcd_config(args: argparse.Namespace) -> EtcdConfig:
@@ -215,7 +217,7 @@ OPTION_GROUPS = (
         "--chaos-seed")),
     ("security", "TLS and credentials for an external etcd (SECURITY.md)", (
         "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password", "--etcd-password-file",
-        "--allow-insecure")),
+        "--job-secret-file", "--allow-insecure")),
     ("compatibility", "torchrun's spellings (--nnodes, --rdzv-id, --nproc_per_node gpu, --standalone ...)\n"
                       "and horovodrun's (-np, --reset-limit, -H localhost:N ...) are translated, or refused\n"
                       "with what to use instead (docs/torchrun.md)", (

@@ -134,8 +134,9 @@ def apply(args: argparse.Namespace, env: Mapping[str, str]) -> None:
     args.job_id = args.job_id or found.job_id
     if args.slurm_rendezvous and not (getattr(args, "etcd_ca", None) or getattr(args, "etcd_user", None)):
         # The job's own etcd: its credentials come from the job secret once serve_rendezvous has it.
-        args.slurm_secret = secret_from_env(env)
-        args.slurm_secret_file = env.get(SECRET_FILE_ENV) or default_secret_file(env, args.job_id)
+        given = getattr(args, "job_secret_file", None) or env.get(SECRET_FILE_ENV)  # --job-secret-file too
+        args.slurm_secret = secret_from_env({**env, SECRET_FILE_ENV: given} if given else env)
+        args.slurm_secret_file = given or default_secret_file(env, args.job_id)
         expect_job_secret(args)  # the file paths the workers will get; serve_rendezvous writes them
     args.host_id = args.host_id or found.host_id
     if args.nproc_per_node is None:

@@ -23,7 +23,9 @@ import torch
 
 from elastic.rendezvous import Etcd, EtcdConfig
 from elastic.rendezvous.cluster_rpc import member_list
+from elastic.rendezvous.job_secret import JobSecret, new_secret, write_secret_file
 from tests.fakes.jobs import REPO, TRAIN_JOB, read_jsonl, wait_until
+from tests.integration.test_served_etcd import assert_strangers_refused
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -35,9 +37,9 @@ PORT = 29400
 DATA = ["--float64", "--global-batch", "12", "--dataset-size", str(20000 * 12)]
 
 
-def _voting(endpoint: str) -> list:
+def _voting(endpoint: str, client: dict) -> list:
     try:
-        with Etcd(EtcdConfig.from_string(endpoint, retry_deadline=2.0, call_timeout=1.0)) as etcd:
+        with Etcd(EtcdConfig.from_string(endpoint, retry_deadline=2.0, call_timeout=1.0, **client)) as etcd:
             return [m for m in member_list(etcd) if m.started and not m.is_learner]
     except Exception:  # noqa: BLE001 - a member being killed or not up yet: ask again
         return []
@@ -56,11 +58,15 @@ def _plain_run(tmp_path, steps: int) -> dict:
 def test_the_endpoint_host_is_lost_and_the_job_goes_on(netns_hosts, tmp_path, count):
     hosts = netns_hosts(count, etcd=False)  # no etcd of the user's
     endpoint = f"{hosts[0].addr}:{PORT}"
+    secret = write_secret_file(str(tmp_path / "job.secret"), new_secret())  # the same file on every host
+    js = JobSecret(open(secret).read().strip())
+    files = js.client_files(str(tmp_path))
+    client = {"ca_cert": files.ca_cert, "user": files.user, "password": js.password}
     out, stop = tmp_path / "out", tmp_path / "stop"
     script = [str(TRAIN_JOB), "--out", str(out), "--steps", "20000", *DATA, "--step-delay", "0.03",
               "--stop-file", str(stop)]
     torchrun = [f"--nnodes=2:{count}", "--nproc-per-node=1", f"--rdzv-id=bare{count}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={hosts[0].addr}:{PORT}"]
+                f"--rdzv-endpoint={hosts[0].addr}:{PORT}", "--job-secret-file", secret]
 
     def start(host, launcher):
         return host.job(tmp_path / host.name, ["--log-dir", str(tmp_path / host.name / "logs"),
@@ -72,13 +78,17 @@ def test_the_endpoint_host_is_lost_and_the_job_goes_on(netns_hosts, tmp_path, co
                       "host 0's join command")[0].split("join with: ", 1)[1].split(" (")[0]
     words = shlex.split(hint)
     assert words[:3] == ["elastic-run", "--rdzv-endpoint", endpoint], hint  # the job's network, not loopback
+    assert words[5:7] == ["--job-secret-file", secret], hint  # and the secret, as the other hosts were given it
     jobs.append(start(hosts[-1], words[1:]))  # as printed (the log options before it)
     assert "losing this host before then ends the job" in jobs[0].text()  # the single point of failure, said
 
     wait_until(lambda: [s for s in read_jsonl(out / "steps.jsonl") if s["world"] == count], 180,
                f"the {count}-host ring to train")
-    members = wait_until(lambda: len(_voting(endpoint)) == 3 and _voting(endpoint), 60, "three etcd members")
+    members = wait_until(lambda: len(_voting(endpoint, client)) == 3 and _voting(endpoint, client), 60,
+                         "three etcd members")
     holders = {m.name for m in members}
+    assert all(u.startswith("https://") for m in members for u in (*m.peer_urls, *m.client_urls)), members
+    assert_strangers_refused(endpoint, files.ca_cert, members[0].id)  # a process without the secret
     assert any(hosts[0].name in name for name in holders), holders
 
     killed_at = time.time()
@@ -92,10 +102,10 @@ def test_the_endpoint_host_is_lost_and_the_job_goes_on(netns_hosts, tmp_path, co
 
     others = next(f"{h}:{p}" for m in members for h, p in m.client_endpoints() if h != hosts[0].addr)
     if count == 4:  # the lost member is replaced by the fourth host's
-        wait_until(lambda: (lambda v: len(v) == 3 and not any(hosts[0].name in m.name for m in v))(_voting(others)),
-                   60, "host 0's member replaced")
+        wait_until(lambda: (lambda v: len(v) == 3 and not any(hosts[0].name in m.name for m in v))(
+            _voting(others, client)), 60, "host 0's member replaced")
     else:
-        wait_until(lambda: len(_voting(others)) == 2, 60, "host 0's member removed")
+        wait_until(lambda: len(_voting(others, client)) == 2, 60, "host 0's member removed")
 
     wait_until(lambda: len([s for s in read_jsonl(out / "steps.jsonl") if s["t"] > killed_at]) >= 20, 60,
                "more steps")

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from elastic.cli import launch as cli
-from elastic.cli.etcd_secrets import check_transport
+from elastic.cli.etcd_secrets import check_transport, secret_source
 from elastic.rendezvous import ConfigError
 from elastic.rendezvous.job_secret import JobSecret, new_secret, read_secret_file, write_secret_file
 
@@ -109,3 +109,52 @@ def test_a_job_secret_gives_the_same_ca_and_password_on_every_host_and_its_file_
         read_secret_file(path)
     with pytest.raises(ConfigError, match="too short"):
         JobSecret("abc")
+
+
+def _parse_bare(tmp_path, monkeypatch, argv, env=None):
+    """A bare-metal command: no etcd options of the user's."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM", "ELASTIC_")):
+            monkeypatch.delenv(name)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    script = tmp_path / "t.py"
+    script.write_text("")
+    return cli.parse(["--rdzv-endpoint", "10.0.0.5:29400", "--job-id", "j", "--np", "1", "--backend", "gloo",
+                      "--host-addr", "127.0.0.1", *argv, str(script)])
+
+
+@pytest.mark.parametrize("how", ["option", "env-file", "env-secret"])
+def test_every_host_given_the_job_secret_gets_its_ca_and_a_password_file(tmp_path, monkeypatch, how):
+    secret = new_secret()
+    path = write_secret_file(str(tmp_path / "job.secret"), secret)
+    argv, env = {"option": (["--job-secret-file", path], {}),
+                 "env-file": ([], {"ELASTIC_JOB_SECRET_FILE": path}),
+                 "env-secret": ([], {"ELASTIC_JOB_SECRET": secret})}[how]
+    config, args = _parse_bare(tmp_path, monkeypatch, argv, env)
+    js = JobSecret(secret)
+    assert args.job_secret.password == js.password
+    options = config.etcd_options
+    assert open(options["etcd_ca"], "rb").read() == args.job_secret.ca_pem()
+    assert options["etcd_user"] == "elastic" and open(options["etcd_password_file"]).read() == js.password
+    assert secret not in repr(options) and js.root_password not in repr(options)  # workers never get root
+    words, note = secret_source(args)
+    if how == "env-secret":
+        assert words == [] and "ELASTIC_JOB_SECRET" in note
+    else:  # the join hint names the file to copy, and the command reads it
+        assert words == ["--job-secret-file", path] and path in note and "0600" in note
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], []),                                   # nothing to say (a served etcd is refused later)
+    (["--allow-insecure"], ["--allow-insecure"]),  # the joiner must accept the same
+])
+def test_the_join_hint_repeats_what_a_host_without_a_secret_needs(tmp_path, monkeypatch, argv, words):
+    _, args = _parse_bare(tmp_path, monkeypatch, argv)
+    assert secret_source(args) == (words, "")
+
+
+def test_a_job_secret_file_others_can_read_is_refused_in_one_line(tmp_path, monkeypatch):
+    path = _file(tmp_path, new_secret(), 0o644)
+    with pytest.raises(ConfigError, match="can be read by other users .* chmod 600"):
+        _parse_bare(tmp_path, monkeypatch, ["--job-secret-file", path])

@@ -201,3 +201,12 @@ def test_the_join_hint_makes_a_relative_script_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     hint = join_hint("10.0.0.5:2379", "j", RendezvousSettings(min_np=1, max_np=2), ("t.py",), 1)
     assert f" {tmp_path / 't.py'}" in hint and "this machine only" not in hint
+
+
+def test_the_join_hint_of_a_secured_job_names_the_secret_file_to_copy():
+    secret = (["--job-secret-file", "/home/u/job.secret"], "copy /home/u/job.secret to every host first, mode 0600")
+    hint = join_hint("10.0.0.5:29400", "j", RendezvousSettings(min_np=2, max_np=4), ("/x/t.py",), 1, secret=secret)
+    printed = re.search(r"join with: (.*?)(?: \(|;|$)", hint).group(1)
+    assert printed == ("elastic-run --rdzv-endpoint 10.0.0.5:29400 --job-id j --job-secret-file /home/u/job.secret "
+                       "--min-np 2 --max-np 4 /x/t.py")
+    assert "(copy /home/u/job.secret to every host first, mode 0600)" in hint

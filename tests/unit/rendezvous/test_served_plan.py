@@ -70,3 +70,9 @@ def test_initial_cluster_names_every_started_member_and_the_new_one():
 
 def test_ipv6_urls_are_bracketed():
     assert Offer("h", "fd00::1", 1, 2).peer_url == "http://[fd00::1]:2"
+
+
+def test_a_secured_offer_speaks_https_to_peers_and_clients():
+    offer = Offer("h", "10.0.0.1", 2379, 2380, tls=True)
+    assert (offer.peer_url, offer.client_url) == ("https://10.0.0.1:2380", "https://10.0.0.1:2379")
+    assert Offer("h", "fd00::1", 1, 2, tls=True).peer_url == "https://[fd00::1]:2"

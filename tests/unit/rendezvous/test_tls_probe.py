@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+import grpc
 import pytest
 
 from tests.fakes.pki import make_pki
@@ -47,3 +48,37 @@ def test_nothing_listening_is_no_tls_problem(tmp_path):
 
 def test_unusable_files_are_named():
     assert tls_refusal("127.0.0.1", 1, TlsFiles("/nonexistent/ca.pem")).startswith("cannot use the TLS files")
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, details: str):
+        self._details = details
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return self._details
+
+
+@pytest.mark.parametrize("details, final", [
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:10.0.0.1:2379: Handshake read failed "
+     "(Endpoint closing)", False),  # cut short (a restart, our deadline): retried
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:10.0.0.1:2379: Handshake read failed "
+     "(Shutting down endpoint)", False),
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:10.0.0.1:2379: Ssl handshake failed: "
+     "SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED", True),
+])
+def test_a_handshake_cut_short_is_retried_a_refused_one_is_final(tmp_path, details, final):
+    from elastic.rendezvous.errors import RendezvousAuthError
+    from elastic.rendezvous.etcd import Etcd, EtcdConfig, _TransientError
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    etcd = Etcd(EtcdConfig.from_string("10.0.0.1:2379", ca_cert=str(ca)))
+    etcd._tls = TlsVerdicts(lambda host, port: None)  # the server's own answer: no refusal seen
+    try:
+        error = etcd._classify(_RpcError(details), 0, "get")
+    finally:
+        etcd.close()
+    assert isinstance(error, RendezvousAuthError if final else _TransientError), error
