@@ -29,6 +29,7 @@ from etcd3 import etcdrpc
 from .errors import RendezvousAuthError, RendezvousConnectionError, RendezvousError
 from .etcd import Etcd, EtcdConfig
 from .job_secret import JobSecret, enable_auth
+from .private_files import process_dir
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,9 @@ class EmbeddedEtcd:
             raise RendezvousError(f"embedded etcd already running at {self.endpoint}")
         self.binary = self.binary or find_etcd_binary()
         if self._work_dir is None and (self._data_dir is None or self._log_path is None or self.security):
-            self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-")  # 0700: the job's user only
+            # 0700: the job's user only; with security (keys, the CA, the password) in the
+            # process's private directory, which goes even when the process is SIGKILLed.
+            self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-", dir=process_dir() if self.security else None)
         if self._data_dir is None:
             self._data_dir = os.path.join(self._work_dir, "data")
         if self._log_path is None:

@@ -45,6 +45,7 @@ from .etcd import Etcd
 from .job_secret import ROOT_USER, JobSecret
 from .keys import SERVED_PREFIX
 from .member_sync import follow_members
+from .private_files import process_dir
 from .served_plan import Add, Offer, Promote, Remove, Seat, Wait, decide, initial_cluster
 from .session import Session
 
@@ -92,7 +93,7 @@ class ServedMember(EmbeddedEtcd):
         self.binary = self.binary or _binary()
         import tempfile
 
-        self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
+        self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-", dir=process_dir() if self.security else None)
         self._data_dir = os.path.join(self._work_dir, "data")
         self._log_path = self._log_path or os.path.join(self._work_dir, "etcd.log")
         self.client_port, self.peer_port = self._fixed_port, self._fixed_peer

@@ -21,14 +21,13 @@ and password come from it, and an etcd this host serves for the job is secured w
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
-import shutil
 import tempfile
 from typing import Optional, Sequence
 
 from elastic.rendezvous import ConfigError
+from elastic.rendezvous.private_files import process_dir
 from ..contract.worker_config import INHERITED_SECRETS
 from elastic.rendezvous.job_secret import (
     SECRET_ENV,
@@ -47,11 +46,11 @@ _private_dir: Optional[str] = None
 
 
 def private_dir() -> str:
-    """This process's 0700 directory for secrets handed to its workers (removed at exit)."""
+    """This process's 0700 directory for secrets handed to its workers: removed when the
+    process ends, by SIGKILL too (rendezvous/private_files.py)."""
     global _private_dir
     if _private_dir is None:
-        _private_dir = tempfile.mkdtemp(prefix="elastic-secrets-")
-        atexit.register(shutil.rmtree, _private_dir, True)
+        _private_dir = tempfile.mkdtemp(prefix="secrets-", dir=process_dir())
     return _private_dir
 
 

@@ -41,6 +41,7 @@ from typing import Mapping, Optional
 from elastic.rendezvous import ConfigError, EmbeddedEtcd, RendezvousError
 from elastic.rendezvous.job_secret import SECRET_FILE_ENV, new_secret, read_secret_file, secret_from_env, \
     write_secret_file
+from elastic.rendezvous.private_files import register
 from elastic.rendezvous.tls_probe import TlsFiles, tls_refusal
 
 from .etcd_secrets import expect_job_secret, use_job_secret
@@ -171,6 +172,7 @@ def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
                 try:
                     os.makedirs(os.path.dirname(args.slurm_secret_file), mode=0o700, exist_ok=True)
                     write_secret_file(args.slurm_secret_file, secret)
+                    register(args.slurm_secret_file)  # gone with this process, even a SIGKILLed one
                 except OSError as exc:
                     raise RendezvousError(f"cannot write the job secret {args.slurm_secret_file}: "
                                           f"{exc.strerror or exc} (or set ELASTIC_JOB_SECRET)") from None

@@ -12,6 +12,7 @@ float64-exact against a plain run of as many steps.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -24,7 +25,7 @@ import torch
 from elastic.rendezvous import Etcd, EtcdConfig
 from elastic.rendezvous.cluster_rpc import member_list
 from elastic.rendezvous.job_secret import JobSecret, new_secret, write_secret_file
-from tests.fakes.jobs import REPO, TRAIN_JOB, read_jsonl, wait_until
+from tests.fakes.jobs import REPO, TRAIN_JOB, Job, read_jsonl, wait_until
 from tests.integration.test_served_etcd import assert_strangers_refused
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -122,3 +123,49 @@ def test_the_endpoint_host_is_lost_and_the_job_goes_on(netns_hosts, tmp_path, co
             assert params[name].dtype == torch.float64
             assert torch.allclose(params[name], value, rtol=0, atol=1e-9), name
 
+
+
+TORCHRUN_SCRIPT = REPO / "examples" / "torchrun_style.py"
+
+
+def test_torchruns_documented_command_trains_a_torchrun_script_through_a_lost_host(netns_hosts, tmp_path):
+    """Issue 28: torchrun's documented multi-node command, word for word but `elastic-run`, on 3
+    hosts with a torchrun-style script (no elastic API); a host is SIGKILLed (agent, worker, its etcd
+    member) and comes back with the same command, as a node restarted by its scheduler would; every
+    worker restarts from the script's own snapshot (--max-restarts, torchrun's meaning) and the job
+    ends with the model of a plain run. The elastic script on the same command and hosts is the test
+    above (losing the endpoint's host, which --nnodes=3:3 could not go on without)."""
+    hosts = netns_hosts(3, etcd=False)
+    secret = write_secret_file(str(tmp_path / "job.secret"), new_secret())
+    steps, out, snapshot = 40, tmp_path / "result.json", tmp_path / "snapshot.pt"
+    script = [str(TORCHRUN_SCRIPT), "--steps", str(steps), "--snapshot", str(snapshot), "--snapshot-every", "10",
+              "--step-delay", "0.05", "--out", str(out)]
+    documented = ["--nnodes=3:3", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-id=job42",
+                  "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0].addr}:{PORT}"]
+
+    def start(host, name="agent"):
+        return host.job(tmp_path / host.name, ["--job-secret-file", secret, "--rdzv-ttl", str(TTL), "--host-id",
+                                               host.name, *documented, *script], name=name)
+
+    plain_snapshot = tmp_path / "plain.pt"  # the same script and world on one host, nothing lost (alongside)
+    plain = Job(tmp_path, ["--np", "3", "--backend", "gloo", str(TORCHRUN_SCRIPT), "--steps", str(steps),
+                           "--snapshot", str(plain_snapshot), "--snapshot-every", "10"], name="plain")
+    began = time.monotonic()
+    jobs = [start(host) for host in hosts]
+    wait_until(snapshot.exists, 180, "the first snapshot (step 10)")
+    first_snapshot = time.monotonic() - began
+    hosts[2]._kill_processes()  # not the endpoint's host: with --nnodes=3:3 the job waits for it to return
+    jobs[2] = start(hosts[2], name="agent-again")
+    for job in jobs:
+        assert job.wait(180) == 0, job.text()[-3000:]
+    print(f"\ntorchrun's command on 3 hosts: first snapshot after {first_snapshot:.1f}s, "
+          f"done after {time.monotonic() - began:.1f}s")
+    result = json.loads(out.read_text())
+    assert result["step"] == steps and result["world_size"] == 3
+    assert "resumed from step" in "".join(job.text() for job in jobs)  # the workers restarted, from the snapshot
+    trained = torch.load(snapshot, weights_only=True)["model"]
+
+    assert plain.wait(120) == 0, plain.text()[-3000:]
+    reference = torch.load(plain_snapshot, weights_only=True)["model"]
+    for name, value in reference.items():
+        assert torch.allclose(trained[name], value, rtol=0, atol=1e-6), name

@@ -1,0 +1,91 @@
+"""Secrets on disk go with the process that wrote them, SIGKILL included (rendezvous/private_files.py).
+
+Real processes, real SIGKILLs: a process's private directory and the paths it registered are
+removed by its reaper when it is killed; a directory whose owner and reaper are both gone is
+swept by the next start; a launcher serving a secured etcd (its CA, password file, server key,
+etcd data) leaves nothing behind when it is SIGKILLed."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from elastic.rendezvous.private_files import sweep
+from tests.fakes.jobs import REPO, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+_CHILD = """
+import sys, time
+from elastic.rendezvous import private_files
+path = private_files.process_dir()
+open(path + "/secret", "w").write("s")
+private_files.register(sys.argv[1])
+print(path, flush=True)
+time.sleep(600)
+"""
+
+
+def _child(tmp_path, extra):
+    env = {**os.environ, "ELASTIC_PRIVATE_ROOT": str(tmp_path / "root"), "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(extra)], stdout=subprocess.PIPE, env=env, text=True)
+    return child, child.stdout.readline().strip()
+
+
+def test_a_sigkilled_process_leaves_no_private_file(tmp_path):
+    extra = tmp_path / "generated.secret"
+    extra.write_text("s")
+    child, path = _child(tmp_path, extra)
+    assert os.path.isfile(os.path.join(path, "secret")) and os.stat(path).st_mode & 0o777 == 0o700
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(10)
+    wait_until(lambda: not os.path.exists(path) and not extra.exists(), 10, "the reaper to remove them")
+
+
+def test_the_next_start_sweeps_what_a_dead_owner_and_reaper_left(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    dead, alive, settingup, other = root / "111-a", root / "222-b", root / ".333-c", root / "unrelated"
+    for d in (dead, alive, settingup, other):
+        d.mkdir()
+    for d in (dead, alive, settingup):
+        (d / "lock").write_text("")
+    held = os.open(alive / "lock", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # its owner lives (here: this test, through another open file)
+    try:
+        assert sweep(str(root)) == ["111-a"]
+    finally:
+        os.close(held)
+    assert not dead.exists() and alive.exists() and settingup.exists() and other.exists()
+
+
+def test_a_sigkilled_launcher_serving_a_secured_etcd_leaves_no_secret(tmp_path):
+    from tests.unit.cli.test_bare_metal import _routable_address_of_ours
+    from elastic.rendezvous.embedded import _free_ports
+    from elastic.rendezvous.job_secret import new_secret, write_secret_file
+    from tests.conftest import etcd_binary_or_skip
+    from tests.fakes.jobs import Job, TRAIN_JOB
+
+    etcd_binary_or_skip()
+    address = _routable_address_of_ours()
+    if address is None:
+        pytest.skip("no routable address on this machine")
+    root = tmp_path / "root"
+    secret = write_secret_file(str(tmp_path / "job.secret"), new_secret())
+    port = _free_ports(address, 1)[0]
+    job = Job(tmp_path, [f"--rdzv-endpoint={address}:{port}", "--job-id", "j", "--job-secret-file", secret,
+                         "--np", "1", "--host-addr", address, str(TRAIN_JOB), "--steps", "100000",
+                         "--out", str(tmp_path / "out")],
+              env={"ELASTIC_PRIVATE_ROOT": str(root)})
+    wait_until(lambda: (tmp_path / "out" / "steps.jsonl").exists(), 90, "training to start")
+    files = {os.path.basename(p) for p, _, names in os.walk(root) for p in [os.path.join(p, n) for n in names]}
+    assert {"job-ca.pem", "job-etcd-password", "server.key"} <= files, files
+    os.kill(job.proc.pid, signal.SIGKILL)  # the launcher only: its etcd and worker die with it
+    job.proc.wait(10)
+    wait_until(lambda: not os.listdir(root), 15, "its private directories to go")
+    assert os.path.exists(secret)  # the user's own file is never removed
