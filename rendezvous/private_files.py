@@ -8,10 +8,10 @@ killer, a node agent, ``kill -9``). So:
 - every such file lives in this process's own directory, ``process_dir()``: a 0700
   directory under a root of the user's (``$ELASTIC_PRIVATE_ROOT``, else
   ``<tmp>/elastic-run-<uid>``, 0700, refused if another user owns it);
-- a reaper, a ``sh`` started with the write end of a pipe held only by this process,
+- a reaper, a background ``sh`` reading a pipe whose write end only this process holds,
   removes that directory, and any path given to ``register``, when the pipe closes:
-  when this process ends, however it ends. It runs in its own session, so a signal to
-  the launcher's process group does not take it along;
+  when this process ends, however it ends. It runs in its own session and is not this
+  process's child, so a signal to the launcher's process group does not take it along;
 - if the reaper was killed too (a whole container or namespace gone), the next launcher
   of the same user removes every directory under the root whose owner is gone: each
   holds a ``lock`` file its owner keeps ``flock``ed, which the kernel releases on death.
@@ -34,7 +34,11 @@ from .errors import ConfigError
 ROOT_ENV = "ELASTIC_PRIVATE_ROOT"
 _LOCK = "lock"
 # Reads one path per line until the pipe closes (its owner ended), then removes them all.
-_REAPER = 'while IFS= read -r p; do set -- "$@" "$p"; done; rm -rf -- "$@"'
+# Started in the background by a shell that exits at once: the reaper is nobody's child
+# (the launcher keeps no process of its own); the pipe reaches it as fd 3, since a
+# background list's standard input is /dev/null.
+_REAPER = ('exec 3<&0; (while IFS= read -r p; do set -- "$@" "$p"; done; rm -rf -- "$@") <&3 '
+           '>/dev/null 2>&1 &')
 
 _guard = threading.Lock()
 _dir: Optional[str] = None
@@ -98,6 +102,7 @@ def process_dir() -> str:
         _reaper = subprocess.Popen(["/bin/sh", "-c", _REAPER, "elastic-reaper"], stdin=subprocess.PIPE,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
                                    start_new_session=True, cwd="/")
+        _reaper.wait(10)  # the shell that put the reaper in the background
         _dir, _lock_fd = path, fd
         _send(path)
         atexit.register(_remove)
