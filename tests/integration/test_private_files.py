@@ -82,9 +82,12 @@ def test_a_sigkilled_launcher_serving_a_secured_etcd_leaves_no_secret(tmp_path):
                          "--np", "1", "--host-addr", address, str(TRAIN_JOB), "--steps", "100000",
                          "--out", str(tmp_path / "out")],
               env={"ELASTIC_PRIVATE_ROOT": str(root)})
-    wait_until(lambda: (tmp_path / "out" / "steps.jsonl").exists(), 90, "training to start")
-    files = {os.path.basename(p) for p, _, names in os.walk(root) for p in [os.path.join(p, n) for n in names]}
-    assert {"job-ca.pem", "job-etcd-password", "server.key"} <= files, files
+    wait_until(lambda: "worker_started" in job.text(), 90, "the worker to start")
+
+    def files():
+        return {name for _, _, names in os.walk(root) for name in names}
+
+    assert {"job-ca.pem", "job-etcd-password", "server.key"} <= files(), files()
     os.kill(job.proc.pid, signal.SIGKILL)  # the launcher only: its etcd and worker die with it
     job.proc.wait(10)
     wait_until(lambda: not os.listdir(root), 15, "its private directories to go")
