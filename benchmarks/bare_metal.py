@@ -24,6 +24,7 @@ from pathlib import Path
 
 from elastic.rendezvous import Etcd, EtcdConfig
 from elastic.rendezvous.cluster_rpc import member_list
+from elastic.rendezvous.job_secret import JobSecret, new_secret, write_secret_file
 from tests.fakes import netns
 from tests.fakes.jobs import TRAIN_JOB, read_jsonl
 from tests.fakes.waiting import poll
@@ -31,9 +32,9 @@ from tests.fakes.waiting import poll
 PORT = 29400
 
 
-def _three_members(endpoint: str) -> bool:
+def _three_members(endpoint: str, client: dict) -> bool:
     try:
-        with Etcd(EtcdConfig.from_string(endpoint, retry_deadline=2.0, call_timeout=1.0)) as etcd:
+        with Etcd(EtcdConfig.from_string(endpoint, retry_deadline=2.0, call_timeout=1.0, **client)) as etcd:
             return len([m for m in member_list(etcd) if m.started and not m.is_learner]) == 3
     except Exception:  # noqa: BLE001 - not up yet
         return False
@@ -44,16 +45,20 @@ def one_rep(tmp: Path, count: int, ttl: float, victim: int) -> dict:
     try:
         out, stop = tmp / "out", tmp / "stop"
         endpoint = f"{hosts[0].addr}:{PORT}"
+        secret = write_secret_file(str(tmp / "job.secret"), new_secret())  # secured, as every job off loopback
+        js = JobSecret(open(secret).read().strip())
+        files = js.client_files(str(tmp))
+        client = {"ca_cert": files.ca_cert, "user": files.user, "password": js.password}
         for host in hosts:
             host.job(tmp / host.name, [
                 f"--nnodes=2:{count}", "--nproc-per-node=1", "--rdzv-id=bench", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}", "--host-id", host.name, "--rdzv-ttl", str(ttl),
+                f"--rdzv-endpoint={endpoint}", "--job-secret-file", secret, "--host-id", host.name, "--rdzv-ttl", str(ttl),
                 "--log-dir", str(tmp / host.name / "logs"), str(TRAIN_JOB), "--out", str(out),
                 "--steps", "100000", "--step-delay", "0.05", "--stop-file", str(stop)], name="agent")
         steps = lambda: read_jsonl(out / "steps.jsonl") if (out / "steps.jsonl").exists() else []  # noqa: E731
         if not poll(lambda: len([s for s in steps() if s["world"] == count]) >= 10 * count, 240, 0.2):
             raise RuntimeError(f"the {count}-host ring never trained: see {tmp}")
-        if not poll(lambda: _three_members(endpoint), 60, 0.2):
+        if not poll(lambda: _three_members(endpoint, client), 60, 0.2):
             raise RuntimeError(f"the etcd never had three members: see {tmp}")
         killed_at = time.time()
         hosts[victim]._kill_processes()
