@@ -67,7 +67,7 @@ def _timed(fn) -> float:
 def bench(params: int, objects: bool, reps: int) -> dict:
     state = build(params, objects)
     state.commit()  # allocation happens here, once
-    nbytes = state._snapshot.nbytes
+    nbytes = state._book.snapshot.nbytes
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # both sides start warm
@@ -80,7 +80,7 @@ def bench(params: int, objects: bool, reps: int) -> dict:
         "state": "+objects" if objects else "model+opt",
         "params": params,
         "bytes": nbytes,
-        "tensors": len(state._snapshot.layout().tensors),
+        "tensors": len(state._book.snapshot.layout().tensors),
         "copy_ms": copy_s * 1e3,
         "commit_ms": commit_s * 1e3,
         "ratio": commit_s / copy_s,
