@@ -32,6 +32,7 @@ from typing import Callable, Optional
 from elastic.rendezvous import Etcd, JobKeys, MalformedValueError, RendezvousError, RoundPlan
 
 from ..contract.errors import LeftBehind
+from ..contract.timeouts import pause_threshold
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class CommitFence:
     def __init__(self, etcd: Etcd, keys: JobKeys, worker: str, ttl: float, *, ticking: bool = True,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self._etcd, self._keys, self._worker = etcd, keys, worker
-        self._pause_s = ttl / 4
+        self._pause_s = pause_threshold(ttl)
         self._clock, self._wall = clock, wall
         self._lock = threading.Lock()
         self._last_tick = self._now()
