@@ -67,7 +67,7 @@ def _timed(fn) -> float:
 def bench(params: int, objects: bool, reps: int) -> dict:
     state = build(params, objects)
     state.commit()  # allocation happens here, once
-    nbytes = state._book.snapshot.nbytes
+    nbytes = sum(b.numel() * b.element_size() for b in state._book.snapshot.buffers())
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # both sides start warm

@@ -92,7 +92,6 @@ class Coordinator:
         self._election = Election(etcd, keys.coordinator, member_id, session)
         self._thread: Optional[threading.Thread] = None
         self.leading = threading.Event()
-        self.rounds_written = 0
         # leader state, touched only under self._wake
         self._members: dict[str, Member] = {}
         self._requests: dict[str, ResetRequest] = {}
@@ -491,7 +490,6 @@ class Coordinator:
         if not won:
             log.warning("coordinator: lost the race for round %d", number)
             return
-        self.rounds_written += 1
         self._delete_answered_requests(number)
         log.info(
             "coordinator: round %d formed, world size %d (%s)", number, plan.world_size, decision.reason

@@ -79,7 +79,8 @@ def _fence(etcd: Etcd, job_id: str, round_number: int):
 @pytest.fixture
 def job(etcd, job_id) -> Job:
     yield Job(etcd, job_id)
-    etcd.delete_prefix(JobKeys(job_id).prefix)
+    for kv in etcd.get_prefix(JobKeys(job_id).prefix)[0]:
+        etcd.delete(kv.key)
 
 
 def test_a_write_of_the_current_round_is_published(etcd, job_id, job):
