@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) <= 0 or args.reps < 1:
         parser.exit(2, "--sizes and --reps must be positive\n")
 
-    # A commit outside a job: what it costs besides the copy is a fence and a note that
+    # A commit outside a job: what it costs besides the copy is a left-behind check and a note that
     # are no-ops here, as they nearly are in a job between membership changes.
     stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
                                      commit=lambda capture: commit_alone(capture, 1))

@@ -294,7 +294,7 @@ class State:
         return book.writer
 
     def _submit(self, writer: DurableWriter, runtime) -> None:
-        # ``runtime``: the Runtime, or a commit's Ticket (both have round, world_size, durable_fence).
+        # ``runtime``: the Runtime, or a commit's Ticket (both have round, world_size, publish_check).
         """Write the last commit (the snapshot just taken) in the background."""
         book = self._book
         if writer.submit(
@@ -303,7 +303,7 @@ class State:
             epoch=self._int_value("epoch"),
             round=runtime.round,
             world_size=runtime.world_size,
-            still_current=runtime.durable_fence(),
+            still_current=runtime.publish_check(),
         ):
             book.durable_step = book.count
 

@@ -25,7 +25,7 @@ from typing import Optional
 
 ERROR, WARNING = "error", "warning"
 
-# The pause clock's threshold, as a share of the TTL (worker/commit_fence.py): a plan can
+# The pause clock's threshold, as a share of the TTL (worker/left_behind.py): a plan can
 # leave a worker behind no sooner than the TTL after it went silent.
 PAUSE_SHARE = 0.25
 

@@ -410,7 +410,7 @@ class ShardedState:
                   "scheduler": modules.scheduler_state(self.scheduler), "commits": book.count}
         book.durable.submit(self.model, self.optimizer, values, step=book.count,
                              round_number=runtime.round, world=runtime.world_size,
-                             still_current=runtime.durable_fence())
+                             still_current=runtime.publish_check())
         book.durable_step = book.count
 
     def _build(self, runtime, mesh):
