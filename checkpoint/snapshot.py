@@ -270,7 +270,7 @@ class Snapshot:
         self._back: _Bank | None = None  # CUDA layouts: the next capture's (in flight while _pending)
         self._pending: list | None = None  # events of the copies into _back
         self._streams: dict[torch.device, Any] = {}
-        self._registered: list[int] = []  # host memory registered with CUDA, unregistered on release
+        self._registered: list[int] = []  # host memory registered with CUDA, unregistered when the snapshot goes
         # Commits that do not drain the device (device_snapshot.OverlappedCopy, opt-in): None here.
         self.overlap = None
         weakref.finalize(self, _unregister, self._registered)

@@ -55,7 +55,7 @@ from .mesh import device_mesh, device_type
 from .placement import replica_holders, replicas_of
 from .pieces import run_pieces
 from .reshard_plan import Piece, newest_covered, plan_reshard
-from .live_shards import live_shards, release_storage
+from .live_shards import live_shards, free_storage
 from .slots import Replication, ShardSlot, slot_for
 
 log = logging.getLogger(__name__)
@@ -113,12 +113,12 @@ class ShardedState:
     def restore(self) -> None:
         """After a failure: nothing to do until the new ring exists (``sync`` rebuilds the
         model from the commit); the live model belongs to the broken ring's mesh."""
-        self._release_model()
+        self._free_model()
 
-    def _release_model(self) -> None:
-        """The live model and optimizer go, with their memory (``release_storage``)."""
+    def _free_model(self) -> None:
+        """The live model and optimizer go, with their memory (``free_storage``)."""
         if self.model is not None:
-            release_storage(self.model, self.optimizer)
+            free_storage(self.model, self.optimizer)
         self.model, self.optimizer, self.scheduler = None, None, None
         self._book.live = None
         for slot in self._held_slots():
@@ -240,7 +240,7 @@ class ShardedState:
         # has replicated the commit in its layout (a loss during this re-shard finds them).
         slots = [s for s in slots if chosen is not None and (s.commit, s.world) == chosen]
         self._hold_only(slots)
-        self._release_model()  # a planned switch's: the new one is built from the copies
+        self._free_model()  # a planned switch's: the new one is built from the copies
         if newest is None:
             found = meta_wire.broadcast_found(durable.newest_for_resume(checkpoints.policy)
                                               if checkpoints is not None and rank == 0 else None, rank, runtime.backend)

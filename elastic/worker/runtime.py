@@ -5,7 +5,7 @@ round it builds a fresh process group on a fresh store namespace
 (``/round/<n>/`` of the TCPStore that rank 0's agent serves); re-using a
 namespace hangs. Moving to the next round happens in one of two ways:
 
-* the ring broke (a collective raised): ``reform(failed=True)`` releases the old
+* the ring broke (a collective raised): ``reform(failed=True)`` drops the old
   group, asks the coordinator for a new round, waits for it and joins it;
 * a newer plan exists while the ring still works (a host joined or is leaving):
   rank 0 posts, in the round's store, the commit at which everybody switches;
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReformTimes:
-    release_s: float  # destroy the old group, free its sockets
+    drop_s: float  # destroy the old group, free its sockets
     rendezvous_s: float  # wait for the next plan
     pg_init_s: float  # arrival barrier + process group
 
@@ -222,7 +222,7 @@ class Runtime:
         # would re-use its store namespace, which hangs.
         old_round = max(self.round, self._tried_round)
         # A planned switch leaves together: nobody is blocked, no garbage to chase.
-        self.release_group(collect=failed, failed=failed)
+        self.drop_ring(collect=failed, failed=failed)
         t1 = time.monotonic()
         nudge = None
         if failed:
@@ -263,7 +263,7 @@ class Runtime:
     def abort_device_ring(self) -> None:
         """After a failure, before the device check: abort the ring's NCCL part (a no-op if
         the control thread did), so that none of its kernels is left for the check to
-        wait on (gpu review G1). The ring is released later, by ``reform``."""
+        wait on (gpu review G1). The ring is dropped later, by ``reform``."""
         with self._backend_lock:
             ring = self._ring
         if ring is not None and ring.backend_abort:
@@ -277,7 +277,7 @@ class Runtime:
         if ring is not None:
             ring.abort()
 
-    def release_group(self, collect: bool = True, failed: bool = False) -> None:
+    def drop_ring(self, collect: bool = True, failed: bool = False) -> None:
         """Leave the current ring. An NCCL ring is aborted, never destroyed, at a planned
         switch too: ``destroy_process_group`` finalizes its communicators, which waits for
         pending work and can block on a dead peer (gpu review F5, G8; ring_abort.leave_ring)."""
@@ -442,7 +442,7 @@ class Runtime:
     # -- end --------------------------------------------------------------------
     def shutdown(self) -> None:
         self.steps.close()
-        self.release_group()
+        self.drop_ring()
         if self._control is not None:
             self._control.close()
         gate = self.gate
