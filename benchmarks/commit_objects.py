@@ -67,7 +67,7 @@ def _timed(fn) -> float:
 def bench(params: int, objects: bool, reps: int) -> dict:
     state = build(params, objects)
     state.commit()  # allocation happens here, once
-    nbytes = state._snapshot.nbytes
+    nbytes = sum(b.numel() * b.element_size() for b in state._book.snapshot.buffers())
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # both sides start warm
@@ -80,7 +80,7 @@ def bench(params: int, objects: bool, reps: int) -> dict:
         "state": "+objects" if objects else "model+opt",
         "params": params,
         "bytes": nbytes,
-        "tensors": len(state._snapshot.layout().tensors),
+        "tensors": len(state._book.snapshot.layout().tensors),
         "copy_ms": copy_s * 1e3,
         "commit_ms": commit_s * 1e3,
         "ratio": commit_s / copy_s,
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) <= 0 or args.reps < 1:
         parser.exit(2, "--sizes and --reps must be positive\n")
 
-    # A commit outside a job: what it costs besides the copy is a fence and a note that
+    # A commit outside a job: what it costs besides the copy is a left-behind check and a note that
     # are no-ops here, as they nearly are in a job between membership changes.
     stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
                                      commit=lambda capture: commit_alone(capture, 1))

@@ -210,7 +210,8 @@ def run_size(server: EmbeddedEtcd, hosts: int, *, real_members: int, watch_strea
             list(pool.map(lambda p: p.leave(), participants))
         if lease is not None:
             registrar.revoke_lease(lease)
-        registrar.delete_prefix(keys.prefix)
+        for kv in registrar.get_prefix(keys.prefix)[0]:
+            registrar.delete(kv.key)
         registrar.close()
         for client in [*clients, *watch_pool]:
             client.close()

@@ -113,8 +113,9 @@ def worker(args) -> None:
     @elastic.run
     def train(state):
         rank, world = elastic.rank(), elastic.size()
-        note(event="entered", rank=rank, world=world, sync=_SYNCS[-1], reshard_bytes=state._last_reshard_bytes,
-             shard_mb=state._own.nbytes / 1e6, replicas_mb=sum(s.nbytes for s in state._replicas.values()) / 1e6)
+        book = state._book
+        note(event="entered", rank=rank, world=world, sync=_SYNCS[-1], reshard_bytes=book.last_reshard_bytes,
+             shard_mb=book.own.nbytes / 1e6, replicas_mb=sum(s.nbytes for s in book.replicas.values()) / 1e6)
         model, opt = state.model, state.optimizer
         _OLD_MODEL[:] = [weakref.ref(model), weakref.ref(opt)]
         x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
@@ -132,7 +133,7 @@ def worker(args) -> None:
             copy_s = copy_floor(state.__dict__, model, opt)
             copied = time.monotonic()
             state.commit()
-            replication = state._replication
+            replication = state._book.replication
             note(event="step", step=state.step, rank=rank, world=world, step_s=trained - started, copy_s=copy_s,
                  snapshot_s=time.monotonic() - copied, sent=replication.bytes_sent if replication is not None else 0,
                  rss=proc_memory_mb()["rss"])

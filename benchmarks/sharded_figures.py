@@ -8,7 +8,7 @@ Memory bound of the issue, per worker of the new ring after a re-shard: its live
 (parameters + both Adam states of its new rows) + its snapshot (the own slot of a
 commit: the same bytes) + the replicas it keeps (``--shard-replicas`` other ranks'
 shards) + one transfer chunk. ShardedState posts every piece of the re-shard plan at
-once, straight into the live tensors (``elastic/sharded/state.py`` ``_run_pieces``), so
+once, straight into the live tensors (``elastic/sharded/pieces.py``), so
 a transfer needs no staging buffer; the chunk counted is the largest single piece
 (one tensor's element range from one holder, ``reshard_plan.plan_reshard``) this rank
 receives.

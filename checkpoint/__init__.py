@@ -6,7 +6,7 @@
     if writer.due(commits): writer.submit(tree, step=step)   # background, atomic
     loaded = load_latest("/ckpt")                      # (tree, manifest) or None
 """
-from .durable import CheckpointPolicy, DurableWriter, FenceRefusal
+from .durable import CheckpointPolicy, DurableWriter, PublishRefusal
 from .restore import CheckpointInfo, CheckpointsUnreadable, list_checkpoints, load_latest
 from .snapshot import Flat, Layout, Plain, Snapshot, clone_tree
 from .tree_copy import copy_into
@@ -16,7 +16,7 @@ __all__ = [
     "CheckpointPolicy",
     "CheckpointsUnreadable",
     "DurableWriter",
-    "FenceRefusal",
+    "PublishRefusal",
     "Flat",
     "Layout",
     "Plain",

@@ -28,10 +28,10 @@ not bury the newer ones either: it never publishes a rewrite of a step above
 ``resumed_from`` that it did not write itself, and never prunes one. And a writer of
 one job never publishes into a directory another job claimed (owner.py).
 
-A write may carry a fence (``still_current``), asked right before publishing: a
-rank 0 whose round is over must not publish what it wrote for that round. The fence
-returns True to publish; False or any exception refuses, and a ``FenceRefusal`` says
-why in the writer's one line about it. The fence (and the directory's owner) is asked
+A write may carry a publish check (``still_current``), asked right before publishing: a
+rank 0 whose round is over must not publish what it wrote for that round. The check
+returns True to publish; False or any exception refuses, and a ``PublishRefusal`` says
+why in the writer's one line about it. The check (and the directory's owner) is asked
 again right after the rename: a rename that stalled (a frozen NFS mount) while the job
 moved on is taken back at once, before anything is pruned for it.
 
@@ -64,7 +64,7 @@ from .retention import checkpoint_names as _checkpoint_names
 from .retention import names_to_prune, remove_stale_tmps, superseded_step
 from .snapshot import Snapshot
 
-__all__ = ["CheckpointPolicy", "DurableWriter", "FenceRefusal", "check_local_directory"]
+__all__ = ["CheckpointPolicy", "DurableWriter", "PublishRefusal", "check_local_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +115,8 @@ class CheckpointPolicy:
             raise ValueError(f"keep must be an integer >= 1, got {self.keep!r}")
 
 
-class FenceRefusal(Exception):
-    """Raised by a write's fence to refuse it; str() is the reason, logged as is."""
+class PublishRefusal(Exception):
+    """Raised by a write's publish check to refuse it; str() is the reason, logged as is."""
 
 
 class _HashingWriter:
@@ -344,7 +344,7 @@ class DurableWriter:
     def _refusal(self, job: _Job) -> str | None:
         """Why the write must not be (or stay) published: its round is over, or the
         directory is another job's now. None to publish."""
-        return ownership.refusal(self.policy.directory, self.policy.job_id) or _fence_refusal(job)
+        return ownership.refusal(self.policy.directory, self.policy.job_id) or _publish_refusal(job)
 
     def _superseding(self, step: int) -> str | None:
         """Why publishing `step` would bury an earlier run's newer checkpoint, or None."""
@@ -405,7 +405,7 @@ class DurableWriter:
             logger.debug("checkpoint report %s failed: %s", name, exc)
 
 
-def _fence_refusal(job: _Job) -> str | None:
+def _publish_refusal(job: _Job) -> str | None:
     """Why the write must not be published (its round is over), or None."""
     if job.still_current is None:
         return None
@@ -413,9 +413,9 @@ def _fence_refusal(job: _Job) -> str | None:
         if job.still_current():
             return None
         return f"its round {job.round} is over"
-    except FenceRefusal as exc:
+    except PublishRefusal as exc:
         return str(exc)
-    except Exception as exc:  # noqa: BLE001 - a fence that cannot be checked refuses
+    except Exception as exc:  # noqa: BLE001 - a publish check that cannot be made refuses
         return f"cannot tell whether its round {job.round} is current ({_describe(exc)})"
 
 

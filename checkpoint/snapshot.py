@@ -219,12 +219,8 @@ class Layout:
     buffers: tuple[tuple[torch.dtype, str, int], ...]  # (dtype, device kind, numel)
     plains: tuple
 
-    @property
-    def nbytes(self) -> int:
-        return sum(numel * dtype.itemsize for dtype, _, numel in self.buffers)
 
-
-def _plan(treedef: tuple, tensors: list[torch.Tensor], paths: list[tuple]) -> tuple:
+def _plan(tensors: list[torch.Tensor], paths: list[tuple]) -> tuple:
     """Assign each tensor a buffer and an aligned offset. Returns (specs, buffer descriptions)."""
     buffer_index: dict[tuple[torch.dtype, str], int] = {}
     sizes: list[int] = []
@@ -274,7 +270,7 @@ class Snapshot:
         self._back: _Bank | None = None  # CUDA layouts: the next capture's (in flight while _pending)
         self._pending: list | None = None  # events of the copies into _back
         self._streams: dict[torch.device, Any] = {}
-        self._registered: list[int] = []  # host memory registered with CUDA, unregistered on release
+        self._registered: list[int] = []  # host memory registered with CUDA, unregistered when the snapshot goes
         # Commits that do not drain the device (device_snapshot.OverlappedCopy, opt-in): None here.
         self.overlap = None
         weakref.finalize(self, _unregister, self._registered)
@@ -324,7 +320,7 @@ class Snapshot:
         signature = (treedef, sigs)
         if signature != self._signature:
             paths = [p for p, _ in _iter_tensors(tree)]
-            specs, descs = _plan(treedef, tensors, paths)
+            specs, descs = _plan(tensors, paths)
             self._signature = None  # stays invalid if allocation fails half-way
             self._allocate(treedef, specs, descs)
             self._signature = signature
@@ -393,24 +389,14 @@ class Snapshot:
 
     def _settle_if_done(self) -> None:
         """``_settle`` if the capture in flight has completed its copy (never waits)."""
-        if self._pending is not None and not self.in_flight:
+        if self._pending is not None and all(event.query() for event in self._pending):
             self._settle()
-
-    @property
-    def in_flight(self) -> bool:
-        """A capture's device-to-host copy has not been waited for yet."""
-        return self._pending is not None and not all(event.query() for event in self._pending)
 
     # -- reading ------------------------------------------------------------------------
 
     @property
     def empty(self) -> bool:
         return self._treedef is None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one capture (a CUDA layout keeps two such sets of buffers)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers)
 
     def tree(self) -> Any:
         """The captured tree; tensors are views into the buffers (callers must not mutate)."""

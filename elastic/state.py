@@ -35,12 +35,14 @@ import copy
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, DurableWriter, Snapshot, copy_into, load_latest
 
+from .commit_book import UNREADABLE_ADVICE, CommitBook, checkpoint_policy, put, values_of
 from .contract.console import FILE_ONLY
 from .live_tree import LiveTree, live_tree
 from .stateful import check_plain, is_stateful, load_state, state_of
@@ -57,7 +59,6 @@ _RESERVED = ("model", "optimizer", "sampler")
 _COMMITS = "commits"  # key of the commit count in committed and durable trees
 _COMMIT_ROUND = "commit_round"  # key of the round the commit was made in
 _OBJECTS = "objects"  # key of the state_dicts of a TorchState's stateful objects (elastic/stateful.py)
-UNREADABLE_ADVICE = "run again once the storage reads, or pass --checkpoint-allow-fresh-start to go without them"
 
 
 def _durable_wait(runtime) -> float:
@@ -65,44 +66,38 @@ def _durable_wait(runtime) -> float:
     return max(runtime.config.rdzv_timeout, runtime.config.collective_timeout) if runtime.config else 600.0
 
 
-def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
-    """The durable-checkpoint policy that ``elastic-run --checkpoint-*`` asked for."""
-    if config is None or not getattr(config, "checkpoint_dir", None):
-        return None
-    return CheckpointPolicy(
-        config.checkpoint_dir,
-        every_commits=config.checkpoint_every,
-        every_seconds=config.checkpoint_interval,
-        keep=config.checkpoint_keep,
-        skip_unreadable=bool(getattr(config, "checkpoint_allow_fresh_start", False)),
-        job_id=getattr(config, "job_id", None),
-    )
+@dataclass
+class StateBook(CommitBook):
+    """A ``State``'s bookkeeping (``elastic/commit_book.py``), in its one private attribute."""
+
+    snapshot: Snapshot = field(default_factory=Snapshot)  # the last commit, in buffers allocated once
+    holds_commit: bool = False  # the snapshot is a whole commit
+    torn: bool = False  # a sync broke while overwriting the snapshot
+    rng: Optional[tuple] = None  # this worker's generators at the last commit
+    policy: Optional[CheckpointPolicy] = None  # durable checkpoints, if any
+    policy_resolved: bool = False  # the runtime's config looked at
+    writer: Optional[DurableWriter] = None  # created when this worker is rank 0
+    cuda_paths: frozenset = frozenset()  # while loading: the tree's tensors that were CUDA tensors
+    live: Optional[LiveTree] = None  # a TorchState's live tensors, found once (live_tree.py)
+    object_names: tuple[str, ...] = ()  # a TorchState's objects with state_dict() (stateful.py)
+    objects_checked: bool = False  # their state_dicts, checked at the first commit
 
 
 class State:
     """Plain values committed and synced as a unit (Horovod's ``ObjectState``)."""
 
+    _Book = StateBook  # a subclass with more to keep extends the book, not the namespace
+
     def __init__(self, **values: Any):
-        object.__setattr__(self, "_value_names", tuple(values))
-        object.__setattr__(self, "_snapshot", Snapshot())
-        object.__setattr__(self, "_reset_callbacks", [])
-        object.__setattr__(self, "_commits", 0)
-        object.__setattr__(self, "_commit_round", 0)  # the round the last commit was made in
-        object.__setattr__(self, "_holds_commit", False)  # the snapshot is a whole commit
-        object.__setattr__(self, "_torn", False)  # a sync broke while overwriting the snapshot
-        object.__setattr__(self, "_synced", False)  # a sync has completed in this process
-        object.__setattr__(self, "_rng", None)
-        object.__setattr__(self, "_policy", None)  # durable checkpoints, if any
-        object.__setattr__(self, "_policy_resolved", False)  # runtime's config looked at
-        object.__setattr__(self, "_writer", None)  # created when this worker is rank 0
-        object.__setattr__(self, "_durable_step", None)  # newest step on disk or being written
+        # The one private attribute: the user's names are the rest (elastic/commit_book.py).
+        object.__setattr__(self, "_book", self._Book(value_names=tuple(values)))
         for name, value in values.items():
-            object.__setattr__(self, name, value)
+            put(self, name, value)
 
     # -- what the state is --------------------------------------------------
     def state_tree(self) -> dict:
         """The live state as a tree of tensors and plain values (no copies)."""
-        return {"values": {name: getattr(self, name) for name in self._value_names}}
+        return {"values": values_of(self, self._book)}
 
     def load_tree(self, tree: dict) -> None:
         """Make the live state equal to ``tree`` (copying: the tree may be a snapshot).
@@ -111,10 +106,10 @@ class State:
         match, else to that live tensor's device, else to the device kind the commit
         recorded: a snapshot, a sync and a durable file all hold host copies, and a
         CUDA value must not come back as a CPU one (gpu review F7)."""
-        cuda_paths = getattr(self, "_cuda_paths", frozenset())
+        cuda_paths = self._book.cuda_paths
         for name, value in tree["values"].items():
             live = getattr(self, name, None)
-            object.__setattr__(self, name, copy_into(value, live, ("values", name), cuda_paths))
+            put(self, name, copy_into(value, live, ("values", name), cuda_paths))
 
     # -- the API --------------------------------------------------------------
     def commit_tree(self) -> dict:
@@ -122,20 +117,22 @@ class State:
         return self.state_tree()
 
     def save(self) -> None:
+        book = self._book
         tree = self.commit_tree()
-        tree[_COMMITS] = self._commits
-        tree[_COMMIT_ROUND] = self._commit_round
-        device_commit.prepare(self._snapshot, getattr(self, "optimizer", None), _runtime)  # GPU, opt-in (G13)
-        self._snapshot.capture(tree)
+        tree[_COMMITS] = book.count
+        tree[_COMMIT_ROUND] = book.round
+        device_commit.prepare(book.snapshot, getattr(self, "optimizer", None), _runtime)  # GPU, opt-in (G13)
+        book.snapshot.capture(tree)
         # RNG state is per worker: restored on this worker, never broadcast.
-        object.__setattr__(self, "_rng", _rng_states())
-        object.__setattr__(self, "_holds_commit", True)
-        object.__setattr__(self, "_torn", False)
+        book.rng = _rng_states()
+        book.holds_commit = True
+        book.torn = False
 
     @property
     def commit_id(self) -> Optional[CommitId]:
         """The identity of the commit this worker holds, or None."""
-        return CommitId(self._commit_round, self._commits) if self._holds_commit and not self._torn else None
+        book = self._book
+        return CommitId(book.round, book.count) if book.holds_commit and not book.torn else None
 
     def commit(self) -> None:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
@@ -143,62 +140,64 @@ class State:
         self._resolve_policy(runtime)
         # One call: a worker left behind, or a step made on a broken ring, raises before
         # the capture overwrites the snapshot, the previous commit intact (commit_gate.py).
-        act_on(runtime.commit(self._capture), self._commits)
+        act_on(runtime.commit(self._capture), self._book.count)
 
     def _capture(self, ticket: Ticket) -> int:
         """The state's part of a commit: count it, copy it, hand rank 0's writer what is due."""
-        object.__setattr__(self, "_commits", self._commits + 1)
-        object.__setattr__(self, "_commit_round", ticket.round)
+        book = self._book
+        book.next_commit(ticket.round)
         self.save()
-        if self._policy is not None and ticket.rank == 0:
+        if book.policy is not None and ticket.rank == 0:
             writer = self._rank0_writer()
-            if writer.due(self._commits):
+            if writer.due(book.count):
                 self._submit(writer, ticket)
-        return self._commits
+        return book.count
 
     def restore(self) -> None:
         """Roll the live state back to the last commit."""
-        if self._torn:
+        book = self._book
+        if book.torn:
             # A sync broke while receiving into the snapshot. It had not touched the
             # live state, which still is the commit held before (if any): take it again.
-            object.__setattr__(self, "_torn", False)
-            if self._holds_commit:
+            book.torn = False
+            if book.holds_commit:
                 self.save()
             else:
-                object.__setattr__(self, "_snapshot", Snapshot())
+                book.snapshot = Snapshot()
             return
-        if self._snapshot.empty:
+        if book.snapshot.empty:
             return
-        self._load(self._snapshot.tree(), self._snapshot.cuda_paths())
-        if self._rng is not None:
-            _set_rng_states(self._rng)
+        self._load(book.snapshot.tree(), book.snapshot.cuda_paths())
+        if book.rng is not None:
+            _set_rng_states(book.rng)
 
     def sync(self) -> SyncPlan:
         """Make every worker hold the ring's newest commit; returns the plan it followed."""
         runtime = _runtime()
+        book = self._book
         self._resolve_policy(runtime)
-        if not self._synced and self._holds_commit:
+        if not book.synced and book.holds_commit:
             # A commit made before the first sync (outside the training function): the
             # live state may have moved since. A holder must send what it will train on.
             self.restore()
         if runtime.world_size == 1:
-            if not self._holds_commit:
+            if not book.holds_commit:
                 self._take_durable_or_initial_state()
-            object.__setattr__(self, "_synced", True)
+            book.synced = True
             return SyncPlan(self.commit_id, (0,), (), ())
         started = time.monotonic()
         holdings = gather_holdings(runtime.rank, runtime.world_size, self.commit_id, runtime.backend,
                                    claim_bounds(runtime, self.commit_id))
         newest, holders, receivers = choose_holders(holdings)
         if not receivers:  # every worker holds the newest commit: nothing to move
-            object.__setattr__(self, "_synced", True)
+            book.synced = True
             return SyncPlan(newest, holders, (), ())
         if newest is None and runtime.rank == holders[0]:
             self._take_durable_or_initial_state()  # nobody holds a commit: a full restart
         if runtime.rank in holders:
             # Every holder holds the same commit, hence the same layout: only the receivers
             # need the first holder's, and only they get it (a holder receives nothing).
-            layout = self._snapshot.layout()
+            layout = book.snapshot.layout()
             if runtime.rank == holders[0]:
                 send_layout(layout, receivers, runtime.backend)
         else:
@@ -207,14 +206,14 @@ class State:
             layout = receive_layout(holders[0], runtime.backend, wait_s=wait_s)
         plan = plan_sync(holdings, [(n, dtype.itemsize) for dtype, _, n in layout.buffers], CHUNK_BYTES)
         if runtime.rank in holders:
-            moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)
+            moved = run_transfers(plan, runtime.rank, book.snapshot.buffers(), runtime.backend)
         else:
             moved = self._receive(plan, layout, runtime)
         # After a re-formation the worker's reform_done line says how the sync went: on the
         # console a failure is that one line per worker, so this one is for the log file.
         # A worker's first sync (the job's start, a joiner's arrival) has no such line.
-        extra = FILE_ONLY if self._synced else None
-        object.__setattr__(self, "_synced", True)
+        extra = FILE_ONLY if book.synced else None
+        book.synced = True
         log.info("round %d: sync of commit %s: %s %.3f MB (%d holders, %d receivers) in %.3fs",
                  runtime.round, (plan.newest.round, plan.newest.count) if plan.newest else "initial",
                  "sent" if runtime.rank in holders else "received", moved / 1e6, len(holders), len(receivers),
@@ -223,38 +222,40 @@ class State:
 
     def _receive(self, plan: SyncPlan, layout, runtime) -> int:
         """Receive the newest commit into the snapshot's buffers, then load it."""
+        book = self._book
         # From here the snapshot is no whole commit until every transfer has arrived.
-        object.__setattr__(self, "_torn", True)
-        self._snapshot.adopt_layout(layout)
-        moved = run_transfers(plan, runtime.rank, self._snapshot.buffers(), runtime.backend)
-        object.__setattr__(self, "_torn", False)
-        self._load(self._snapshot.tree(), self._snapshot.cuda_paths())
-        object.__setattr__(self, "_holds_commit", True)
-        object.__setattr__(self, "_rng", _rng_states())
+        book.torn = True
+        book.snapshot.adopt_layout(layout)
+        moved = run_transfers(plan, runtime.rank, book.snapshot.buffers(), runtime.backend)
+        book.torn = False
+        self._load(book.snapshot.tree(), book.snapshot.cuda_paths())
+        book.holds_commit = True
+        book.rng = _rng_states()
         return moved
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Call these after every re-formation, on every worker of the new ring (a joiner and a
         replacement too), once the state is synced; not when the job starts."""
-        self._reset_callbacks.extend(callbacks)
+        self._book.add_reset_callbacks(callbacks)
 
     def on_reset(self) -> None:
-        for callback in self._reset_callbacks:
-            callback()
+        self._book.run_reset_callbacks()
 
     # -- durable checkpoints ----------------------------------------------------
     def enable_checkpoints(self, policy: CheckpointPolicy) -> None:
         """Write durable checkpoints per ``policy`` (elastic-run's options do this)."""
         if not isinstance(policy, CheckpointPolicy):
             raise TypeError(f"enable_checkpoints needs a CheckpointPolicy, got {type(policy).__name__}")
-        object.__setattr__(self, "_policy", policy)
-        object.__setattr__(self, "_policy_resolved", True)  # an explicit policy wins
-        object.__setattr__(self, "_writer", None)
+        book = self._book
+        book.policy = policy
+        book.policy_resolved = True  # an explicit policy wins
+        book.writer = None
 
     def flush_checkpoints(self, final: bool = False) -> None:
         """Wait for the in-flight write; with ``final``, make the last commit durable."""
         runtime = _runtime()
-        if self._policy is None or runtime.rank != 0:
+        book = self._book
+        if book.policy is None or runtime.rank != 0:
             return
         writer = self._rank0_writer()
         # The agent gives a worker that says it is writing the final checkpoint
@@ -264,8 +265,8 @@ class State:
             _touch(marker)
         try:
             writer.flush()
-            already_durable = self._durable_step == self._commits and writer.last_error is None
-            if final and not self._snapshot.empty and not already_durable:
+            already_durable = book.durable_step == book.count and writer.last_error is None
+            if final and not book.snapshot.empty and not already_durable:
                 self._submit(writer, runtime)
                 writer.flush()
         finally:
@@ -274,47 +275,51 @@ class State:
 
     def _resolve_policy(self, runtime) -> None:
         """Take the policy from the worker's config once (on the first sync or commit)."""
-        if self._policy_resolved:
+        book = self._book
+        if book.policy_resolved:
             return
-        object.__setattr__(self, "_policy_resolved", True)
-        object.__setattr__(self, "_policy", checkpoint_policy(runtime.config))
+        book.policy_resolved = True
+        book.policy = checkpoint_policy(runtime.config)
 
     def _rank0_writer(self) -> DurableWriter:
         # Created only on rank 0, and only when first needed: a new writer removes
         # stale temporary directories, which must never be a live rank 0's write.
-        if self._writer is None:
+        book = self._book
+        if book.writer is None:
             # Each write's outcome becomes an event for the agent's metrics (agent/metrics.py)
             # and the events file; the writer logs the outcome itself, so no second console line.
             events = _runtime().events
             report = lambda name, **fields: events.emit(name, console=False, **fields)  # noqa: E731
-            object.__setattr__(self, "_writer", DurableWriter(self._policy, report=report,
-                                                              resumed_from=getattr(self, "_resumed_from", None)))
-        return self._writer
+            book.writer = DurableWriter(book.policy, report=report, resumed_from=book.resumed_from)
+        return book.writer
 
     def _submit(self, writer: DurableWriter, runtime) -> None:
-        # ``runtime``: the Runtime, or a commit's Ticket (both have round, world_size, durable_fence).
+        # ``runtime``: the Runtime, or a commit's Ticket (both have round, world_size, publish_check).
         """Write the last commit (the snapshot just taken) in the background."""
+        book = self._book
         if writer.submit(
-            self._snapshot.tree(),
-            step=self._commits,
+            book.snapshot.tree(),
+            step=book.count,
             epoch=self._int_value("epoch"),
             round=runtime.round,
             world_size=runtime.world_size,
-            still_current=runtime.durable_fence(),
+            still_current=runtime.publish_check(),
         ):
-            object.__setattr__(self, "_durable_step", self._commits)
+            book.durable_step = book.count
 
     def _load(self, tree: dict, cuda_paths: frozenset = frozenset()) -> None:
         """Make the live state ``tree``'s, commit count included (``cuda_paths``: the
         tree's tensors that were CUDA tensors when committed)."""
-        object.__setattr__(self, "_cuda_paths", cuda_paths)
+        book = self._book
+        book.cuda_paths = cuda_paths
         try:
             self.load_tree(tree)
         finally:
-            object.__setattr__(self, "_cuda_paths", frozenset())
-        for key, attribute in ((_COMMITS, "_commits"), (_COMMIT_ROUND, "_commit_round")):
-            if isinstance(tree.get(key), int):
-                object.__setattr__(self, attribute, tree[key])
+            book.cuda_paths = frozenset()
+        if isinstance(tree.get(_COMMITS), int):
+            book.count = tree[_COMMITS]
+        if isinstance(tree.get(_COMMIT_ROUND), int):
+            book.round = tree[_COMMIT_ROUND]
 
     def _take_durable_or_initial_state(self) -> None:
         """The newest durable checkpoint, if any, else the live (initial) state, as the commit."""
@@ -322,33 +327,34 @@ class State:
         self.save()
 
     def _load_durable(self) -> None:
-        if self._policy is None:
+        book = self._book
+        if book.policy is None:
             return
-        directory = self._policy.directory
+        directory = book.policy.directory
         try:
             # Checkpoints that exist but cannot be read now are retried, then fail the job
             # (exit 1: a retryable fault). Starting from the initial state instead would
             # lose them silently, and this run's writes would later bury them.
-            found = load_latest(directory, skip_unreadable=self._policy.skip_unreadable)
+            found = load_latest(directory, skip_unreadable=book.policy.skip_unreadable)
         except CheckpointsUnreadable as exc:
             raise CheckpointsUnreadable(exc.directory, exc.unreadable, advice=UNREADABLE_ADVICE) from None
         # The directory's steps above this one are an earlier run's: this run's writer keeps them.
-        object.__setattr__(self, "_resumed_from", -1 if found is None else int(found[1].get("step") or 0))
+        book.resumed_from = -1 if found is None else int(found[1].get("step") or 0)
         if found is None:
             log.info("no durable checkpoint in %s: starting from the initial state", directory)
             return
         tree, manifest = found
         self._load(tree)
         step = int(manifest.get("step") or 0)
-        object.__setattr__(self, "_commits", step)  # the manifest names the step
-        # The round of the run that wrote it, unless that is later than ours (a new job id
-        # numbers rounds afresh): no commit may claim a round after the current one.
-        object.__setattr__(self, "_commit_round", min(int(manifest.get("round") or 0), _runtime().round))
-        object.__setattr__(self, "_durable_step", step)
+        # The manifest names the step; the round is the run's that wrote it, unless that is
+        # later than ours (a new job id numbers rounds afresh): no commit may claim a round
+        # after the current one.
+        book.take(CommitId(min(int(manifest.get("round") or 0), _runtime().round), step))
+        book.durable_step = step
         log.info("resumed from durable checkpoint step %s (epoch %s) in %s", step, manifest.get("epoch"), directory)
 
     def _int_value(self, name: str) -> Optional[int]:
-        value = getattr(self, name, None) if name in self._value_names else None
+        value = getattr(self, name, None) if name in self._book.value_names else None
         return value if isinstance(value, int) else None
 
 
@@ -397,23 +403,23 @@ class TorchState(State):
             if name not in objects:
                 check_plain("TorchState", name, value)  # refused now, not at the first commit
         super().__init__(**{name: value for name, value in values.items() if name not in objects})
-        object.__setattr__(self, "_object_names", objects)
-        object.__setattr__(self, "_objects_checked", False)  # their state_dicts, at the first commit
+        self._book.object_names = objects  # their state_dicts are checked at the first commit
         for name in objects:
-            object.__setattr__(self, name, values[name])
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "optimizer", optimizer)
-        object.__setattr__(self, "sampler", sampler)
+            put(self, name, values[name])
+        put(self, "model", model)
+        put(self, "optimizer", optimizer)
+        put(self, "sampler", sampler)
 
     def state_tree(self) -> dict:
         return self._tree(None)
 
     def commit_tree(self) -> dict:
-        live = live_tree(getattr(self, "_live", None), self.model, self.optimizer)
-        object.__setattr__(self, "_live", live)
-        return self._tree(live)
+        book = self._book
+        book.live = live_tree(book.live, self.model, self.optimizer)
+        return self._tree(book.live)
 
     def _tree(self, live: Optional[LiveTree]) -> dict:
+        book = self._book
         tree = super().state_tree()
         if self.model is not None:
             tree["model"] = live.model_tree() if live is not None else self.model.state_dict()
@@ -421,12 +427,12 @@ class TorchState(State):
             tree["optimizer"] = live.optimizer_tree() if live is not None else self.optimizer.state_dict()
         if self.sampler is not None:
             tree["sampler"] = self.sampler.state_dict()
-        if self._object_names:
+        if book.object_names:
             # Checked once: later commits cost the state_dict() calls and the copies only.
-            get = (lambda name: getattr(self, name).state_dict()) if self._objects_checked \
+            get = (lambda name: getattr(self, name).state_dict()) if book.objects_checked \
                 else (lambda name: state_of("TorchState", name, getattr(self, name)))
-            tree[_OBJECTS] = {name: get(name) for name in self._object_names}
-            object.__setattr__(self, "_objects_checked", True)
+            tree[_OBJECTS] = {name: get(name) for name in book.object_names}
+            book.objects_checked = True
         return tree
 
     def load_tree(self, tree: dict) -> None:
@@ -440,8 +446,8 @@ class TorchState(State):
             self.sampler.load_state_dict(copy.deepcopy(tree["sampler"]))
         # After the optimizer: a scheduler's load leaves the optimizer's learning rate alone.
         saved = tree.get(_OBJECTS, {})
-        cuda_paths = getattr(self, "_cuda_paths", frozenset())
-        for name in self._object_names:
+        cuda_paths = self._book.cuda_paths
+        for name in self._book.object_names:
             if name not in saved:  # a durable checkpoint written before the object was added
                 log.warning("the commit holds no state for %r: it keeps its own", name)
                 continue

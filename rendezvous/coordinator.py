@@ -6,7 +6,7 @@ leads. Only the leader watches the members prefix, so a join or a loss costs
 one event, not one per member. The others watch the single election key and
 campaign again when it disappears (the leader left or its lease expired).
 
-Leading is a loop: take a snapshot of what is known, ask the pure ``decide``
+Leading is a loop: take a view of what is known, ask the pure ``decide``
 what to do, apply it. A plan is written with one transaction that checks (a) the
 plan key has not moved since we read it, (b) round n was never written, and (c)
 we still hold the election key: two writers can never both win a round. The
@@ -16,7 +16,7 @@ decision is fenced by the election key, and an ended job is never re-ended.
 Members cut off from their peers while they still reach etcd (their lease lives
 on) are planned without, from the agents' reachability reports (reachability.py):
 the leader follows the ``reach/`` prefix too and leaves the excluded members out
-of the snapshot, so ``decide`` sees their workers gone, as after a loss.
+of the view, so ``decide`` sees their workers gone, as after a loss.
 
 After a compaction (or a watch that cannot resume) the members, requests and reach
 prefixes are loaded again and the view rebuilt, and the election key is checked
@@ -47,7 +47,7 @@ from .rounds import (
     RendezvousSettings,
     ResetRequest,
     RoundPlan,
-    Snapshot,
+    CoordinatorView,
     StopJob,
     Wait,
     candidate_count,
@@ -92,7 +92,6 @@ class Coordinator:
         self._election = Election(etcd, keys.coordinator, member_id, session)
         self._thread: Optional[threading.Thread] = None
         self.leading = threading.Event()
-        self.rounds_written = 0
         # leader state, touched only under self._wake
         self._members: dict[str, Member] = {}
         self._requests: dict[str, ResetRequest] = {}
@@ -369,7 +368,7 @@ class Coordinator:
                 self._waiting.reset()
             if plan is not None and plan.round != self._plan_seen[0]:
                 self._plan_seen = (plan.round, now)
-            snapshot = Snapshot(
+            view = CoordinatorView(
                 plan=plan,
                 members=members,
                 requests=tuple(self._requests.values()),
@@ -382,7 +381,7 @@ class Coordinator:
                 leader=self._member_id,
             )
             self._dirty = False
-        decision = decide(snapshot, self._settings, now)
+        decision = decide(view, self._settings, now)
         # The rest follows the step's computing, not the etcd round trip of the notice.
         self._rest_until = time.monotonic() + STEP_REST_FACTOR * (time.monotonic() - started)
         self._publish_waiting(token, notice, now)
@@ -491,7 +490,6 @@ class Coordinator:
         if not won:
             log.warning("coordinator: lost the race for round %d", number)
             return
-        self.rounds_written += 1
         self._delete_answered_requests(number)
         log.info(
             "coordinator: round %d formed, world size %d (%s)", number, plan.world_size, decision.reason

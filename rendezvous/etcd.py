@@ -72,12 +72,6 @@ _TLS_MESSAGES = ("ssl", "handshake", "certificate", "tls")
 
 
 @dataclass(frozen=True)
-class ValueEquals:
-    key: str
-    value: bytes
-
-
-@dataclass(frozen=True)
 class CreateRevisionEquals:
     """Revision 0 means the key is absent: the basis of every "create if absent"."""
 
@@ -105,9 +99,7 @@ class Delete:
 
 def _compare_message(cmp) -> etcdrpc.Compare:
     msg = etcdrpc.Compare(key=cmp.key.encode(), result=etcdrpc.Compare.EQUAL)
-    if isinstance(cmp, ValueEquals):
-        msg.target, msg.value = etcdrpc.Compare.VALUE, cmp.value
-    elif isinstance(cmp, CreateRevisionEquals):
+    if isinstance(cmp, CreateRevisionEquals):
         msg.target, msg.create_revision = etcdrpc.Compare.CREATE, cmp.revision
     elif isinstance(cmp, ModRevisionEquals):
         msg.target, msg.mod_revision = etcdrpc.Compare.MOD, cmp.revision
@@ -412,12 +404,6 @@ class Etcd:
         response = self._call(f"delete {key}",
                               lambda ch, t, md: etcdrpc.KVStub(ch).DeleteRange(request, timeout=t, metadata=md))
         return response.deleted > 0
-
-    def delete_prefix(self, prefix: str) -> int:
-        request = etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_range_end(prefix.encode()))
-        response = self._call(f"delete prefix {prefix}",
-                              lambda ch, t, md: etcdrpc.KVStub(ch).DeleteRange(request, timeout=t, metadata=md))
-        return response.deleted
 
     def txn(self, compare: Sequence, success: Sequence, failure: Sequence = (), *,
             retry_deadline: float | None = None) -> tuple[bool, int]:

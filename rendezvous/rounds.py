@@ -1,6 +1,6 @@
 """Rounds: the plan data model and the pure decider that says when a round closes.
 
-``decide(snapshot, settings, now)`` looks at what the coordinator knows (the
+``decide(view, settings, now)`` looks at what the coordinator knows (the
 current plan, the registered members, reset requests) and returns what to do
 next. It does no I/O and reads no clock, so it is tested as tables without etcd;
 the coordinator applies its decision with a compare-and-set transaction.
@@ -204,7 +204,7 @@ class ResetRequest:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class CoordinatorView:
     """What the coordinator knows at one instant (monotonic times)."""
 
     plan: Optional[RoundPlan]
@@ -244,7 +244,7 @@ class ProbeLiveness:
     """A ring broke and no agent has explained it yet: before a round is formed, probe
     these members' agents (liveness.py) and drop the dead ones, so the round never names
     a dead agent's store or waits on its workers. The answers come back as
-    ``Snapshot.probed``."""
+    ``CoordinatorView.probed``."""
 
     members: tuple[str, ...]
 
@@ -264,23 +264,23 @@ class Fail:
 Decision = Union[Wait, FormRound, ProbeLiveness, Fail, StopJob]
 
 
-def _may_still_renew(plan: RoundPlan, snapshot: Snapshot, lost: tuple[str, ...], now: float) -> bool:
+def _may_still_renew(plan: RoundPlan, view: CoordinatorView, lost: tuple[str, ...], now: float) -> bool:
     """Are all ``lost`` workers on members whose key vanished (an expired lease, not a
     worker withdrawn by its agent), within the renewal window after an etcd outage, with
     the ring unbroken?"""
-    if snapshot.renew_until is None or now >= snapshot.renew_until:
+    if view.renew_until is None or now >= view.renew_until:
         return False
-    if any(r.round >= plan.round for r in snapshot.requests):
+    if any(r.round >= plan.round for r in view.requests):
         return False  # the ring broke: a real loss, and the survivors are waiting
-    present = {m.member_id for m in snapshot.members}
+    present = {m.member_id for m in view.members}
     owners = {s.worker_id: s.member_id for s in plan.slots}
     return all(owners[w] not in present for w in lost)
 
 
-def _with_cut(reason: str, snapshot: Snapshot, lost: tuple[str, ...]) -> str:
+def _with_cut(reason: str, view: CoordinatorView, lost: tuple[str, ...]) -> str:
     """A loss's reason, naming the members that hold ranks and were left out for being
     cut off from the ring (their workers may live on: the log must not say "died")."""
-    cut = sorted(m for m in snapshot.excluded if lost and snapshot.plan is not None and snapshot.plan.local_ranks(m))
+    cut = sorted(m for m in view.excluded if lost and view.plan is not None and view.plan.local_ranks(m))
     return f"{reason}: {', '.join(cut)} unreachable from the ring" if cut else reason
 
 
@@ -308,17 +308,17 @@ def candidate_count(members: tuple[Member, ...]) -> int:
     return len({w for m in members for w in m.workers})
 
 
-def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Decision:
-    plan = snapshot.plan
-    wanted = candidates(plan, snapshot.members)
+def decide(view: CoordinatorView, settings: RendezvousSettings, now: float) -> Decision:
+    plan = view.plan
+    wanted = candidates(plan, view.members)
     admitted = tuple(wanted[: settings.max_np])
     count = len(admitted)
 
-    if count < settings.min_np and plan is not None and not snapshot.requests:
+    if count < settings.min_np and plan is not None and not view.requests:
         # Decided here, in one place, for the whole job: several hosts told to leave at
         # once (each seeing enough workers without itself) must not drain it empty.
-        draining = {m.member_id for m in snapshot.members if m.draining}
-        offered = {w for m in snapshot.members for w in m.workers}
+        draining = {m.member_id for m in view.members if m.draining}
+        offered = {w for m in view.members for w in m.workers}
         leaving = [s for s in plan.slots if s.member_id in draining]
         crashed = [s for s in plan.slots if s.worker_id not in offered and s.member_id not in draining]
         if leaving and not crashed:
@@ -327,7 +327,7 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
             )
 
     if count < settings.min_np:
-        since = snapshot.below_min_since if snapshot.below_min_since is not None else now
+        since = view.below_min_since if view.below_min_since is not None else now
         if now - since >= settings.timeout:
             return Fail(
                 f"only {count} of min_np={settings.min_np} workers present after "
@@ -338,7 +338,7 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
     if plan is None:
         if count == settings.max_np:
             return FormRound(admitted, f"max_np={settings.max_np} workers present")
-        settle_at = snapshot.last_change + settings.settle
+        settle_at = view.last_change + settings.settle
         if now >= settle_at:
             return FormRound(admitted, f"{count} workers present, settle window over")
         return Wait(settle_at, "settling")
@@ -352,39 +352,39 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
     survivors = tuple(s for s in admitted if s.worker_id in previous)
     recovering = survivors if len(survivors) >= settings.min_np else admitted
     if gone:
-        draining = {m.member_id for m in snapshot.members if m.draining}
+        draining = {m.member_id for m in view.members if m.draining}
         lost = tuple(s.worker_id for s in plan.slots if s.worker_id in gone and s.member_id not in draining)
         left = len(gone) - len(lost)
-        settle_at = snapshot.last_change + settings.settle
+        settle_at = view.last_change + settings.settle
         if not lost and now < settle_at:
             # Only graceful leaves: the ring keeps training meanwhile, so settle to batch
             # hosts told to leave together (a scale-down signals several pods at once)
             # into one round, and one min_np decision above, instead of one per host.
             return Wait(settle_at, "settling leaves")
-        if lost and _may_still_renew(plan, snapshot, lost, now):
+        if lost and _may_still_renew(plan, view, lost, now):
             # etcd was away (frozen, restarted, cut off from us): it may have expired a
             # lease whose keep-alive had no chance to get through, of a host whose workers
             # still train. Their ring is intact (nobody asked for a reset): give the member
             # one TTL to renew and re-register rather than drop a healthy host.
-            return Wait(snapshot.renew_until, "etcd was away: members whose lease expired may still renew")
+            return Wait(view.renew_until, "etcd was away: members whose lease expired may still renew")
         # A loss is never worth waiting for: the survivors are stalled until the next round.
         reason = ", ".join(
             part for part in (f"{len(lost)} worker(s) lost" if lost else "", f"{left} left" if left else "") if part
         )
-        return FormRound(recovering, _with_cut(reason, snapshot, lost), lost, recovers=bool(lost))
+        return FormRound(recovering, _with_cut(reason, view, lost), lost, recovers=bool(lost))
 
-    requests = [r for r in snapshot.requests if r.round >= plan.round]
+    requests = [r for r in view.requests if r.round >= plan.round]
     if requests:
         known_lost = tuple(dict.fromkeys(w for r in requests for w in r.lost))
         if known_lost:
             # An agent killed these itself: nothing more to wait for.
-            return FormRound(recovering, _with_cut(f"reset requested: {requests[0].reason}", snapshot, known_lost),
+            return FormRound(recovering, _with_cut(f"reset requested: {requests[0].reason}", view, known_lost),
                              known_lost, recovers=True)
         # Give the agents a moment to report the crash behind the broken ring, so the
         # new round does not include a dead worker; then re-form with whoever is there.
         first = min(r.seen_at for r in requests)
         if now >= first + settings.reset_grace:
-            unprobed = tuple(sorted({s.member_id for s in recovering} - snapshot.probed - {snapshot.leader}))
+            unprobed = tuple(sorted({s.member_id for s in recovering} - view.probed - {view.leader}))
             if unprobed:
                 return ProbeLiveness(unprobed)
             return FormRound(recovering, f"reset requested: {requests[0].reason}", recovers=True)
@@ -394,15 +394,15 @@ def decide(snapshot: Snapshot, settings: RendezvousSettings, now: float) -> Deci
         return Wait(None, "membership unchanged")
 
     # Only additions: the running ring keeps going, so settle to batch joiners.
-    if plan.recovers and snapshot.plan_seen_at is not None and now < snapshot.plan_seen_at + settings.recovery_hold:
+    if plan.recovers and view.plan_seen_at is not None and now < view.plan_seen_at + settings.recovery_hold:
         # The survivors of a broken ring may still be forming this plan's round. A newer
         # plan now would make them abandon it for one that waits on the newcomers (a
         # replacement offered with the crash report is still importing torch: seconds
         # of stall). Once their round runs, newcomers join at a commit without a stall.
-        return Wait(snapshot.plan_seen_at + settings.recovery_hold, "letting the survivors form their round first")
+        return Wait(view.plan_seen_at + settings.recovery_hold, "letting the survivors form their round first")
     if count == settings.max_np:
         return FormRound(admitted, f"{count - len(previous)} worker(s) joined, max_np reached")
-    settle_at = snapshot.last_change + settings.settle
+    settle_at = view.last_change + settings.settle
     if now >= settle_at:
         return FormRound(admitted, f"{count - len(previous)} worker(s) joined")
     return Wait(settle_at, "settling joiners")

@@ -9,6 +9,7 @@
     faults.py           what a failure means (its kind and line), and the worker's exit record
     reset_budget.py     how many failures a job survives (worker and agent count alike)
     straggler_policy.py the straggler options, and when evicting one is allowed
+    timeouts.py         the job's timeouts together: the combinations refused or warned about
     exit_codes.py       the exit statuses of a worker and of elastic-run, and what each means
 
 Imported by both sides; imports nothing of ``elastic`` outside this room.

@@ -52,7 +52,7 @@ class PeersUnreachable(ElasticError):
 class LeftBehind(ElasticError):
     """Raised by ``state.commit()`` in a worker whose round the job left without it (a
     later plan declared it lost: its host was paused or cut off past the TTL). Its
-    ring is gone: a ring failure, after which it joins the job again (commit_fence.py)."""
+    ring is gone: a ring failure, after which it joins the job again (left_behind.py)."""
 
 
 class PeerDataInvalid(ElasticError):

@@ -21,7 +21,7 @@ What protects the directory is the plain writer's (checkpoint/durable.py): the t
 is named after rank 0's process (``.tmp-step-<n>-r<round>@<host>:<pid>``) and removed
 when a write fails, and the temporaries of writers that are gone are removed at the
 first write; ``state.pt``, the manifest and the temporary itself are fsynced before
-the rename; the fence and the directory's owner are asked right before and right after
+the rename; the publish check and the directory's owner are asked right before and right after
 it; a prune goes by name (checkpoint/retention.py), never re-reading a checkpoint, and
 never deletes or supersedes an earlier run's step above the one this run resumed from.
 Checkpoints that exist but cannot be read at a resume are retried, then fail the job
@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, FenceRefusal
+from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, PublishRefusal
 from elastic.checkpoint import manifest as mf
 from elastic.checkpoint import owner as ownership
 from elastic.checkpoint.restore import find_newest, with_retries
@@ -98,7 +98,7 @@ class ShardedCheckpoints:
     def submit(self, model, optimizer, values: dict, *, step: int, round_number: int, world: int,
                still_current: Optional[Callable[[], bool]] = None) -> None:
         """Write the live state (a commit) in the background; waits for the previous write first.
-        ``still_current``: the fence, asked by rank 0 right before and after publishing."""
+        ``still_current``: the publish check, asked by rank 0 right before and after publishing."""
         dcp, get_state_dict, _ = _dcp()
         self.flush()
         self._last_submit = time.monotonic()
@@ -178,13 +178,13 @@ class ShardedCheckpoints:
             mf.fsync_dir(temporary)  # its entries (DCP's files, state.pt, the manifest) before the rename
             refusal = self._refusal(still_current, round_number) or self._superseding(step)
             if refusal is not None:
-                raise FenceRefusal(refusal)
+                raise PublishRefusal(refusal)
             final = self._free_name(step)
             os.rename(temporary, final)
             refusal = self._refusal(still_current, round_number)  # the rename may have stalled meanwhile
             if refusal is not None:
                 os.rename(final, temporary)  # loaders ignore a .tmp- name: taken back at once
-                raise FenceRefusal(f"taken back right after publishing: {refusal}")
+                raise PublishRefusal(f"taken back right after publishing: {refusal}")
             self._published.add(os.path.basename(final))
             mf.fsync_dir(directory)
             self._prune(final)
@@ -203,9 +203,9 @@ class ShardedCheckpoints:
             return why
         try:
             return None if still_current() else f"its round {round_number} is over"
-        except FenceRefusal as exc:
+        except PublishRefusal as exc:
             return str(exc)
-        except Exception as exc:  # noqa: BLE001 - a fence that cannot be checked refuses
+        except Exception as exc:  # noqa: BLE001 - a publish check that cannot be made refuses
             return f"cannot tell whether its round {round_number} is current ({exc})"
 
     def _superseding(self, step: int) -> Optional[str]:

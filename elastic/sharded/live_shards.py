@@ -68,7 +68,7 @@ def live_shards(previous: "LiveShards | None", model: torch.nn.Module, optimizer
     return LiveShards(model, optimizer)
 
 
-def release_storage(model: torch.nn.Module, optimizer) -> int:
+def free_storage(model: torch.nn.Module, optimizer) -> int:
     """Free the memory of a model and optimizer that no ring will use again, now; returns
     the bytes freed. FSDP2's module graph holds reference cycles, so dropping the last
     reference frees nothing until a garbage collection runs, and after an aborted ring

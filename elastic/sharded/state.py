@@ -37,23 +37,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..contract.console import FILE_ONLY
 from ..contract.errors import ElasticError
-from ..state import State, checkpoint_policy
+from ..commit_book import checkpoint_policy, values_of
 from ..worker import fault_points
 from ..worker.commit_gate import Verdict, act_on
 from ..worker.lifecycle import current as _runtime
 from ..worker.sync_plan import CommitId, SyncPlan
 from . import durable, meta_wire, modules
+from .book import ShardBook
 from .mesh import device_mesh, device_type
 from .placement import replica_holders, replicas_of
+from .pieces import run_pieces
 from .reshard_plan import Piece, newest_covered, plan_reshard
-from .live_shards import live_shards, release_storage
+from .live_shards import live_shards, free_storage
 from .slots import Replication, ShardSlot, slot_for
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ _RESERVED = ("model", "optimizer", "scheduler", "sampler", "shard", "init")
 _KEEP_METAS = 4  # (commit, world) metas kept: a rollback goes back one, a re-shard adds a layout
 
 
-class ShardedState(State):
+class ShardedState:
     """An FSDP2 model (built by ``model()``), its optimizer (``optimizer(module)``), a sampler
     and plain values, committed with in-memory replicas and re-sharded onto every new ring."""
 
@@ -77,18 +79,12 @@ class ShardedState(State):
         if scheduler is not None and (not callable(scheduler) or optimizer is None):
             raise TypeError("ShardedState(scheduler=...) takes a factory of the optimizer, e.g. "
                             "lambda opt: StepLR(opt, 100), and needs optimizer=")
-        super().__init__(**values)
-        # State's rank-0 writer is not used (_policy_resolved): ShardedCheckpoints with --checkpoint-dir (durable.py).
-        for name, value in (("_policy_resolved", True), ("_durable", None), ("_durable_resolved", False),
-                            ("_model_factory", model), ("_optimizer_factory", optimizer),
-                            ("_shard", shard or modules.default_shard), ("_init", init),
-                            ("_scheduler_factory", scheduler), ("scheduler", None),
-                            ("model", None), ("optimizer", None), ("sampler", sampler),
-                            ("_own", None), ("_own_older", []), ("_legacy", []), ("_confirm_ring", False),
-                            ("_replicas", {}), ("_spares", {}), ("_metas", {}),
-                            ("_replication", None), ("_holders", ()), ("_holders_for", None), ("_live", None),
-                            ("_last_reshard_bytes", 0)):
-            object.__setattr__(self, name, value)
+        # The one private attribute: the user's names are the rest (elastic/commit_book.py).
+        self._book = ShardBook(value_names=tuple(values), model_factory=model, optimizer_factory=optimizer,
+                               shard=shard or modules.default_shard, init=init, scheduler_factory=scheduler)
+        for name, value in values.items():
+            setattr(self, name, value)
+        self.model, self.optimizer, self.scheduler, self.sampler = None, None, None, sampler
 
     # -- commit ----------------------------------------------------------------
     def commit(self) -> None:
@@ -98,18 +94,18 @@ class ShardedState(State):
         verdict = runtime.commit(lambda ticket: self._capture(runtime, ticket))
         if verdict is not Verdict.CONTINUE:
             self._finish_replication(None, raise_errors=True)
-        act_on(verdict, self._commits)
+        act_on(verdict, self._book.count)
 
     def _capture(self, runtime, ticket) -> int:
+        book = self._book
         self._await_copies()
-        object.__setattr__(self, "_commits", self._commits + 1)
-        object.__setattr__(self, "_commit_round", ticket.round)
+        book.next_commit(ticket.round)
         self._snapshot_and_replicate(runtime, wait=False)
-        if self._commits >= 5:
+        if book.count >= 5:
             fault_points.sharded("replicating", runtime.rank)
-        if self._durable is not None and self._durable.due(self._commits):
+        if book.durable is not None and book.durable.due(book.count):
             self._write_durable(runtime)
-        return self._commits
+        return book.count
 
     def save(self) -> None:
         self._snapshot_and_replicate(_runtime(), wait=True)
@@ -117,27 +113,28 @@ class ShardedState(State):
     def restore(self) -> None:
         """After a failure: nothing to do until the new ring exists (``sync`` rebuilds the
         model from the commit); the live model belongs to the broken ring's mesh."""
-        self._release_model()
+        self._free_model()
 
-    def _release_model(self) -> None:
-        """The live model and optimizer go, with their memory (``release_storage``)."""
+    def _free_model(self) -> None:
+        """The live model and optimizer go, with their memory (``free_storage``)."""
         if self.model is not None:
-            release_storage(self.model, self.optimizer)
-        for name in ("model", "optimizer", "scheduler", "_live"):
-            object.__setattr__(self, name, None)
+            free_storage(self.model, self.optimizer)
+        self.model, self.optimizer, self.scheduler = None, None, None
+        self._book.live = None
         for slot in self._held_slots():
             slot.forget_sources()
 
     @property
     def commit_id(self) -> Optional[CommitId]:
-        return self._own.commit if self._own is not None else None
+        return self._book.own.commit if self._book.own is not None else None
 
     def _snapshot_and_replicate(self, runtime, wait: bool) -> None:
-        commit = CommitId(self._commit_round, self._commits)
-        live = live_shards(self._live, self.model, self.optimizer)
-        object.__setattr__(self, "_live", live)
+        book = self._book
+        commit = CommitId(book.round, book.count)
+        live = live_shards(book.live, self.model, self.optimizer)
+        book.live = live
         meta = modules.describe(commit, runtime.world_size, self.model, self.optimizer, live.tensors,
-                                {name: getattr(self, name) for name in self._value_names}, self.sampler,
+                                values_of(self, book), self.sampler,
                                 layout=live.layout, names=live.names)
         meta.scheduler = modules.scheduler_state(self.scheduler)
         # Own copies rotate through three slots: this commit, the last and the one before.
@@ -146,28 +143,28 @@ class ShardedState(State):
         # copies of the one before, so that one is complete everywhere. Overwriting it any
         # earlier could catch the ring, should a rank whose copy is still in flight die,
         # with neither of the two newest commits covered.
-        older = self._own_older
+        older = book.own_older
         own = slot_for(older.pop(0) if len(older) == 2 else None, live.layout, runtime.world_size, runtime.rank)
         own.copy_from(live)
         own.commit = commit
-        if self._own is not None:
-            older.append(self._own)
-        object.__setattr__(self, "_own", own)
-        self._metas[(commit, runtime.world_size)] = meta  # one commit, two layouts while a re-shard settles
-        for old in sorted(self._metas)[:-_KEEP_METAS]:
-            del self._metas[old]
+        if book.own is not None:
+            older.append(book.own)
+        book.own = own
+        book.metas[(commit, runtime.world_size)] = meta  # one commit, two layouts while a re-shard settles
+        for old in sorted(book.metas)[:-_KEEP_METAS]:
+            del book.metas[old]
         if runtime.world_size == 1:
             return
         holders = self._placement(runtime)
         receive = {}
         for owner in replicas_of(holders, runtime.rank):
-            receive[owner] = slot_for(self._spares.get(owner), live.layout, runtime.world_size, owner)
-            self._spares[owner] = receive[owner]
+            receive[owner] = slot_for(book.spares.get(owner), live.layout, runtime.world_size, owner)
+            book.spares[owner] = receive[owner]
         board = runtime.progress_board
         if board is not None:  # the agent's replica lag metric (agent/metrics.py)
             board.replica_posted(time.monotonic())
         done = (lambda: board.replica_done(time.monotonic())) if board is not None else None
-        object.__setattr__(self, "_replication", Replication(commit, own, holders[runtime.rank], receive, done))
+        book.replication = Replication(commit, own, holders[runtime.rank], receive, done)
         if wait:
             self._finish_replication(None, raise_errors=True)
 
@@ -175,43 +172,46 @@ class ShardedState(State):
         """Wait for this rank's copies of the last commit, sent and received. The first commit
         after a re-shard also says, in one small all-reduce, that every rank's are in: the
         old ring's copies of the commit (legacy) can go, the new ring's layout covers it."""
+        book = self._book
         self._finish_replication(None, raise_errors=True)
-        if self._confirm_ring:
+        if book.confirm_ring:
             # A host tensor: with cpu:gloo,cuda:nccl it travels over gloo, never a device sync.
             dist.all_reduce(torch.zeros(1))
-            object.__setattr__(self, "_legacy", [])
-            object.__setattr__(self, "_confirm_ring", False)
+            book.legacy = []
+            book.confirm_ring = False
 
     def _finish_replication(self, timeout: Optional[float], raise_errors: bool = False) -> None:
         """Wait for the copies in flight; each one that arrived whole becomes the replica
         (its buffers swap with the older copy's, which the next copy arrives in)."""
-        replication = self._replication
+        book = self._book
+        replication = book.replication
         if replication is None:
             return
         complete = replication.finish(timeout)
         for owner in replication.received:
-            arrived = self._spares.pop(owner)
-            older = self._replicas.get(owner)
-            self._replicas[owner] = arrived
+            arrived = book.spares.pop(owner)
+            older = book.replicas.get(owner)
+            book.replicas[owner] = arrived
             if older is not None:
-                self._spares[owner] = older
+                book.spares[owner] = older
         if not complete and timeout is not None:
             # A receive still pending on a broken ring may yet write into its buffer: never reuse it.
             for owner in set(replication.receive) - replication.received:
-                self._spares.pop(owner, None)
-        object.__setattr__(self, "_replication", None)
+                book.spares.pop(owner, None)
+        book.replication = None
         if raise_errors and replication.errors:
             raise replication.errors[0]
 
     def _placement(self, runtime) -> tuple[tuple[int, ...], ...]:
         """Who keeps copies of whose shards in this ring (the same for every commit of it)."""
+        book = self._book
         plan, count = runtime.plan, self._replica_count(runtime)
-        cached = self._holders_for
+        cached = book.holders_for
         if cached is None or cached[0] is not plan or cached[1] != count:
             members = [slot.member_id for slot in plan.slots]
-            object.__setattr__(self, "_holders", replica_holders(members, count))
-            object.__setattr__(self, "_holders_for", (plan, count))
-        return self._holders
+            book.holders = replica_holders(members, count)
+            book.holders_for = (plan, count)
+        return book.holders
 
     def _replica_count(self, runtime) -> int:
         config = runtime.config
@@ -221,6 +221,7 @@ class ShardedState(State):
     def sync(self) -> SyncPlan:
         """Make every rank of the new ring hold its shards of the newest commit every shard of
         which survived; returns who held and who received."""
+        book = self._book
         runtime = _runtime()
         started = time.monotonic()
         if not dist.is_initialized():
@@ -239,7 +240,7 @@ class ShardedState(State):
         # has replicated the commit in its layout (a loss during this re-shard finds them).
         slots = [s for s in slots if chosen is not None and (s.commit, s.world) == chosen]
         self._hold_only(slots)
-        self._release_model()  # a planned switch's: the new one is built from the copies
+        self._free_model()  # a planned switch's: the new one is built from the copies
         if newest is None:
             found = meta_wire.broadcast_found(durable.newest_for_resume(checkpoints.policy)
                                               if checkpoints is not None and rank == 0 else None, rank, runtime.backend)
@@ -260,14 +261,14 @@ class ShardedState(State):
         sources: dict[int, ShardSlot] = {}
         if first_start:
             newest, meta = CommitId(0, 0), None
-            if self._init is None and rank == 0:
+            if book.init is None and rank == 0:
                 meta, sources[0] = self._whole_model_on_rank0(newest)
             holders = {0: [0]}
             meta = meta_wire.broadcast_meta(meta, 0, rank, runtime.round, runtime.backend)
         else:
             wanted = (newest.round, newest.count, chosen[1])
             source_rank = min(r for r, rep in enumerate(reports) if wanted in rep[1])
-            meta = meta_wire.broadcast_meta(self._metas.get(chosen) if rank == source_rank else None, source_rank,
+            meta = meta_wire.broadcast_meta(book.metas.get(chosen) if rank == source_rank else None, source_rank,
                                             rank, runtime.round, runtime.backend)
             holders: dict[int, list[int]] = {}
             for r, pairs in held.items():
@@ -276,34 +277,33 @@ class ShardedState(State):
                         holders.setdefault(shard, []).append(r)
             sources = {s.shard: s for s in slots if (s.commit, s.world) == chosen}
         model = self._build(runtime, mesh)
-        if first_start and self._init is not None:
-            self._init(model)
+        if first_start and book.init is not None:
+            book.init(model)
             pieces: list[Piece] = []
         else:
             pieces = plan_reshard(meta.layout, meta.world, holders, world)
-        optimizer = self._optimizer_factory(model) if self._optimizer_factory is not None else None
-        scheduler = self._scheduler_factory(optimizer) if self._scheduler_factory is not None else None
+        optimizer = book.optimizer_factory(model) if book.optimizer_factory is not None else None
+        scheduler = book.scheduler_factory(optimizer) if book.scheduler_factory is not None else None
         states = modules.empty_optimizer_state(model, meta) if not first_start else {}
         targets = {f"model.{fqn}": p for fqn, p in model.named_parameters()}
         targets.update(states)
-        moved = _run_pieces(pieces, rank, sources, {k: modules.local(t) for k, t in targets.items()},
+        moved = run_pieces(pieces, rank, sources, {k: modules.local(t) for k, t in targets.items()},
                             lambda: runtime.round > 1 and fault_points.sharded("resharding", runtime.rank))
         self._load_meta(model, optimizer, meta, states, first_start)
         modules.load_scheduler(scheduler, meta.scheduler if meta is not None else None)
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "optimizer", optimizer)
-        object.__setattr__(self, "scheduler", scheduler)
-        object.__setattr__(self, "_last_reshard_bytes", moved)
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        book.last_reshard_bytes = moved
         # The commit again, in the new ring's layout. Its copies travel while the first step
         # trains, as any commit's: until they are in everywhere (the next commit waits for
         # that) the old ring's copies of it stay as legacy, so a loss meanwhile finds them.
         # At the first start there is nothing older to fall back on: the copies are awaited.
         del slots, sources
-        object.__setattr__(self, "_commits", newest.count)
-        object.__setattr__(self, "_commit_round", newest.round)
+        book.take(newest)
         self._snapshot_and_replicate(runtime, wait=first_start)
-        object.__setattr__(self, "_confirm_ring", not first_start)  # every rank alike: a collective follows
-        object.__setattr__(self, "_synced", True)
+        book.confirm_ring = not first_start  # every rank alike: a collective follows
+        book.synced = True
         seconds = time.monotonic() - started
         if meta is None:  # a first start with init=: no commit to re-shard, each rank initialised its own
             log.info("round %d: initialised the shards with init= (world %d) in %.3fs", runtime.round, world, seconds)
@@ -322,12 +322,12 @@ class ShardedState(State):
         the dead rank never made, and waiting for them would only stall the re-shard."""
         for attempt in (0, 1):
             slots = self._held_slots()
-            replication = self._replication
+            replication = self._book.replication
             pending = [(replication.commit.round, replication.commit.count, slot.world, owner)
                        for owner, slot in replication.receive.items() if owner not in replication.received
                        ] if replication is not None else []
             report = ([(s.commit.round, s.commit.count, s.world, s.shard) for s in slots],
-                      [(c.round, c.count, w) for c, w in self._metas], pending)
+                      [(c.round, c.count, w) for c, w in self._book.metas], pending)
             reports = meta_wire.gather_reports(report, runtime.world_size, runtime.round, runtime.backend)
             held = {r: [((CommitId(a, b), w), s) for a, b, w, s in rep[0]] for r, rep in enumerate(reports)}
             worlds = {(CommitId(a, b), w): w for rep in reports for a, b, w, _ in rep[0]}
@@ -341,92 +341,98 @@ class ShardedState(State):
 
     def _resume_from_disk(self, runtime, mesh, group, found, started: float) -> SyncPlan:
         """Every rank loads its new shards of a durable checkpoint (any world size reads it)."""
+        book = self._book
         path, manifest = found
         model = self._build(runtime, mesh)
-        optimizer = self._optimizer_factory(model)
-        scheduler = self._scheduler_factory(optimizer) if self._scheduler_factory is not None else None
+        optimizer = book.optimizer_factory(model)
+        scheduler = book.scheduler_factory(optimizer) if book.scheduler_factory is not None else None
         saved = durable.load_into(path, model, optimizer, group)
         modules.load_scheduler(scheduler, saved.get("scheduler"))
-        object.__setattr__(self, "scheduler", scheduler)
+        self.scheduler = scheduler
         for name, value in saved["values"].items():
-            object.__setattr__(self, name, value)
+            setattr(self, name, value)
         if self.sampler is not None and saved.get("sampler") is not None:
             self.sampler.load_state_dict(saved["sampler"])
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "optimizer", optimizer)
+        self.model = model
+        self.optimizer = optimizer
         self._hold_only([])
-        object.__setattr__(self, "_commits", int(saved["commits"]))
-        object.__setattr__(self, "_commit_round", runtime.round)  # newer than any commit a survivor may hold
+        book.count = int(saved["commits"])
+        book.round = runtime.round  # newer than any commit a survivor may hold
         self._snapshot_and_replicate(runtime, wait=True)
-        object.__setattr__(self, "_synced", True)
+        book.synced = True
         seconds = time.monotonic() - started
         log.info("round %d: resumed from durable checkpoint step %s (world %s -> %d) in %.3fs", runtime.round,
                  manifest["step"], manifest.get("world_size"), runtime.world_size, seconds)
-        self._report_reshard(runtime, "disk", self._commits, manifest.get("world_size"), 0, seconds)
+        self._report_reshard(runtime, "disk", book.count, manifest.get("world_size"), 0, seconds)
         return SyncPlan(self.commit_id, (), tuple(range(runtime.world_size)), ())
 
     def _hold_only(self, slots: list[ShardSlot]) -> None:
         """Keep ``slots`` (as legacy, until the next commit is replicated) and nothing else."""
-        object.__setattr__(self, "_own", None)
-        object.__setattr__(self, "_own_older", [])
-        object.__setattr__(self, "_confirm_ring", False)
-        self._replicas.clear()
-        self._spares.clear()
-        object.__setattr__(self, "_legacy", list(slots))
+        book = self._book
+        book.own = None
+        book.own_older = []
+        book.confirm_ring = False
+        book.replicas.clear()
+        book.spares.clear()
+        book.legacy = list(slots)
 
     def _report_reshard(self, runtime, source: str, commit: int, from_world, received: int, seconds: float) -> None:
         """One ``resharded`` event per worker and re-shard, for the agent's metrics: what it
         received, and what keeping the new ring covered costs it per commit."""
-        sends_to = self._holders[runtime.rank] if runtime.world_size > 1 and self._holders else ()
+        book = self._book
+        sends_to = book.holders[runtime.rank] if runtime.world_size > 1 and book.holders else ()
         worker = runtime.config.worker_id if runtime.config is not None else "local"
-        shard_bytes = self._own.nbytes if self._own is not None else 0
+        shard_bytes = book.own.nbytes if book.own is not None else 0
         runtime.events.emit("resharded", console=False, worker=worker, source=source, commit=commit,
                             from_world=from_world, to_world=runtime.world_size, received_bytes=received,
                             seconds=round(seconds, 4), shard_bytes=shard_bytes,
                             replica_bytes_per_commit=shard_bytes * len(sends_to),
                             # per owner its replica, or the slot its copy is arriving in
-                            replicas_held_bytes=sum(s.nbytes for s in {**self._replicas, **self._spares}.values()))
+                            replicas_held_bytes=sum(s.nbytes for s in {**book.replicas, **book.spares}.values()))
 
     # -- durable checkpoints ----------------------------------------------------------
     def _checkpoints(self, runtime) -> Optional[durable.ShardedCheckpoints]:
-        if not self._durable_resolved:
-            object.__setattr__(self, "_durable_resolved", True)
+        book = self._book
+        if not book.durable_resolved:
+            book.durable_resolved = True
             policy = checkpoint_policy(runtime.config)
             if policy is not None:
-                if self._optimizer_factory is None:
+                if book.optimizer_factory is None:
                     raise ElasticError("ShardedState writes durable checkpoints of a model and its optimizer: "
                                        "give optimizer=")
-                object.__setattr__(self, "_durable", durable.ShardedCheckpoints(policy))
-        return self._durable
+                book.durable = durable.ShardedCheckpoints(policy)
+        return book.durable
 
     def _write_durable(self, runtime) -> None:
-        values = {"values": {name: getattr(self, name) for name in self._value_names},
+        book = self._book
+        values = {"values": values_of(self, book),
                   "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-                  "scheduler": modules.scheduler_state(self.scheduler), "commits": self._commits}
-        self._durable.submit(self.model, self.optimizer, values, step=self._commits,
+                  "scheduler": modules.scheduler_state(self.scheduler), "commits": book.count}
+        book.durable.submit(self.model, self.optimizer, values, step=book.count,
                              round_number=runtime.round, world=runtime.world_size,
-                             still_current=runtime.durable_fence())
-        object.__setattr__(self, "_durable_step", self._commits)
+                             still_current=runtime.publish_check())
+        book.durable_step = book.count
 
     def _build(self, runtime, mesh):
         device = torch.device(device_type(runtime.backend))
-        return modules.build_sharded(self._model_factory, self._shard, mesh, device)
+        return modules.build_sharded(self._book.model_factory, self._book.shard, mesh, device)
 
     def _held_slots(self) -> list[ShardSlot]:
-        slots = [s for s in (self._own, *self._own_older) if s is not None and s.commit is not None]
-        slots += [s for s in self._replicas.values() if s.commit is not None]
+        book = self._book
+        slots = [s for s in (book.own, *book.own_older) if s is not None and s.commit is not None]
+        slots += [s for s in book.replicas.values() if s.commit is not None]
         # A spare with a commit is the replica an arrival just displaced, intact until the next
         # commit receives into it. It counts: a newer copy of one owner's shard does not make
         # the ring able to go on from the newer commit if another owner's never arrived.
-        slots += [s for s in self._spares.values() if s.commit is not None]
-        return slots + list(self._legacy)
+        slots += [s for s in book.spares.values() if s.commit is not None]
+        return slots + list(book.legacy)
 
     def _whole_model_on_rank0(self, commit: CommitId):
         """Rank 0's ``model()``, built whole, as shard 0 of a commit of a world of one."""
-        whole = self._model_factory()
+        whole = self._book.model_factory()
         tensors = {f"model.{fqn}": p for fqn, p in whole.named_parameters()}
         meta = modules.describe(commit, 1, whole, None, tensors,
-                                {name: getattr(self, name) for name in self._value_names}, self.sampler)
+                                values_of(self, self._book), self.sampler)
         slot = ShardSlot(meta.layout, 1, 0)
         with torch.no_grad():
             for key, tensor in tensors.items():
@@ -444,58 +450,29 @@ class ShardedState(State):
         if optimizer is not None and not first_start:
             modules.load_optimizer(optimizer, model, meta, states)
         for name, value in meta.values.items():
-            object.__setattr__(self, name, value)
+            setattr(self, name, value)
         if self.sampler is not None and meta.sampler is not None:
             self.sampler.load_state_dict(meta.sampler)
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Call these after every re-formation, on every worker of the new ring, once the
+        state is re-sharded; not when the job starts."""
+        self._book.add_reset_callbacks(callbacks)
 
     def on_reset(self) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_rank"):
             runtime = _runtime()
             self.sampler.set_rank(runtime.rank, runtime.world_size)
-        super().on_reset()
+        self._book.run_reset_callbacks()
 
     def flush_checkpoints(self, final: bool = False) -> None:
         """Every rank: wait for the copies and the write in flight; with ``final``, make the
         last commit durable (the live state is the last commit at the end of training)."""
+        book = self._book
         self._finish_replication(None)
-        if self._durable is None:
+        if book.durable is None:
             return
-        self._durable.flush()
-        if final and self._durable_step != self._commits and self.model is not None:
+        book.durable.flush()
+        if final and book.durable_step != book.count and self.model is not None:
             self._write_durable(_runtime())
-            self._durable.flush()
-
-
-def _run_pieces(pieces: list[Piece], rank: int, sources: dict[int, ShardSlot], targets: dict[str, torch.Tensor],
-                posted: Callable[[], object] = lambda: None) -> int:
-    """Move this rank's pieces: local copies, then every send and receive posted at once.
-    Tags count per (holder, receiver) pair in the plan's order, the same on both ends.
-    Slots live in host memory and travel over the CPU backend: a piece for a GPU shard
-    lands in a host buffer first and is copied to the device once everything arrived."""
-    works, moved, counts, to_device = [], 0, {}, []
-    with torch.no_grad():
-        for piece in pieces:
-            if rank not in (piece.holder, piece.receiver):
-                continue
-            pair = (piece.holder, piece.receiver)
-            counts[pair] = tag = counts.get(pair, -1) + 1
-            if piece.holder == rank:
-                source = sources[piece.shard].view(piece.key).narrow(0, piece.src_start, piece.length)
-            if piece.receiver == rank:
-                target = targets[piece.key].view(-1).narrow(0, piece.dst_start, piece.length)
-            if piece.holder == piece.receiver:
-                target.copy_(source)
-            elif piece.holder == rank:
-                works.append(dist.isend(source, dst=piece.receiver, tag=tag))
-            else:
-                if target.device.type != "cpu":
-                    to_device.append((target, torch.empty(piece.length, dtype=target.dtype)))
-                    target = to_device[-1][1]
-                works.append(dist.irecv(target, src=piece.holder, tag=tag))
-                moved += target.numel() * target.element_size()
-        posted()
-        for work in works:
-            work.wait()
-        for target, staged in to_device:
-            target.copy_(staged)
-    return moved
+            book.durable.flush()

@@ -15,7 +15,7 @@ one) or else at the first worker's detection, and ends when the last worker has
 synced. Phases, drawn in this order:
 
     detect      the failure until the first survivor noticed it
-    abort       leaving the old ring and rolling back (release_s and the rest)
+    abort       leaving the old ring and rolling back (drop_s and the rest)
     rendezvous  waiting for the next round's plan
     pg init     every worker arriving at the round's store, the process group
     sync        rank 0's committed state to everyone

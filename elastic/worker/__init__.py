@@ -2,7 +2,7 @@
 
 Rounds and process groups (``runtime.py``), the recovery path (``recovery.py``, read it
 first), ring abort, the state sync (``sync_plan.py`` decides, ``state_transfer.py``
-moves), the commit and durable fences, reset budgets and nudges, switch points,
+moves), the left-behind and publish checks, reset budgets and nudges, switch points,
 joiners, the round's store, stragglers, step records and test fault points; what a
 failure means (``failures.py``), why a joiner's collectives before ``@elastic.run`` cannot
 run (``pre_train.py``) and how the worker tells its agent it ended (``exit_record.py``).

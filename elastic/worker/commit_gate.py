@@ -3,8 +3,8 @@
 ``state.commit()`` makes one call, ``Runtime.commit(capture)``, and gets a ``Verdict``.
 The gate runs the steps in this order, and a reader finds each one here:
 
-1. **fence**: a worker the job left behind (its host paused or cut off past the TTL)
-   makes no commit in a round that is over (``commit_fence.py``);
+1. **left behind?**: a worker the job left behind (its host paused or cut off past the TTL)
+   makes no commit in a round that is over (``left_behind.py``);
 2. **ring check**: a step made on a broken ring is no commit (``ring_abort.check_ring``);
    both raise before the snapshot is overwritten, so the previous commit stays intact;
 3. **capture**: the state copies itself (``capture(ticket)``, the state's own code);
@@ -56,7 +56,7 @@ class Ticket:
     round: int
     rank: int
     world_size: int
-    durable_fence: Callable[[], Optional[Callable[[], bool]]]  # rank 0's checkpoint writer asks it
+    publish_check: Callable[[], Optional[Callable[[], bool]]]  # rank 0's checkpoint writer asks it
 
 
 def decide_switch(*, stopping: bool, pending: bool, joiners_ready: Callable[[], bool], commits: int,
@@ -74,7 +74,7 @@ def decide_switch(*, stopping: bool, pending: bool, joiners_ready: Callable[[], 
 
 
 def commit_alone(capture: Callable[[Ticket], object], round_number: int = 0) -> Verdict:
-    """A commit in a world of one without elastic-run: nothing to fence or to agree on."""
+    """A commit in a world of one without elastic-run: nothing to check or to agree on."""
     capture(Ticket(round_number, 0, 1, lambda: None))
     return Verdict.CONTINUE
 
@@ -86,7 +86,7 @@ class CommitGate:
         self.steps = steps  # step_log.StepLog
         self._check_ring = check_ring
         self.control = None  # the job's control channel (plan, status)
-        self.commit_fence = None  # commit_fence.CommitFence
+        self.left_behind = None  # left_behind.LeftBehindCheck
         self.progress = None  # contract/progress.Progress: the hang watchdog's marks
         self.stragglers = None  # stragglers.StragglerWatch: the pace exchange
         self._device_watch = None  # GPU workers: the step's device work (device_watch.py)
@@ -109,8 +109,8 @@ class CommitGate:
         """The training function is (re-)entered on the current ring."""
         self.commits = 0
         self.steps.begin()
-        if self.commit_fence is not None:
-            self.commit_fence.reset()  # in step with the ring: a long re-formation is no gap
+        if self.left_behind is not None:
+            self.left_behind.reset()  # in step with the ring: a long re-formation is no gap
         if self.progress is not None:
             self.progress.mark(interval=False)  # the re-formation is no step interval
         if self.stragglers is not None:
@@ -120,8 +120,8 @@ class CommitGate:
     def at_commit(self, capture: Callable[[Ticket], Optional[int]], ticket: Ticket, plan) -> Verdict:
         """Run a commit's steps in order (module docstring); ``capture`` returns the job's
         commit count (for the timeline) and raises nothing the ring must know of."""
-        if self.commit_fence is not None:  # 1. left behind?
-            self.commit_fence.check(ticket.round, self.control.plan)
+        if self.left_behind is not None:  # 1. left behind?
+            self.left_behind.check(ticket.round, self.control.plan)
         if self.progress is not None:  # GPU workers: the step's device work, before the ring check's sync
             self._device_watch = device_watch.commit_mark(self._device_watch, self.progress.board)
         self._check_ring()  # 2. broken ring?

@@ -158,7 +158,7 @@ def _resume(func, state, args, kwargs, runtime, finished_reform):
             world_size=runtime.world_size,
             failed=outcome.failed,
             reason=outcome.reason,
-            detect_s=round(times.release_s, 4),
+            detect_s=round(times.drop_s, 4),
             rendezvous_s=round(times.rendezvous_s, 4),
             pg_init_s=round(times.pg_init_s, 4),
             sync_s=round(done - started_sync, 4),

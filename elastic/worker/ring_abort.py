@@ -203,7 +203,7 @@ class RingHandle:
         self._before = before
         self._port = port
         self._other_backend = other_backend
-        self._watched = other_backend  # asked for its error state (NCCL) until release
+        self._watched = other_backend  # asked for its error state (NCCL) until forgotten
         self._uses_backend_abort = other_backend is not None
         self._deadline_s = deadline_s
         self._on_overrun = on_overrun
@@ -211,7 +211,7 @@ class RingHandle:
         self._lock = threading.Lock()
         self._aborted = False
         self._left_by_plan = False  # aborted by a planned leave (no connection shut), not a failure
-        self._released = False
+        self._forgotten = False
 
     @property
     def backend_abort(self) -> bool:
@@ -247,7 +247,7 @@ class RingHandle:
         backend = self._watched
         get_error = getattr(backend, "get_error", None)
         if get_error is None:
-            return None  # gloo (torch 2.13's ProcessGroupGloo has none), or released
+            return None  # gloo (torch 2.13's ProcessGroupGloo has none), or forgotten
         try:
             kind = get_error()
         except RuntimeError as exc:  # a backend torn down under us: an error too
@@ -263,7 +263,7 @@ class RingHandle:
         no connection shut (a planned leave, whose peers leave at the same commit).
         """
         with self._lock:
-            if self._aborted or self._released:
+            if self._aborted or self._forgotten:
                 return
             self._aborted = True
             self._left_by_plan = not sockets
@@ -284,10 +284,10 @@ class RingHandle:
         done = self._abort_done
         return done is None or done.wait(self._deadline_s)
 
-    def release(self) -> None:
+    def forget(self) -> None:
         """Forget the group (call before destroying it); abort() becomes a no-op."""
         with self._lock:
-            self._released = True
+            self._forgotten = True
             self._other_backend = None
             self._watched = None
 
@@ -307,7 +307,7 @@ def leave_ring(ring: Optional[RingHandle], *, failed: bool, round_number: int) -
         ring.abort(sockets=failed)  # a no-op if the control thread did it already
         ring.wait_aborted()  # bounded: past its deadline the worker exits (nccl_abort.py)
     if ring is not None:
-        ring.release()
+        ring.forget()
     if dist.is_initialized() and not backend_abort:
         try:
             dist.destroy_process_group()

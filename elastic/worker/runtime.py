@@ -5,7 +5,7 @@ round it builds a fresh process group on a fresh store namespace
 (``/round/<n>/`` of the TCPStore that rank 0's agent serves); re-using a
 namespace hangs. Moving to the next round happens in one of two ways:
 
-* the ring broke (a collective raised): ``reform(failed=True)`` releases the old
+* the ring broke (a collective raised): ``reform(failed=True)`` drops the old
   group, asks the coordinator for a new round, waits for it and joins it;
 * a newer plan exists while the ring still works (a host joined or is leaving):
   rank 0 posts, in the round's store, the commit at which everybody switches;
@@ -32,11 +32,11 @@ from elastic.rendezvous.errors import RendezvousTimeoutError
 from elastic.rendezvous.job_secret import read_private_file
 from elastic.rendezvous.member_sync import follow_members
 
-from .commit_fence import CommitFence
+from .left_behind import LeftBehindCheck
 from .commit_gate import CommitGate, Ticket, Verdict
 from ..contract.console import FILE_ONLY
 from ..contract.devices import uses_nccl
-from .durable_fence import fence as checkpoint_fence
+from . import publish_check
 from .reset_nudge import ResetNudge
 from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.faults import NETWORK
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReformTimes:
-    release_s: float  # destroy the old group, free its sockets
+    drop_s: float  # destroy the old group, free its sockets
     rendezvous_s: float  # wait for the next plan
     pg_init_s: float  # arrival barrier + process group
 
@@ -131,7 +131,7 @@ class Runtime:
         ))
         self._control = ControlChannel(self._etcd, JobKeys(cfg.job_id)).start()
         gate.control = self._control
-        gate.commit_fence = CommitFence(self._etcd, JobKeys(cfg.job_id), cfg.worker_id, cfg.rdzv_ttl)
+        gate.left_behind = LeftBehindCheck(self._etcd, JobKeys(cfg.job_id), cfg.worker_id, cfg.rdzv_ttl)
         self._control.add_listener(self._on_control)
         # The device slot its agent gave this process (device_slots.py): LOCAL_RANK and the
         # CUDA device for its whole life, set once, before any process group exists.
@@ -171,9 +171,9 @@ class Runtime:
 
     # -- a commit (commit_gate.py) -----------------------------------------------
     def commit(self, capture) -> Verdict:
-        """A state's commit, the one call it makes: fence, ring check, ``capture(ticket)``,
+        """A state's commit, the one call it makes: left behind?, ring check, ``capture(ticket)``,
         step log, pace exchange and the switch decision, in that order (commit_gate.py)."""
-        ticket = Ticket(self.round, self.rank, self.world_size, self.durable_fence)
+        ticket = Ticket(self.round, self.rank, self.world_size, self.publish_check)
         verdict = self.gate.at_commit(capture, ticket, self.plan)
         if verdict is not Verdict.CONTINUE:
             device_commit.before_planned_leave(self)  # overlapped commits: the step's kernels end first
@@ -222,7 +222,7 @@ class Runtime:
         # would re-use its store namespace, which hangs.
         old_round = max(self.round, self._tried_round)
         # A planned switch leaves together: nobody is blocked, no garbage to chase.
-        self.release_group(collect=failed, failed=failed)
+        self.drop_ring(collect=failed, failed=failed)
         t1 = time.monotonic()
         nudge = None
         if failed:
@@ -263,7 +263,7 @@ class Runtime:
     def abort_device_ring(self) -> None:
         """After a failure, before the device check: abort the ring's NCCL part (a no-op if
         the control thread did), so that none of its kernels is left for the check to
-        wait on (gpu review G1). The ring is released later, by ``reform``."""
+        wait on (gpu review G1). The ring is dropped later, by ``reform``."""
         with self._backend_lock:
             ring = self._ring
         if ring is not None and ring.backend_abort:
@@ -277,7 +277,7 @@ class Runtime:
         if ring is not None:
             ring.abort()
 
-    def release_group(self, collect: bool = True, failed: bool = False) -> None:
+    def drop_ring(self, collect: bool = True, failed: bool = False) -> None:
         """Leave the current ring. An NCCL ring is aborted, never destroyed, at a planned
         switch too: ``destroy_process_group`` finalizes its communicators, which waits for
         pending work and can block on a dead peer (gpu review F5, G8; ring_abort.leave_ring)."""
@@ -429,25 +429,25 @@ class Runtime:
         )
 
     # -- fencing durable writes ---------------------------------------------------
-    def durable_fence(self):
+    def publish_check(self):
         """A check for the checkpoint writer, asked right before it publishes a write
         of the current round: has this worker been in every round since (read afresh
         from etcd)? A host cut off and healed must never publish what it wrote before
-        the job moved on without it (elastic/worker/durable_fence.py says why being in the
+        the job moved on without it (elastic/worker/publish_check.py says why being in the
         newest plan is not enough)."""
         if self.config is None:
             return None
-        return checkpoint_fence(self._etcd, JobKeys(self.config.job_id), self.config.worker_id, self.round)
+        return publish_check.make(self._etcd, JobKeys(self.config.job_id), self.config.worker_id, self.round)
 
     # -- end --------------------------------------------------------------------
     def shutdown(self) -> None:
         self.steps.close()
-        self.release_group()
+        self.drop_ring()
         if self._control is not None:
             self._control.close()
         gate = self.gate
-        if gate.commit_fence is not None:
-            gate.commit_fence.close()
+        if gate.left_behind is not None:
+            gate.left_behind.close()
         if self._etcd is not None:
             self._etcd.close()
         gate.close()

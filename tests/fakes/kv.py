@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from elastic.rendezvous.errors import LeaseLostError, RendezvousError
-from elastic.rendezvous.etcd import CreateRevisionEquals, Delete, ModRevisionEquals, Put, ValueEquals
+from elastic.rendezvous.etcd import CreateRevisionEquals, Delete, ModRevisionEquals, Put
 from elastic.rendezvous.kv import KeyValue
 
 
@@ -90,8 +90,6 @@ class MemoryKv:
 
     def _holds(self, cmp) -> bool:
         kv = self._data.get(cmp.key)
-        if isinstance(cmp, ValueEquals):
-            return kv is not None and kv.value == cmp.value
         if isinstance(cmp, CreateRevisionEquals):
             return (0 if kv is None else kv.create_revision) == cmp.revision
         if isinstance(cmp, ModRevisionEquals):

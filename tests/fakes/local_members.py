@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from elastic.rendezvous import Etcd, JobKeys, Member, Participant, RendezvousSettings, RoundPlan
+from elastic.rendezvous.etcd import Put
 
 
 def worker(member_id: str, index: int = 0) -> str:
@@ -17,6 +18,22 @@ def worker(member_id: str, index: int = 0) -> str:
 def rounds_in_etcd(etcd: Etcd, keys: JobKeys) -> dict[int, RoundPlan]:
     kvs, _ = etcd.get_prefix(keys.prefix + "rounds/")
     return {int(kv.key.rsplit("/", 1)[1]): RoundPlan.from_json(kv.value) for kv in kvs}
+
+
+class PlanCounting(Etcd):
+    """An etcd client that counts the round plans its transactions wrote: a test that wants
+    every round written by exactly one coordinator sums them over the members' clients."""
+
+    def __init__(self, config, keys: JobKeys):
+        super().__init__(config)
+        self._rounds_prefix = keys.prefix + "rounds/"
+        self.rounds_written = 0
+
+    def txn(self, compare, success, failure=(), **kwargs):
+        won, revision = super().txn(compare, success, failure, **kwargs)
+        if won and any(isinstance(op, Put) and op.key.startswith(self._rounds_prefix) for op in success):
+            self.rounds_written += 1
+        return won, revision
 
 
 class LocalMembers:
@@ -30,7 +47,7 @@ class LocalMembers:
 
     def add(self, member_id: str, settings: RendezvousSettings, *, workers: int = 1, ttl: float = 5.0,
             etcd: Etcd | None = None) -> Participant:
-        etcd = etcd or Etcd(self._config)
+        etcd = etcd or PlanCounting(self._config, self.keys)
         member = Member(member_id, "localhost", "127.0.0.1", 29500,
                         tuple(worker(member_id, i) for i in range(workers)), joined=time.time())
         participant = Participant(etcd, self.keys, settings, member, ttl=ttl)

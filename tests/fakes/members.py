@@ -29,10 +29,11 @@ import threading
 import time
 from pathlib import Path
 
-from elastic.rendezvous import Etcd, EtcdConfig, JobKeys, Member, Participant, RendezvousSettings, new_member_id
+from elastic.rendezvous import EtcdConfig, JobKeys, Member, Participant, RendezvousSettings, new_member_id
 from elastic.rendezvous.control import JobStatus
 from elastic.rendezvous.rounds import RoundPlan
 from tests.fakes.jsonl import read_jsonl
+from tests.fakes.local_members import PlanCounting
 
 
 class JsonLines:
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     host = socket.gethostname()
     member_id = args.member_id or new_member_id(host)
     workers = tuple(f"{member_id}/w{i}" for i in range(args.workers))
-    etcd = Etcd(EtcdConfig.from_string(args.endpoint, retry_deadline=30.0))
+    etcd = PlanCounting(EtcdConfig.from_string(args.endpoint, retry_deadline=30.0), JobKeys(args.job))
     participant = Participant(
         etcd,
         JobKeys(args.job),
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     coordinator = participant.coordinator
     leading = coordinator is not None and coordinator.leading.is_set()
     participant.leave()
-    out.write(event="left", rounds_written=coordinator.rounds_written if coordinator else 0, leading=leading)
+    out.write(event="left", rounds_written=etcd.rounds_written, leading=leading)
     out.close()
     etcd.close()
     return 0

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elastic.rendezvous import Etcd, JobKeys, RendezvousSettings
+from elastic.rendezvous import JobKeys, RendezvousSettings
 from elastic.rendezvous.etcd import CreateRevisionEquals, ModRevisionEquals, Put
-from tests.fakes.local_members import has_workers, rounds_in_etcd, worker
+from tests.fakes.local_members import PlanCounting, has_workers, rounds_in_etcd, worker
 from tests.fakes.waiting import poll as wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,16 +81,15 @@ def test_candidates_racing_for_the_election_elect_one_coordinator_per_term(local
     # Every plan in etcd was written by exactly one coordinator (a round two writers both
     # counted would make the sum exceed the rounds; a lost write would not be in etcd).
     # A writer counts its round when its transaction call returns, a moment after etcd has it.
-    assert wait_until(lambda: sum(p.coordinator.rounds_written for p in local.by_id.values()) == len(rounds), 5)
+    assert wait_until(lambda: sum(p.etcd.rounds_written for p in local.by_id.values()) == len(rounds), 5)
 
 
-class PlanWriteHook(Etcd):
+class PlanWriteHook(PlanCounting):
     """An etcd client that runs ``before_plan_write`` (once) just before its next
     transaction that writes a round plan: a fault injected at the exact point."""
 
     def __init__(self, config, keys: JobKeys):
-        super().__init__(config)
-        self._rounds_prefix = keys.prefix + "rounds/"
+        super().__init__(config, keys)
         self.before_plan_write = None
         self.plan_writes: list[bool] = []  # what each hooked transaction returned
 
@@ -119,7 +118,7 @@ def test_deposed_coordinator_cannot_write_the_round_it_decided(local, etcd, etcd
     local.wait_for_plan("a", has_workers("a/w0"))
     local.add("b", settings, etcd=clients["b"])
     before = local.wait_for_plan("b", has_workers("a/w0", "b/w0"))
-    assert local.leader() is a and wait_until(lambda: a.coordinator.rounds_written == before.round, 5)
+    assert local.leader() is a and wait_until(lambda: a.etcd.rounds_written == before.round, 5)
     a_tried = threading.Event()
     new_leader: list[str] = []
 
@@ -143,7 +142,7 @@ def test_deposed_coordinator_cannot_write_the_round_it_decided(local, etcd, etcd
     a_tried.set()
     assert len(new_leader) == 1, f"not exactly one of b, c won the election: {new_leader}"
     assert clients["a"].plan_writes == [False]
-    assert a.coordinator.rounds_written == before.round
+    assert a.etcd.rounds_written == before.round
 
     survivors = ("b/w0", "c/w0") if deposition == "lease revoked" else ("a/w0", "b/w0", "c/w0")
     # With a's lease revoked, a is lost: the survivors re-form first (b alone is enough for
@@ -157,7 +156,7 @@ def test_deposed_coordinator_cannot_write_the_round_it_decided(local, etcd, etcd
     rounds = rounds_in_etcd(etcd, local.keys)
     assert rounds[after.round].worker_ids() == survivors
     assert sorted(rounds) == list(range(1, after.round + 1))
-    assert wait_until(lambda: sum(p.coordinator.rounds_written for p in local.by_id.values()) == len(rounds), 5)
+    assert wait_until(lambda: sum(p.etcd.rounds_written for p in local.by_id.values()) == len(rounds), 5)
     # a does not lead again while the winner holds the key (a re-campaigns once deposed).
     assert etcd.get(local.keys.coordinator).value.decode() == new_leader[0]
     assert not a.coordinator.leading.is_set()

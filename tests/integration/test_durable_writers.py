@@ -1,5 +1,5 @@
 """Two checkpoint writers in one directory (an old rank 0 still writing, a new rank 0
-starting), and the fence that refuses a write whose round is over (issue 12, item 7).
+starting), and the publish check that refuses a write whose round is over (issue 12, item 7).
 
 Writers are held mid-write by a gate, so the interleaving is forced, not hoped for.
 """
@@ -178,7 +178,7 @@ def test_tmp_dirs_of_unknown_writers_are_removed_only_when_old(tmp_path):
     assert sorted(_tmp_dirs(tmp_path)) == [recent.name]
 
 
-# -- the fence: a write whose round is over is not published -------------------------------
+# -- the publish check: a write whose round is over is not published -------------------------------
 
 
 def test_a_write_whose_round_is_over_is_refused_right_before_publishing(tmp_path):
@@ -207,7 +207,7 @@ def test_a_write_whose_round_is_over_is_refused_right_before_publishing(tmp_path
 
     assert writer.submit(_tree(3), step=3, round=8, still_current=broken)
     assert writer.flush(WAIT)
-    assert _valid_steps(tmp_path) == [1]  # a fence that cannot be checked refuses
+    assert _valid_steps(tmp_path) == [1]  # a publish check that cannot be made refuses
     assert writer.submit(_tree(4), step=4, round=8, still_current=lambda: True)
     assert writer.flush(WAIT) and writer.last_error is None
     assert _valid_steps(tmp_path) == [4, 1]

@@ -27,6 +27,7 @@ Differences from Horovod, each deliberate:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -35,7 +36,8 @@ import torch.distributed as dist
 from ...contract.devices import capability
 from ...contract.errors import HostsUpdatedInterrupt
 from elastic.checkpoint import copy_into
-from ...state import State
+from ...commit_book import put
+from ...state import State, StateBook
 from ...stateful import is_stateful, load_state
 from ...worker import lifecycle
 from .sampler import ElasticSampler
@@ -57,15 +59,24 @@ def handled_kind(value: Any) -> Optional[str]:
     return None
 
 
+@dataclass
+class HorovodBook(StateBook):
+    """What a Horovod state keeps besides a ``State``'s bookkeeping."""
+
+    entered: bool = False  # the training function ran in this process
+    handled: dict[str, str] = field(default_factory=dict)  # a TorchState's objects by name: their kind
+
+
 class ObjectState(State):
     """Plain values committed, restored and synced as a unit (Horovod's ``ObjectState``).
 
     Horovod's ``ObjectState(bcast_object, get_rank, **kwargs)`` takes two functions this
     runtime does not need; they are accepted and ignored."""
 
+    _Book = HorovodBook
+
     def __init__(self, bcast_object=None, get_rank=None, **kwargs: Any):
         super().__init__(**kwargs)
-        object.__setattr__(self, "_entered", False)  # the training function ran in this process
 
     def check_host_updates(self) -> None:
         """Take a pending membership change here: commit, then raise HostsUpdatedInterrupt
@@ -74,12 +85,12 @@ class ObjectState(State):
         if not _ring_change_ready(runtime):
             return
         self.commit()  # raises HostsUpdatedInterrupt itself when this commit is a switch point
-        raise HostsUpdatedInterrupt(f"ring changes at check_host_updates (commit {self._commits})")
+        raise HostsUpdatedInterrupt(f"ring changes at check_host_updates (commit {self._book.count})")
 
     def on_reset(self) -> None:
         """After the sync of every (re-)entry: user callbacks, except at the job's start."""
-        first_entry = not self._entered
-        object.__setattr__(self, "_entered", True)
+        first_entry = not self._book.entered
+        self._book.entered = True
         if first_entry and lifecycle.current().round <= 1:
             return  # the job's first ring: no reset happened (Horovod runs none either)
         super().on_reset()
@@ -114,37 +125,38 @@ class TorchState(ObjectState):
             everything["optimizer"] = optimizer
         handled = {name: kind for name, value in everything.items() if (kind := handled_kind(value)) is not None}
         super().__init__(**{name: value for name, value in everything.items() if name not in handled})
-        object.__setattr__(self, "_handled", handled)
+        self._book.handled = handled
         for name in handled:
-            object.__setattr__(self, name, everything[name])
+            put(self, name, everything[name])
         for name in ("model", "optimizer"):
             if name not in everything:
-                object.__setattr__(self, name, None)
+                put(self, name, None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         kind = handled_kind(value)
-        if name.startswith("_") or (kind is None and name not in self._handled):
-            object.__setattr__(self, name, value)  # a plain value (committed if named at construction)
+        book = self._book
+        if name.startswith("_") or (kind is None and name not in book.handled):
+            put(self, name, value)  # a plain value (committed if named at construction)
             return
         if kind is None:
-            raise TypeError(f"state.{name} holds a {self._handled[name]}; got a {type(value).__name__}")
+            raise TypeError(f"state.{name} holds a {book.handled[name]}; got a {type(value).__name__}")
         # Swap the handled object (a new model, a new optimizer ...) and save it at once, as
         # Horovod does, so that a rollback does not bring the old one's state back.
-        self._handled[name] = kind
-        if name in self._value_names:
-            object.__setattr__(self, "_value_names", tuple(n for n in self._value_names if n != name))
-        object.__setattr__(self, name, value)
-        if self._holds_commit:
+        book.handled[name] = kind
+        if name in book.value_names:
+            book.value_names = tuple(n for n in book.value_names if n != name)
+        put(self, name, value)
+        if book.holds_commit:
             self.save()
 
     def state_tree(self) -> dict:
         tree = super().state_tree()
-        tree["handled"] = {name: getattr(self, name).state_dict() for name in self._handled}
+        tree["handled"] = {name: getattr(self, name).state_dict() for name in self._book.handled}
         return tree
 
     def load_tree(self, tree: dict) -> None:
         super().load_tree(tree)
-        cuda_paths = getattr(self, "_cuda_paths", frozenset())
+        cuda_paths = self._book.cuda_paths
         for name, saved in tree["handled"].items():
             # The same loading as elastic.TorchState's objects: a module copies into its own
             # tensors, anything else gets its own overwritten in place or fresh copies, never
@@ -167,6 +179,6 @@ class TorchState(ObjectState):
 
     def _partition_samplers(self) -> None:
         runtime = lifecycle.current()
-        for name, kind in self._handled.items():
+        for name, kind in self._book.handled.items():
             if kind == SAMPLER:
                 getattr(self, name).set_rank(runtime.rank, runtime.world_size)

@@ -29,7 +29,7 @@ def _step(model, optimizer):
 
 def _assert_committed_equals_live(state):
     """The commit holds what ``state_dict()`` would have given at the commit."""
-    committed = state._snapshot.tree()
+    committed = state._book.snapshot.tree()
     for key, value in state.model.state_dict().items():
         assert torch.equal(committed["model"][key], value), key
     live = state.optimizer.state_dict()
@@ -44,11 +44,11 @@ def test_a_steady_layout_is_found_once_and_each_commit_copies_the_current_values
     state = TorchState(model=model, optimizer=optimizer)
     _step(model, optimizer)
     state.commit()
-    found = state._live
+    found = state._book.live
     for _ in range(3):
         _step(model, optimizer)
         state.commit()
-        assert state._live is found
+        assert state._book.live is found
         _assert_committed_equals_live(state)
 
 
@@ -60,7 +60,7 @@ def test_each_way_to_swap_a_tensor_finds_the_tensors_anew(change):
     if change != "optimizer state appears":
         _step(model, optimizer)
     state.commit()
-    found = state._live
+    found = state._book.live
     if change == "optimizer state appears":
         _step(model, optimizer)  # the first step creates the momentum buffers
     elif change == "parameter replaced":
@@ -75,7 +75,7 @@ def test_each_way_to_swap_a_tensor_finds_the_tensors_anew(change):
         state.optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         _step(model, state.optimizer)
     state.commit()
-    assert state._live is not found
+    assert state._book.live is not found
     _assert_committed_equals_live(state)
 
 

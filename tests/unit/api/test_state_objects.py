@@ -106,7 +106,7 @@ def test_a_restored_object_never_holds_the_snapshots_buffers(runtime):
     train(state, 1)
     state.restore()
     assert state.counter.total is own  # overwritten in place, not handed a view
-    buffers = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in state._snapshot.buffers()]
+    buffers = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in state._book.snapshot.buffers()]
     assert not any(low <= own.data_ptr() < high for low, high in buffers)
 
 
@@ -114,15 +114,15 @@ def test_the_objects_tensors_share_the_models_reused_buffers(runtime):
     state = training_state()
     train(state, 1)
     state.commit()
-    first = [b.data_ptr() for b in state._snapshot.buffers()]
-    tree = state._snapshot.tree()
+    first = [b.data_ptr() for b in state._book.snapshot.buffers()]
+    tree = state._book.snapshot.tree()
     assert set(tree["objects"]) == {"scheduler", "scaler", "ema", "counter"}
     assert isinstance(tree["objects"]["scaler"]["scale"], float)
     train(state, 1)
     state.commit()
     # One float64 buffer for the model, the optimizer, the EMA and the counter, kept across commits.
-    assert [b.data_ptr() for b in state._snapshot.buffers()] == first
-    assert [b.dtype for b in state._snapshot.buffers()] == [torch.float64, torch.int64]
+    assert [b.data_ptr() for b in state._book.snapshot.buffers()] == first
+    assert [b.dtype for b in state._book.snapshot.buffers()] == [torch.float64, torch.int64]
 
 
 def test_a_joiner_receives_the_objects_with_the_commit(runtime):
@@ -131,10 +131,10 @@ def test_a_joiner_receives_the_objects_with_the_commit(runtime):
     holder.commit()
     joiner = training_state(seed=1)  # another initial state, as a new process would build
     # What State._receive does with the layout and the buffers a sync moves.
-    joiner._snapshot.adopt_layout(holder._snapshot.layout())
-    for mine, theirs in zip(joiner._snapshot.buffers(), holder._snapshot.buffers()):
+    joiner._book.snapshot.adopt_layout(holder._book.snapshot.layout())
+    for mine, theirs in zip(joiner._book.snapshot.buffers(), holder._book.snapshot.buffers()):
         mine.copy_(theirs)
-    joiner._load(joiner._snapshot.tree())
+    joiner._load(joiner._book.snapshot.tree())
     assert_same(observed(joiner), observed(holder))
     train(joiner, 2)
     train(holder, 2)

@@ -10,7 +10,7 @@ import stat
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointPolicy, DurableWriter, FenceRefusal, list_checkpoints, load_latest
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, PublishRefusal, list_checkpoints, load_latest
 from elastic.checkpoint import manifest as mf
 from elastic.checkpoint import owner
 from elastic.checkpoint.retention import names_to_prune, superseded_step
@@ -111,7 +111,7 @@ def test_a_writer_of_a_job_whose_directory_was_taken_over_publishes_and_prunes_n
 
 
 def test_a_write_whose_fence_fails_right_after_the_rename_is_taken_back(tmp_path):
-    """A rename that stalled (a frozen NFS mount) while the job moved on: the fence is
+    """A rename that stalled (a frozen NFS mount) while the job moved on: the publish check is
     asked again after it, and the late checkpoint does not stay published."""
     with DurableWriter(CheckpointPolicy(str(tmp_path), keep=1)) as writer:
         assert write(writer, 10) is None
@@ -120,7 +120,7 @@ def test_a_write_whose_fence_fails_right_after_the_rename_is_taken_back(tmp_path
         def still_current():
             if next(answers):
                 return True
-            raise FenceRefusal("round 3 declared this worker lost")
+            raise PublishRefusal("round 3 declared this worker lost")
 
         error = write(writer, 20, still_current=still_current, round=2)
     assert "taken back right after publishing: round 3 declared this worker lost" in error

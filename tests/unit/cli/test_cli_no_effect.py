@@ -8,6 +8,7 @@ import pytest
 
 from elastic.cli import launch as cli
 from elastic.cli.no_effect import NO_EFFECT, dest, warnings
+from elastic.rendezvous import ConfigError
 
 
 @pytest.mark.parametrize("given, values, expected", [
@@ -45,3 +46,16 @@ def test_the_launcher_warns_once_and_still_starts(tmp_path, caplog):
     assert config.checkpoint == {}
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert lines == ["--checkpoint-every has no effect without --checkpoint-dir: no durable checkpoint is written"]
+
+
+def test_timeouts_that_cannot_work_are_refused_and_suspicious_ones_said_once(tmp_path, caplog):
+    # The rule itself is a table (tests/unit/contract/test_timeouts.py); here: the launcher applies it.
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match="--rdzv-settle 9 is not below --rdzv-timeout 5"):
+        cli.parse(["--np", "1", "--backend", "gloo", "--rdzv-settle", "9", "--rdzv-timeout", "5", str(script)])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        cli.parse(["--np", "1", "--backend", "gloo", "--collective-timeout", "5", str(script)])
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and lines[0].startswith("--collective-timeout 5 is below --rdzv-ttl 10")

@@ -76,7 +76,7 @@ def test_check_host_updates_commits_then_raises_when_the_ring_is_about_to_change
     state = hvd.elastic.TorchState(model, batch=0)
     state.sync()
     state.check_host_updates()  # nothing pending: nothing happens
-    assert state._commits == 0
+    assert state.commit_id.count == 0
 
     monkeypatch.setattr(lifecycle.current(), "ring_change_ready", lambda: True, raising=False)
     state.batch = 7
@@ -85,7 +85,7 @@ def test_check_host_updates_commits_then_raises_when_the_ring_is_about_to_change
     weights = model.weight.detach().clone()
     with pytest.raises(HostsUpdatedInterrupt):
         state.check_host_updates()
-    assert state._commits == 1  # the change is taken at a commit: nothing is rolled back
+    assert state.commit_id.count == 1  # the change is taken at a commit: nothing is rolled back
     state.restore()
     assert state.batch == 7 and torch.equal(model.weight, weights)
 

@@ -99,7 +99,7 @@ def test_a_slot_is_reused_while_its_layout_fits_and_forgets_its_commit():
 
 
 def test_releasing_a_model_frees_its_shards_grads_and_optimizer_state_even_while_referenced(mesh):
-    from elastic.sharded.live_shards import release_storage
+    from elastic.sharded.live_shards import free_storage
 
     model = sharded_model(mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -107,7 +107,7 @@ def test_releasing_a_model_frees_its_shards_grads_and_optimizer_state_even_while
     model(torch.randn(4, 5)).sum().backward()  # grads present too
     live = live_shards(None, model, optimizer)
     expected = sum(t.untyped_storage().nbytes() for t in live.sources)
-    freed = release_storage(model, optimizer)
+    freed = free_storage(model, optimizer)
     assert freed >= expected > 0
     assert all(t.untyped_storage().nbytes() == 0 for t in live.sources)  # the references remain, the memory not
     assert all(p.grad._local_tensor.untyped_storage().nbytes() == 0 for p in model.parameters())

@@ -1,6 +1,6 @@
 """The sharded writer's publishing (rank 0's thread) on real files, without a ring:
 temporaries never outlive a failed write, everything is fsynced before the rename,
-the fence is asked around it, and a prune never reads a checkpoint back."""
+the publish check is asked around it, and a prune never reads a checkpoint back."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, FenceRefusal, list_checkpoints
+from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, PublishRefusal, list_checkpoints
 from elastic.checkpoint import manifest as mf
 from elastic.checkpoint import restore
 from elastic.sharded import durable
@@ -90,7 +90,7 @@ def test_the_fence_is_asked_before_and_after_the_rename(tmp_path):
     writer = durable.ShardedCheckpoints(CheckpointPolicy(str(tmp_path)))
 
     def refuse():
-        raise FenceRefusal("round 2 went on without this worker")
+        raise PublishRefusal("round 2 went on without this worker")
 
     tmp = publish(writer, 5, still_current=refuse)
     assert not os.path.exists(tmp) and published(tmp_path) == []

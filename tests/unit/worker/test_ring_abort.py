@@ -135,7 +135,7 @@ def test_abort_wakes_collective_blocked_on_silent_peer(tmp_path):
         assert raised_at - aborted_at[0] < 5  # the collective timeout is 30 s
         with pytest.raises(RuntimeError):  # later collectives fail too
             dist.all_reduce(torch.ones(3))
-        handle.release()
+        handle.forget()
         dist.destroy_process_group()
         # A new group works in the same process.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

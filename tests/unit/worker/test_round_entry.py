@@ -60,7 +60,7 @@ def runtime():
     rt = Runtime(WorkerConfig(job_id="j", endpoints="127.0.0.1:1", worker_id=WORKER, member_id="m", host_id="h",
                               round=1, rdzv_timeout=600.0, collective_timeout=60.0))
     yield rt
-    rt.release_group()
+    rt.drop_ring()
     os.environ.clear()
     os.environ.update(saved)
 

@@ -1,6 +1,6 @@
-"""The fence on durable checkpoints: may a write made in round r still be published?
+"""The publish check of durable checkpoints: may a write made in round r still be published?
 
-Only rank 0 writes, in the background, from its last commit; the fence is asked right
+Only rank 0 writes, in the background, from its last commit; the check is asked right
 before the rename that publishes (checkpoint/durable.py). The rule: **the worker has
 been a member of every round after r** (and the job has not failed). Being in the
 newest plan is not enough. A host cut off (link down) is declared lost, the survivors
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from elastic.checkpoint import FenceRefusal
+from elastic.checkpoint import PublishRefusal
 from elastic.rendezvous import FAILED, Etcd, JobKeys, JobStatus, RendezvousError, RoundPlan
 
-from .commit_fence import readable_plans
+from .left_behind import readable_plans
 
 
 def refusal(etcd: Etcd, keys: JobKeys, worker: str, round_number: int) -> Optional[str]:
@@ -62,14 +62,14 @@ def refusal(etcd: Etcd, keys: JobKeys, worker: str, round_number: int) -> Option
     return None
 
 
-def fence(etcd: Etcd, keys: JobKeys, worker: str, round_number: int):
-    """``still_current()`` for the checkpoint writer: True, or FenceRefusal with the reason
+def make(etcd: Etcd, keys: JobKeys, worker: str, round_number: int):
+    """``still_current()`` for the checkpoint writer: True, or PublishRefusal with the reason
     (the writer logs it, with the step, in its one line about the refused write)."""
 
     def still_current() -> bool:
         why = refusal(etcd, keys, worker, round_number)
         if why is not None:
-            raise FenceRefusal(why)
+            raise PublishRefusal(why)
         return True
 
     return still_current

@@ -1,4 +1,4 @@
-"""The fence on commits: a worker the job left behind completes no commit in a round
+"""The left-behind check of commits: a worker the job left behind completes no commit in a round
 that is over.
 
 Left behind: a worker of round r that a later plan declares lost (its host was paused
@@ -14,7 +14,7 @@ control watch caches, and etcd is never on the per-step path. That view can be s
 exactly when it matters: a process that was paused (a paused VM, SIGSTOP of its host)
 resumes all its threads at once, and the main thread may reach its commit before the
 watch thread has read what etcd sent meanwhile (seen: a commit of the old round 1 s
-after the survivors moved on). So the fence notices pauses: a thread ticks every
+after the survivors moved on). So the check notices pauses: a thread ticks every
 ``TICK_S``; a gap between two ticks, or a tick overdue at the commit, longer than a
 quarter of the TTL (a lease cannot run out in less) means this process did not run
 for a while. Only then are the plans since round r read from etcd (bounded, short);
@@ -32,6 +32,7 @@ from typing import Callable, Optional
 from elastic.rendezvous import Etcd, JobKeys, MalformedValueError, RendezvousError, RoundPlan
 
 from ..contract.errors import LeftBehind
+from ..contract.timeouts import pause_threshold
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,11 @@ READ_DEADLINE_S = 2.0  # the etcd reads after a pause: a commit waits at most ab
 TICK_S = 0.25
 
 
-class CommitFence:
+class LeftBehindCheck:
     def __init__(self, etcd: Etcd, keys: JobKeys, worker: str, ttl: float, *, ticking: bool = True,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self._etcd, self._keys, self._worker = etcd, keys, worker
-        self._pause_s = ttl / 4
+        self._pause_s = pause_threshold(ttl)
         self._clock, self._wall = clock, wall
         self._lock = threading.Lock()
         self._last_tick = self._now()

@@ -1,10 +1,10 @@
-"""The fence on commits (elastic/worker/commit_fence.py), against fake clocks and a fake etcd."""
+"""The left-behind check of commits (elastic/worker/left_behind.py), against fake clocks and a fake etcd."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic.worker.commit_fence import TICK_S, CommitFence
+from elastic.worker.left_behind import TICK_S, LeftBehindCheck
 from elastic.contract.errors import LeftBehind
 from elastic.contract.faults import RING
 from elastic.worker.failures import classify
@@ -53,9 +53,9 @@ class Clocks:
         return self.t
 
 
-def fence(etcd):
+def left_behind(etcd):
     clock = Clocks()
-    return CommitFence(etcd, KEYS, ME, TTL, ticking=False, clock=clock, wall=clock), clock
+    return LeftBehindCheck(etcd, KEYS, ME, TTL, ticking=False, clock=clock, wall=clock), clock
 
 
 def run_for(f, clock, seconds):
@@ -69,7 +69,7 @@ def run_for(f, clock, seconds):
 def test_a_worker_declared_lost_completes_no_commit_and_re_forms():
     """Seen in the cached plan (the control watch): no etcd read."""
     etcd = FakeEtcd()
-    f, _ = fence(etcd)
+    f, _ = left_behind(etcd)
     with pytest.raises(LeftBehind, match="round 2 declared it lost") as raised:
         f.check(1, plan(2, ["m.w0"], lost=[ME]))
     assert classify(raised.value).kind == RING  # a failure of its ring for the recovery path
@@ -85,7 +85,7 @@ def test_after_a_pause_the_plans_since_our_round_are_read_from_etcd(ticked_first
     The job went through round 2 (lost us) and round 3 (let us back in) meanwhile. Whichever
     of the main thread and the pause clock's thread runs first after the resume."""
     etcd = FakeEtcd(plan(1, ["m.w0", ME]), plan(2, ["m.w0"], lost=[ME]), plan(3, ["m.w0", ME]))
-    f, clock = fence(etcd)
+    f, clock = left_behind(etcd)
     run_for(f, clock, 60)  # an honest 60 s step: the process ran all along, nothing to read
     f.check(1, plan(1, ["m.w0", ME]))
     assert etcd.reads == 0
@@ -99,12 +99,12 @@ def test_after_a_pause_the_plans_since_our_round_are_read_from_etcd(ticked_first
 
 def test_after_a_pause_a_current_round_or_an_unreachable_etcd_lets_the_commit_go():
     current = FakeEtcd(plan(1, ["m.w0", ME]))
-    f, clock = fence(current)
+    f, clock = left_behind(current)
     clock.t += TTL
     f.check(1, plan(1, ["m.w0", ME]))
     assert current.reads == 1  # the newest plan is ours: nothing more to read
     down = FakeEtcd(down=True)
-    f, clock = fence(down)
+    f, clock = left_behind(down)
     clock.t += TTL
     f.check(1, plan(1, ["m.w0", ME]))  # an etcd outage never stops training
     assert down.reads == 1
@@ -112,7 +112,7 @@ def test_after_a_pause_a_current_round_or_an_unreachable_etcd_lets_the_commit_go
 
 def test_a_pause_shorter_than_a_quarter_of_the_ttl_or_during_a_re_formation_is_not_read():
     etcd = FakeEtcd(plan(1, ["m.w0", ME]), plan(2, ["m.w0"], lost=[ME]))
-    f, clock = fence(etcd)
+    f, clock = left_behind(etcd)
     clock.t += TTL / 4 - 0.1
     f.check(1, plan(1, ["m.w0", ME]))
     clock.t += TTL
@@ -126,19 +126,19 @@ def test_a_wall_clock_jump_counts_as_a_pause():
     """A paused VM's monotonic clock may not advance while it is paused; its wall clock does."""
     etcd = FakeEtcd(plan(1, ["m.w0", ME]), plan(2, ["m.w0"], lost=[ME]))
     mono, wall = Clocks(), Clocks()
-    f = CommitFence(etcd, KEYS, ME, TTL, ticking=False, clock=mono, wall=wall)
+    f = LeftBehindCheck(etcd, KEYS, ME, TTL, ticking=False, clock=mono, wall=wall)
     wall.t += 60
     with pytest.raises(LeftBehind):
         f.check(1, plan(1, ["m.w0", ME]))
 
 
 def test_the_pause_clock_ticks_in_a_thread_of_its_own():
-    f = CommitFence(FakeEtcd(plan(1, ["m.w0", ME])), KEYS, ME, TTL)
+    f = LeftBehindCheck(FakeEtcd(plan(1, ["m.w0", ME])), KEYS, ME, TTL)
     try:
         with f._lock:
             created = f._last_tick[0]
 
-        def ticked_twice():  # nothing else calls tick() here: the fence's own thread did
+        def ticked_twice():  # nothing else calls tick() here: the check's own thread did
             with f._lock:
                 return f._last_tick[0] - created >= 2 * TICK_S - 0.01
 

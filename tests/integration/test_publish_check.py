@@ -1,7 +1,7 @@
-"""The fence on durable checkpoints (``Runtime.durable_fence``), against a real etcd.
+"""The publish check of durable checkpoints (``Runtime.publish_check``), against a real etcd.
 
 A write carries the round it was made in; right before publishing, the writer asks
-the fence whether the job has moved on without this worker. The plans are written
+the check whether the job has moved on without this worker. The plans are written
 as the coordinator writes them: ``control/plan`` and ``rounds/<n>`` together.
 
 The case that matters most: a host cut off, declared lost, then healed. Its agent
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointPolicy, DurableWriter, FenceRefusal, list_checkpoints
+from elastic.checkpoint import CheckpointPolicy, DurableWriter, PublishRefusal, list_checkpoints
 from elastic.worker.runtime import Runtime
 from elastic.rendezvous import Etcd, EtcdConfig, JobKeys, JobStatus, RoundPlan
 from elastic.rendezvous.control import FAILED, SUCCEEDED
@@ -52,25 +52,25 @@ class Job:
         self.etcd.put(self.keys.status, JobStatus(state, "test").to_json())
 
 
-def _runtime_fence(etcd: Etcd, job_id: str, round_number: int):
-    """What ``Runtime.durable_fence`` hands the writer in ``round_number`` (the rank 0 is ME)."""
+def _runtime_check(etcd: Etcd, job_id: str, round_number: int):
+    """What ``Runtime.publish_check`` hands the writer in ``round_number`` (the rank 0 is ME)."""
     runtime = Runtime(None)
     runtime.config = SimpleNamespace(job_id=job_id, worker_id=ME)
     runtime._etcd = etcd
     runtime.round = round_number
-    return runtime.durable_fence()
+    return runtime.publish_check()
 
 
-def _fence(etcd: Etcd, job_id: str, round_number: int):
-    """The fence a rank 0 in ``round_number`` hands to its checkpoint writer, as a
+def _check(etcd: Etcd, job_id: str, round_number: int):
+    """The publish check a rank 0 in ``round_number`` hands to its checkpoint writer, as a
     function returning None (publish) or the reason the writer would log."""
-    still_current = _runtime_fence(etcd, job_id, round_number)
+    still_current = _runtime_check(etcd, job_id, round_number)
 
     def refusal():
         try:
             assert still_current() is True
             return None
-        except FenceRefusal as exc:
+        except PublishRefusal as exc:
             return str(exc)
 
     return refusal
@@ -79,24 +79,25 @@ def _fence(etcd: Etcd, job_id: str, round_number: int):
 @pytest.fixture
 def job(etcd, job_id) -> Job:
     yield Job(etcd, job_id)
-    etcd.delete_prefix(JobKeys(job_id).prefix)
+    for kv in etcd.get_prefix(JobKeys(job_id).prefix)[0]:
+        etcd.delete(kv.key)
 
 
 def test_a_write_of_the_current_round_is_published(etcd, job_id, job):
     job.form(1, (ME, *OTHERS))
-    assert _fence(etcd, job_id, 1)() is None
+    assert _check(etcd, job_id, 1)() is None
 
 
 def test_a_write_is_refused_once_the_plan_moved_on_without_the_worker(etcd, job_id, job):
     job.form(3, (ME, *OTHERS))
-    refusal = _fence(etcd, job_id, 3)
+    refusal = _check(etcd, job_id, 3)
     job.form(4, OTHERS, lost=(ME,))
     assert "declared this worker lost" in refusal()
 
 
 def test_a_write_is_published_when_newer_join_rounds_still_include_the_worker(etcd, job_id, job):
     job.form(3, (ME, OTHERS[0]))
-    refusal = _fence(etcd, job_id, 3)
+    refusal = _check(etcd, job_id, 3)
     job.form(4, (ME, *OTHERS))  # a host joined: the ring switched at a commit, nothing rolled back
     job.form(5, (ME, *OTHERS))  # a reset round with everybody (a broken ring, nobody lost)
     assert refusal() is None
@@ -107,7 +108,7 @@ def test_a_write_is_refused_after_the_worker_was_lost_and_admitted_again(etcd, j
     # registers again with the same worker, and round 5 admits it. Its write of round 3,
     # held up meanwhile, would shadow what the survivors wrote since.
     job.form(3, (ME, *OTHERS))
-    refusal = _fence(etcd, job_id, 3)
+    refusal = _check(etcd, job_id, 3)
     job.form(4, OTHERS, lost=(ME,))
     job.form(5, (*OTHERS, ME))
     assert refusal() == "its round 3 is over: round 4 declared this worker lost"
@@ -115,7 +116,7 @@ def test_a_write_is_refused_after_the_worker_was_lost_and_admitted_again(etcd, j
 
 def test_a_write_is_refused_after_the_worker_left_a_round_and_came_back(etcd, job_id, job):
     job.form(3, (ME, *OTHERS))
-    refusal = _fence(etcd, job_id, 3)
+    refusal = _check(etcd, job_id, 3)
     job.form(4, OTHERS)  # withdrawn (a graceful leave): not lost, but not a member either
     job.form(5, (*OTHERS, ME))
     assert refusal() == "its round 3 is over: round 4 went on without this worker"
@@ -123,7 +124,7 @@ def test_a_write_is_refused_after_the_worker_left_a_round_and_came_back(etcd, jo
 
 def test_a_write_is_refused_when_the_rounds_since_are_no_longer_kept(etcd, job_id, job):
     job.form(3, (ME, *OTHERS))
-    refusal = _fence(etcd, job_id, 3)
+    refusal = _check(etcd, job_id, 3)
     for number in range(4, 5 + KEEP_ROUNDS):  # round 4 and a few after it are pruned
         job.form(number, (ME, *OTHERS))
     assert "round 4 is no longer kept" in refusal()  # nothing proves it was a member of round 4
@@ -131,7 +132,7 @@ def test_a_write_is_refused_when_the_rounds_since_are_no_longer_kept(etcd, job_i
 
 def test_a_write_is_refused_when_the_job_failed(etcd, job_id, job):
     job.form(2, (ME, *OTHERS))
-    refusal = _fence(etcd, job_id, 2)
+    refusal = _check(etcd, job_id, 2)
     job.end(FAILED)
     assert refusal() == "the job failed"
 
@@ -140,11 +141,11 @@ def test_a_write_of_an_ended_job_that_succeeded_is_published(etcd, job_id, job):
     # The final checkpoint of a job that succeeded is written after the status says so.
     job.form(2, (ME, *OTHERS))
     job.end(SUCCEEDED)
-    assert _fence(etcd, job_id, 2)() is None
+    assert _check(etcd, job_id, 2)() is None
 
 
 def test_a_write_is_refused_when_etcd_holds_no_plan_of_the_job(etcd, job_id, job):
-    assert "no plan" in _fence(etcd, job_id, 2)()  # the job's keys are gone: nothing proves it current
+    assert "no plan" in _check(etcd, job_id, 2)()  # the job's keys are gone: nothing proves it current
 
 
 def test_a_write_is_refused_when_etcd_cannot_be_reached(job_id):
@@ -154,7 +155,7 @@ def test_a_write_is_refused_when_etcd_cannot_be_reached(job_id):
     unreachable = Etcd(EtcdConfig.from_string(f"127.0.0.1:{port}", call_timeout=0.5, retry_deadline=1.0))
     try:
         started = time.monotonic()
-        assert "etcd unreachable" in _fence(unreachable, job_id, 2)()
+        assert "etcd unreachable" in _check(unreachable, job_id, 2)()
         assert time.monotonic() - started < 10
     finally:
         unreachable.close()
@@ -163,12 +164,12 @@ def test_a_write_is_refused_when_etcd_cannot_be_reached(job_id):
 def test_the_writer_refuses_a_stale_write_and_says_why_in_one_line(etcd, job_id, job, tmp_path, caplog):
     job.form(3, (ME, *OTHERS))
     writer = DurableWriter(CheckpointPolicy(str(tmp_path)))
-    assert writer.submit({"w": torch.zeros(4)}, step=7, round=3, still_current=_runtime_fence(etcd, job_id, 3))
+    assert writer.submit({"w": torch.zeros(4)}, step=7, round=3, still_current=_runtime_check(etcd, job_id, 3))
     assert writer.flush(30) and writer.last_error is None  # round 3 is current: published
     job.form(4, OTHERS, lost=(ME,))
     job.form(5, (*OTHERS, ME))
     with caplog.at_level("WARNING"):
-        assert writer.submit({"w": torch.ones(4)}, step=8, round=3, still_current=_runtime_fence(etcd, job_id, 3))
+        assert writer.submit({"w": torch.ones(4)}, step=8, round=3, still_current=_runtime_check(etcd, job_id, 3))
         assert writer.flush(30)
     assert [i.step for i in list_checkpoints(str(tmp_path)) if i.valid] == [7]
     lines = [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
