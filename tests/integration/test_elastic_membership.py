@@ -22,12 +22,12 @@ def agent(tmp_path, endpoint, job_id, nproc, script_args, *, name, extra=()):
 
 def test_below_min_np_the_job_waits_and_a_new_worker_brings_it_back(tmp_path, etcd_server):
     job_id = f"minnp-{uuid.uuid4().hex[:8]}"
-    limits = ["--min-np", "3", "--max-np", "3"]
-    first = agent(tmp_path, etcd_server.endpoint, job_id, 3, ["--steps", "120", "--step-delay", "0.03"],
+    limits = ["--min-np", "2", "--max-np", "2"]
+    first = agent(tmp_path, etcd_server.endpoint, job_id, 2, ["--steps", "120", "--step-delay", "0.03"],
                   name="first", extra=limits)
     first.wait_for_step(15)
     os.kill(first.worker_pid(1), signal.SIGKILL)
-    # Two survivors are below min-np: no round forms and no step completes.
+    # The survivor alone is below min-np: no round forms and no step completes.
     wait_until(lambda: any(e["event"] == "failure_detected" for e in first.events()), 30, "the failure")
     stalled_at = max(s["step"] for s in first.steps())
     with pytest.raises(AssertionError):
@@ -38,7 +38,7 @@ def test_below_min_np_the_job_waits_and_a_new_worker_brings_it_back(tmp_path, et
     assert first.wait() == 0, first.text()[-3000:]
     assert second.wait() == 0, second.text()[-3000:]
     formed = [e for e in first.events() if e["event"] == "round_formed"]
-    assert [e["world_size"] for e in formed] == [3, 3]
+    assert [e["world_size"] for e in formed] == [2, 2]
     assert max(s["step"] for s in first.steps()) == 120
 
 

@@ -56,7 +56,9 @@ def test_a_frozen_worker_is_killed_and_the_survivors_go_on(tmp_path, netns_hosts
     hosts = netns_hosts(2)
     job_id = f"frozen-{uuid.uuid4().hex[:8]}"
     limits = ["--min-np", "2", "--max-np", "4"]
-    args = ["--steps", "400", "--step-delay", "0.05", "--float64"]
+    # 130 steps after the freeze at step 20: time enough to stop the victim before the job
+    # ends (>= 6.5 s of step delays), and steps of the survivors to assert on.
+    args = ["--steps", "150", "--step-delay", "0.05", "--float64"]
     first = agent(tmp_path, hosts.etcd_endpoint, job_id, 2, args, name="first", extra=limits, host=hosts[0])
     second = agent(tmp_path, hosts.etcd_endpoint, job_id, 2, args, name="second", extra=limits, host=hosts[1])
     try:
@@ -135,8 +137,11 @@ def test_a_main_thread_sleeping_outside_any_collective_is_killed_with_its_stack_
 
 
 @pytest.mark.slow
-def test_honest_30_second_steps_are_never_taken_for_a_hang(tmp_path):
-    args = ["--steps", "3", "--step-delay", "30"]
+def test_honest_12_second_steps_are_never_taken_for_a_hang(tmp_path):
+    """Each step sleeps in user code (idle, as a stuck main thread looks) for more than
+    twice the 5 s floor: the first two under the patient bound before any interval was
+    seen, the third under 3 x the slowest interval (36 s)."""
+    args = ["--steps", "3", "--step-delay", "12"]
     job = Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", ["--np", "2"], args))
     try:
         assert job.wait(240) == 0, job.text()[-3000:]
