@@ -6,10 +6,30 @@
     if writer.due(commits): writer.submit(tree, step=step)   # background, atomic
     loaded = load_latest("/ckpt")                      # (tree, manifest) or None
 """
-from .durable import CheckpointPolicy, DurableWriter, PublishRefusal
-from .restore import CheckpointInfo, CheckpointsUnreadable, list_checkpoints, load_latest
-from .snapshot import Flat, Layout, Plain, Snapshot, clone_tree
-from .tree_copy import copy_into
+from __future__ import annotations
+
+import importlib
+
+# Where each public name lives. They load on first use (PEP 562), so that the launcher
+# and the agent, which need only ``owner`` and ``manifest``, never import torch: that
+# import is most of a process's start (issue 30).
+_HOMES = {
+    "CheckpointPolicy": "durable", "DurableWriter": "durable", "PublishRefusal": "durable",
+    "CheckpointInfo": "restore", "CheckpointsUnreadable": "restore", "list_checkpoints": "restore",
+    "load_latest": "restore",
+    "Flat": "snapshot", "Layout": "snapshot", "Plain": "snapshot", "Snapshot": "snapshot", "clone_tree": "snapshot",
+    "copy_into": "tree_copy",
+}
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
 
 __all__ = [
     "CheckpointInfo",
