@@ -14,7 +14,12 @@ random non-zero rank, then measure from the timing files the time to the next st
 completed on any survivor (and that time less one median step before the kill: the stall
 beyond re-running the interrupted step) and to the first step completed by every worker of the new
 world. A variant that shows no step within --recover-timeout is "did not recover".
-For elastic-run the phases of the re-formation come from events.jsonl (reform_done).
+For elastic-run the phases of the re-formation come from events.jsonl (reform_done):
+notice (the kill until the last survivor's collective failed, or its ring was aborted),
+detect (leaving the old ring), rendezvous, pg_init (of which pg_store: connecting to the
+round's store, pg_arrive: waiting there for the others, pg_group: init_process_group),
+sync, total (notice to sync done),
+each the slowest survivor's, printed beside the figures of PREVIOUS.
 With --state-mb the state (parameters + momentum) is grown with ballast to each size in
 turn (benchmarks/workload.py: the step time stays the same); torchrun then checkpoints
 and reloads a file of that size. --ddp-init-sync makes the elastic workers construct DDP
@@ -36,7 +41,12 @@ from pathlib import Path
 from benchmarks import harness
 
 NPROC = 4
-PHASES = ("detect_s", "rendezvous_s", "pg_init_s", "sync_s", "total_s")
+PHASES = ("notice_s", "detect_s", "rendezvous_s", "pg_init_s", "pg_store_s", "pg_arrive_s", "pg_group_s",
+          "sync_s", "total_s")
+# The last stop's idle-machine medians (BENCHMARKS.md, 2026-11-27 second stop), for the
+# phase table; notice was not measured then.
+PREVIOUS = {"median_s": 0.455, "detect_s": 0.263, "rendezvous_s": 0.001, "pg_init_s": 0.264, "sync_s": 0.011,
+            "total_s": 0.305}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,6 +166,9 @@ def reform_phases(events_path: Path, kill_time: float) -> dict | None:
         return None
     first_round = min(e.get("round") or 0 for e in events)
     same_round = [e for e in events if (e.get("round") or 0) == first_round]
+    # A survivor's failure was noticed total_s before its reform_done.
+    for e in same_round:
+        e["notice_s"] = max(0.0, e["time"] - (e.get("total_s") or 0.0) - kill_time)
     return {phase: max(e.get(phase) or 0.0 for e in same_round) for phase in PHASES}
 
 
@@ -200,6 +213,18 @@ def print_table(summaries: list[dict]) -> None:
               f"{harness.fmt(s['median_beyond_step_s']):>12} {s['peak_rss_mb'] or 0:>7.0f}  {phase_text}")
 
 
+def print_phases(summaries: list[dict]) -> None:
+    """Each phase's median beside the previous figures (PREVIOUS)."""
+    for s in summaries:
+        phases = s.get("phases_median_s")
+        if not phases:
+            continue
+        print(f"\n{s['variant']} @ {s['state_mb']:g} MB, slowest survivor per rep, median over reps:")
+        print(f"  {'phase':14} {'previous':>9} {'now':>9}")
+        for name, now in [("median_s", s.get("median_s")), *phases.items()]:
+            print(f"  {name[:-2]:14} {harness.fmt(PREVIOUS.get(name)):>9} {harness.fmt(now):>9}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rng = random.Random(args.seed)
@@ -227,6 +252,7 @@ def main(argv=None) -> None:
                       flush=True)
             summaries.append(summarize(name, results[key], state_mb))
     print_table(summaries)
+    print_phases(summaries)
     if args.json:
         Path(args.json).write_text(json.dumps({"summaries": summaries, "reps": results}, indent=2))
 

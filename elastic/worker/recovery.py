@@ -161,6 +161,9 @@ def _resume(func, state, args, kwargs, runtime, finished_reform):
             detect_s=round(times.drop_s, 4),
             rendezvous_s=round(times.rendezvous_s, 4),
             pg_init_s=round(times.pg_init_s, 4),
+            pg_store_s=round(times.store_s, 4),
+            pg_arrive_s=round(times.arrive_s, 4),
+            pg_group_s=round(times.group_s, 4),
             sync_s=round(done - started_sync, 4),
             total_s=round(done - outcome.detected, 4),
             commit=getattr(state.commit_id, "count", None),  # resumed from (the timeline counts steps re-run)

@@ -16,7 +16,6 @@ namespace hangs. Moving to the next round happens in one of two ways:
 from __future__ import annotations
 
 import datetime
-import gc
 import logging
 import os
 import threading
@@ -58,7 +57,10 @@ log = logging.getLogger(__name__)
 class ReformTimes:
     drop_s: float  # destroy the old group, free its sockets
     rendezvous_s: float  # wait for the next plan
-    pg_init_s: float  # arrival barrier + process group
+    pg_init_s: float  # arrival barrier + process group, of which:
+    store_s: float = 0.0  # connecting to the round's store
+    arrive_s: float = 0.0  # waiting there for every worker of the round
+    group_s: float = 0.0  # init_process_group (gloo: publish and read addresses, connect the mesh)
 
 
 class Runtime:
@@ -222,7 +224,7 @@ class Runtime:
         # would re-use its store namespace, which hangs.
         old_round = max(self.round, self._tried_round)
         # A planned switch leaves together: nobody is blocked, no garbage to chase.
-        self.drop_ring(collect=failed, failed=failed)
+        self.drop_ring(failed=failed)
         t1 = time.monotonic()
         nudge = None
         if failed:
@@ -233,9 +235,9 @@ class Runtime:
         # us (SIGTERM to its agent); leave with exit 0 instead of waiting for a round.
         plan = self._wait_for_plan(lambda p: p.round > old_round, leave_if_withdrawn=not failed, on_idle=nudge)
         t2 = time.monotonic()
-        self._enter(plan)
+        entry = self._enter(plan)
         t3 = time.monotonic()
-        return ReformTimes(t1 - t0, t2 - t1, t3 - t2)
+        return ReformTimes(t1 - t0, t2 - t1, t3 - t2, *entry)
 
     def _on_control(self, plan, status) -> None:
         """Control-watch thread: abort a ring that a newer plan declares broken.
@@ -277,20 +279,20 @@ class Runtime:
         if ring is not None:
             ring.abort()
 
-    def drop_ring(self, collect: bool = True, failed: bool = False) -> None:
+    def drop_ring(self, failed: bool = False) -> None:
         """Leave the current ring. An NCCL ring is aborted, never destroyed, at a planned
         switch too: ``destroy_process_group`` finalizes its communicators, which waits for
         pending work and can block on a dead peer (gpu review F5, G8; ring_abort.leave_ring)."""
         with self._backend_lock:
             ring, self._ring = self._ring, None
-        aborted = ring is not None and ring.aborted
+        if failed and ring is not None:
+            # Peers may still be blocked in the dead ring on live connections of ours:
+            # shutting them down fails their operation at once (a no-op if the control
+            # thread aborted already). Freeing the old pairs with a gc.collect() did the
+            # same, in 0.1-0.3 s on the recovery path of every survivor (issue 30).
+            ring.abort()
         self.gate.leave()
         leave_ring(ring, failed=failed, round_number=self.round)
-        if collect and not aborted:
-            # Nobody shut the old connections down: freeing the old gloo pairs now
-            # is what wakes peers still blocked on them (costly under load, so
-            # skipped when the ring was aborted).
-            gc.collect()
 
     def _wait_for_plan(self, accept, *, leave_if_withdrawn: bool = False, on_idle=None) -> RoundPlan:
         """Wait (bounded by --rdzv-timeout) for a plan that ``accept``s and includes us;
@@ -321,10 +323,12 @@ class Runtime:
             raise LeftJob(f"withdrawn from round {plan.round} (graceful leave)")
         return plan
 
-    def _enter(self, plan: RoundPlan) -> None:
-        """Join ``plan``'s ring; if a newer plan supersedes it meanwhile, join that."""
+    def _enter(self, plan: RoundPlan) -> tuple[float, float, float]:
+        """Join ``plan``'s ring; if a newer plan supersedes it meanwhile, join that.
+        Returns the seconds spent connecting to its store, arriving, and in the init."""
         cfg = self.config
         while True:
+            started = time.monotonic()
             rank = plan.rank_of(cfg.worker_id)
             # Sockets that appear from here on are this round's: the store client and
             # gloo's full mesh. An abort shuts them all down, the store's too: when the
@@ -335,6 +339,7 @@ class Runtime:
             if nccl:
                 nccl_abort.nonblocking_env()  # read when the communicator is made
             base = self._connect_store(plan)
+            connected = time.monotonic()
             if base is not None:
                 round_store.clear_dump_signal(base, plan.round)  # before our group can read it (gpu review G2)
                 store = dist.PrefixStore(f"/round/{plan.round}/", base)
@@ -342,6 +347,7 @@ class Runtime:
                                       superseded=lambda p=plan: self._superseded(p)):
                     break
             plan = self._wait_for_plan(lambda p, r=plan.round: p.round > r)
+        arrived = time.monotonic()
         fault_points.entering_round(plan.round, rank)  # a no-op unless a test installed a fault there
         # A peer that dies now leaves the others waiting in the init for its address
         # until the store's timeout: the round that names it lost aborts the init.
@@ -372,6 +378,7 @@ class Runtime:
             # Everyone reached the store, but not each other: name the addresses.
             addresses = sorted({addr for _, addr in plan.hosts.values()})
             raise PeersUnreachable(plan.round, addresses, fault.reason) from None
+        initialized = time.monotonic()
         with self._backend_lock:
             forming, self._forming = self._forming, None
             self._ring = prepare_ring(before=before, store_port=store_port)
@@ -384,6 +391,7 @@ class Runtime:
             self.round = plan.round
         self.gate.enter(store)
         self._take_position(plan)
+        return connected - started, arrived - connected, initialized - arrived
 
     def _connect_store(self, plan: RoundPlan):
         """The round's store, or None once a newer plan that includes us exists."""
