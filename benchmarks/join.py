@@ -3,7 +3,10 @@
     python -m benchmarks.join [--state-mb 6,400,900] [--reps 3] [--ddp-init-sync] [--json PATH]
 
 Three workers (one agent) train the benchmark workload against an embedded etcd; a
-second agent with one worker joins the same job mid-run. The stall is the longest
+second agent with one worker joins the same job mid-run. Each host's start is also timed:
+from its ``elastic-run`` start to its first step, for the first round's host and for the
+joiner (issue 30: a joining host should not start slower than a host of the first round).
+The stall is the longest
 gap between two consecutive completed steps of the original workers around the
 switch, minus their median step time. ``--state-mb`` grows the state with ballast
 (benchmarks/workload.py): what the joiner must receive grows, the step does not.
@@ -19,6 +22,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from elastic.rendezvous import EmbeddedEtcd
@@ -43,6 +47,7 @@ def one_rep(rep: int, endpoint: str, args, state_mb: float) -> dict:
     job_id = f"join-{rep}-{work.name[-6:]}"
     env = benchmark_env()
     load_before = os.getloadavg()[0]
+    first_started = time.time()  # the workload stamps its steps with time.time()
     with Job(agent_command(endpoint, job_id, 3, work / "logs", workload), env, work / "first.log") as first:
         memory = PeakMemory(first.proc.pid)
         started = wait_for(lambda: any(len(w.steps) >= args.join_after for w in read_timings(timing)), 300)
@@ -50,6 +55,7 @@ def one_rep(rep: int, endpoint: str, args, state_mb: float) -> dict:
             memory.stop()
             return {"rep": rep, "state_mb": state_mb, "error": "the first agent made no progress"}
         original = {w.pid for w in read_timings(timing)}
+        joiner_started = time.time()
         with Job(agent_command(endpoint, job_id, 1, work / "logs", workload), env, work / "second.log") as second:
             joiner_memory = PeakMemory(second.proc.pid)
             first.wait(600)
@@ -72,6 +78,8 @@ def one_rep(rep: int, endpoint: str, args, state_mb: float) -> dict:
         stalls.append(max(around, default=median) - median)
         medians.append(median)
     running = [e for e in switches if e.get("pid") in original] or switches
+    first_steps = {w.pid: w.steps[0][1] for w in read_timings(timing) if w.steps}
+    joiner_steps = [t for pid, t in first_steps.items() if pid not in original]
     return {
         "rep": rep,
         "state_mb": state_mb,
@@ -82,6 +90,9 @@ def one_rep(rep: int, endpoint: str, args, state_mb: float) -> dict:
         "sync_s_all": max(e["sync_s"] for e in switches),
         "peak_rss_mb_running": peak_running,
         "peak_rss_mb_joiner": peak_joiner,
+        # elastic-run start -> the host's first step (its first worker's, for the first host)
+        "first_host_start_s": min(t for pid, t in first_steps.items() if pid in original) - first_started,
+        "joiner_start_s": (min(joiner_steps) - joiner_started) if joiner_steps else None,
         "world_sizes": sorted({e["world_size"] for e in switches}),
         "loadavg_1min": load_before,
     }
@@ -108,11 +119,12 @@ def main(argv=None) -> int:
                       f"stall {result['stall_s']:.3f}s (median step {result['median_step_s'] * 1000:.1f} ms, "
                       f"switch {result['switch_total_s']:.3f}s, sync running {result['sync_s_running']:.3f}s, "
                       f"peak RSS running {result['peak_rss_mb_running']:.0f} MB, joiner "
-                      f"{result['peak_rss_mb_joiner'] or 0:.0f} MB, load {result['loadavg_1min']:.1f})"), flush=True)
+                      f"{result['peak_rss_mb_joiner'] or 0:.0f} MB, start to first step: first host "
+                      f"{result['first_host_start_s']:.2f}s, joiner {result['joiner_start_s'] or float('nan'):.2f}s, load {result['loadavg_1min']:.1f})"), flush=True)
     summaries = []
     print()
     print(f"{'state MB':>9} {'ok':>4} {'median stall':>13} {'max stall':>10} {'sync (running)':>15} "
-          f"{'peak RSS running/joiner':>24}")
+          f"{'peak RSS running/joiner':>24} {'start->step first/joiner':>25}")
     for state_mb in sizes:
         good = [r for r in results if r["state_mb"] == state_mb and "stall_s" in r]
         if not good:
@@ -126,11 +138,15 @@ def main(argv=None) -> int:
             "median_sync_running_s": statistics.median(r["sync_s_running"] for r in good),
             "peak_rss_mb_running": max(r["peak_rss_mb_running"] or 0 for r in good),
             "peak_rss_mb_joiner": max(r["peak_rss_mb_joiner"] or 0 for r in good),
+            "median_first_host_start_s": statistics.median(r["first_host_start_s"] for r in good),
+            "median_joiner_start_s": statistics.median(
+                [r["joiner_start_s"] for r in good if r["joiner_start_s"] is not None] or [float("nan")]),
         }
         summaries.append(summary)
         print(f"{state_mb:>9g} {len(good):>4} {summary['median_stall_s']:>12.3f}s {summary['max_stall_s']:>9.3f}s "
               f"{summary['median_sync_running_s']:>14.3f}s "
-              f"{summary['peak_rss_mb_running']:>11.0f}/{summary['peak_rss_mb_joiner']:.0f} MB")
+              f"{summary['peak_rss_mb_running']:>11.0f}/{summary['peak_rss_mb_joiner']:.0f} MB "
+              f"{summary['median_first_host_start_s']:>15.2f}s/{summary['median_joiner_start_s']:.2f}s")
     if args.json:
         Path(args.json).write_text(json.dumps({"summaries": summaries, "reps": results, "target_s": TARGET_S,
                                                "ddp_init_sync": args.ddp_init_sync}, indent=2))

@@ -4,7 +4,7 @@
     classify  a broken ring re-forms; a bug in user code fails this worker; a
               broken process (sticky CUDA error) exits for its agent to replace it
     budget    more than --max-resets failures within --reset-window fail it too
-    abort     leave the except block, destroy the old group, collect its garbage
+    abort     leave the except block, shut the old ring's connections, drop its group
     check     on CUDA, a bounded device sync: a device that does not answer is a
               broken process
     restore   roll back to the last commit (only after a failure)
