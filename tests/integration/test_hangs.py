@@ -102,7 +102,10 @@ def test_a_frozen_worker_is_killed_and_the_survivors_go_on(tmp_path, netns_hosts
 
 @pytest.mark.slow  # the frozen-worker test runs by default; this one in the slow run (CI)
 def test_a_main_thread_sleeping_outside_any_collective_is_killed_with_its_stack_logged(tmp_path):
-    args = ["--steps", "200", "--step-delay", "0.05", "--hang-rank", "1", "--hang-step", "30"]
+    # Held below 3 workers (committing in lockstep without training), the survivors cannot
+    # finish before the replacement, slow to start under load, has joined.
+    args = ["--steps", "200", "--step-delay", "0.05", "--hang-rank", "1", "--hang-step", "30",
+            "--hold-below-world", "3"]
     launcher = ["--np", "3", "--min-np", "2", "--max-restarts", "1"]
     job = Job(tmp_path, Job.train_args(tmp_path / "out", tmp_path / "logs", launcher, args))
     try:
