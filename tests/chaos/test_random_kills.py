@@ -25,7 +25,9 @@ def test_repeated_random_sigkills_with_replacements_finish_consistently(tmp_path
     job = Job(tmp_path, Job.train_args(
         tmp_path / "out", tmp_path / "logs",
         ["--np", "4", "--min-np", "2", "--max-restarts", str(KILLS), "--collective-timeout", "20"],
-        ["--steps", str(STEPS), "--step-delay", "0.02"]))
+        # Held below 4 workers (committing in lockstep without training), the survivors cannot
+        # finish before the last replacements, slow to start under load, have joined.
+        ["--steps", str(STEPS), "--step-delay", "0.02", "--hold-below-world", "4"]))
     killed = []
     for _ in range(KILLS):
         reached = max((s["step"] for s in job.steps()), default=0)
