@@ -126,6 +126,7 @@ class Agent:
         self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
         self._store: Optional[StoreServer] = None
         self._plain_stores: Optional[PlainStores] = None
+        self._peer_probe: Optional[PeerProbe] = None
         self.participant: Optional[Participant] = None
         # Progress for `elastic-run status`, the summary at the end, --chaos-kill-every's monkey (run_watch.py).
         self._watch = RunWatch.of(self)
@@ -499,10 +500,9 @@ class Agent:
             proc.join(5)
         if self.participant is not None:
             self.participant.leave()
-        if self._session_monitor is not None:
-            self._session_monitor.stop()
-        if self._health_server is not None:
-            self._health_server.stop()
+        for server in (self._session_monitor, self._peer_probe, self._health_server):  # threads we started
+            if server is not None:
+                server.stop()
         if self._plain_stores is not None:
             self._plain_stores.close()
         if self._store is not None:
