@@ -285,12 +285,6 @@ class Runtime:
         pending work and can block on a dead peer (gpu review F5, G8; ring_abort.leave_ring)."""
         with self._backend_lock:
             ring, self._ring = self._ring, None
-        if failed and ring is not None:
-            # Peers may still be blocked in the dead ring on live connections of ours:
-            # shutting them down fails their operation at once (a no-op if the control
-            # thread aborted already). Freeing the old pairs with a gc.collect() did the
-            # same, in 0.1-0.3 s on the recovery path of every survivor (issue 30).
-            ring.abort()
         self.gate.leave()
         leave_ring(ring, failed=failed, round_number=self.round)
 
