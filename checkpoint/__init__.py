@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 
 # Where each public name lives. They load on first use (PEP 562), so that the launcher
-# and the agent, which need only ``owner`` and ``manifest``, never import torch: that
-# import is most of a process's start (issue 30).
+# and the agent, which need only ``owner`` and ``manifest``, do not import torch on their
+# start path: that import is most of a process's start (issue 30). elastic/__init__.py
+# loads its API the same way; this room may import nothing of elastic's, so the few
+# lines are not shared.
 _HOMES = {
     "CheckpointPolicy": "durable", "DurableWriter": "durable", "PublishRefusal": "durable",
     "CheckpointInfo": "restore", "CheckpointsUnreadable": "restore", "list_checkpoints": "restore",
@@ -31,18 +33,8 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = [
-    "CheckpointInfo",
-    "CheckpointPolicy",
-    "CheckpointsUnreadable",
-    "DurableWriter",
-    "PublishRefusal",
-    "Flat",
-    "Layout",
-    "Plain",
-    "Snapshot",
-    "clone_tree",
-    "copy_into",
-    "list_checkpoints",
-    "load_latest",
-]
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))
+
+
+__all__ = sorted(_HOMES)
