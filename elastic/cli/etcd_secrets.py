@@ -121,8 +121,8 @@ def apply_job_secret(args: argparse.Namespace, environ=os.environ) -> None:
     Slurm's, which slurm.py handles) gives the etcd credentials, unless the user gave some."""
     if getattr(args, "slurm_rendezvous", None) or not args.rdzv_endpoint:
         return
-    file = getattr(args, "job_secret_file", None)  # --job-secret-file, or its ELASTIC_JOB_SECRET_FILE
-    secret = read_secret_file(file) if file and not environ.get(SECRET_ENV) else secret_from_env(environ)
+    file = _secret_file(args, environ)
+    secret = read_secret_file(file) if file else secret_from_env(environ)
     if secret is None:
         return
     if args.etcd_ca or args.etcd_user:
@@ -131,14 +131,20 @@ def apply_job_secret(args: argparse.Namespace, environ=os.environ) -> None:
     use_job_secret(args, secret)
 
 
+def _secret_file(args: argparse.Namespace, environ=os.environ) -> Optional[str]:
+    """The secret file the job's secret is read from: --job-secret-file (or its
+    ELASTIC_JOB_SECRET_FILE), unless the secret itself is in ELASTIC_JOB_SECRET, which wins."""
+    file = getattr(args, "job_secret_file", None)
+    return file if file and not environ.get(SECRET_ENV) else None
+
 
 def secret_source(args: argparse.Namespace) -> tuple[list[str], str]:
     """What another host's command needs to reach this job's etcd (words for the join
     hint) and what to do first (a note, or ""): the secret file's path (the user copies
     it), the same secret in the environment, or --allow-insecure as this host was given."""
     if getattr(args, "job_secret", None) is not None:
-        file = getattr(args, "job_secret_file", None)
-        if file and not os.environ.get(SECRET_ENV):
+        file = _secret_file(args)
+        if file:
             path = os.path.abspath(file)
             return ["--job-secret-file", path], f"copy {path} to every host first, mode 0600"
         return [], f"with the same {SECRET_ENV} in its environment"
