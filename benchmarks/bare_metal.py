@@ -69,8 +69,8 @@ def one_rep(tmp: Path, count: int, ttl: float, victim: int) -> dict:
         if not after:
             raise RuntimeError(f"the survivors never stepped: see {tmp}")
         stop.touch()
-        return {"victim": victim, "endpoint_host": victim == 0, "loss_to_next_step_s": min(s["t"] for s in after)
-                - killed_at}
+        return {"victim": victim, "endpoint_host": victim == 0, "killed_at": killed_at,
+                "loss_to_next_step_s": min(s["t"] for s in after) - killed_at}
     finally:
         hosts.destroy()
 

@@ -46,6 +46,10 @@ from .rounds import Member
 log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5  # between two looks while the coordinator gave no proof either way
+# One try at each etcd call of a look. The coordinator's host is often etcd's leader's: a
+# call sent while etcd elects another is held for the whole call timeout (5 s) even once
+# the new leader is in, where a short try and another look half a second later is not.
+CALL_DEADLINE_S = 1.0
 PATIENCE_TTLS = 2.0  # stop looking after this many TTLs: by then its lease has decided
 
 DONE, PROBE, EVICT, RETRY = "done", "probe", "evict", "retry"
@@ -134,12 +138,12 @@ class Succession:
         return move
 
     def _look(self, failed_round: int, since: float) -> str:
-        key = self._etcd.get(self._keys.coordinator)
+        key = self._etcd.get(self._keys.coordinator, retry_deadline=CALL_DEADLINE_S)
         view = SuccessionView(failed_round, self._plan_round(), None if key is None else key.value.decode(errors="replace"),
                               self._member_id, None, self._clock() - since, self._ttl)
         if next_move(view) != PROBE:
             return next_move(view)
-        record = self._etcd.get(self._keys.member(view.leader))
+        record = self._etcd.get(self._keys.member(view.leader), retry_deadline=CALL_DEADLINE_S)
         try:
             leader = Member.from_json(record.value) if record is not None else None
         except MalformedValueError:
@@ -150,7 +154,7 @@ class Succession:
         move = next_move(replace(view, answer=answer))
         if move == EVICT:
             try:
-                self._etcd.revoke_lease(key.lease)
+                self._etcd.revoke_lease(key.lease, retry_deadline=CALL_DEADLINE_S)
             except RendezvousError as exc:  # already revoked or expired: the key is gone either way
                 log.info("round %d: could not revoke coordinator %s's lease (%s)", failed_round, view.leader, exc)
                 return RETRY

@@ -7,7 +7,8 @@ import pytest
 
 from elastic.rendezvous.liveness import ACCEPTED, REFUSED, SILENT
 from elastic.rendezvous.rounds import RendezvousSettings
-from elastic.rendezvous.succession import DONE, EVICT, PROBE, RETRY, Succession, SuccessionView, next_move
+from elastic.rendezvous.succession import (CALL_DEADLINE_S, DONE, EVICT, PROBE, RETRY, Succession, SuccessionView,
+                                           next_move)
 from tests.unit.rendezvous.test_coordinator import KEYS, Agent, kv, plan_of, plan_with, refusing_port  # noqa: F401
 
 pytestmark = pytest.mark.timeout(30)
@@ -55,16 +56,35 @@ def _three_agents(kv, dead_port):
     return agents, plan
 
 
+class _Deadlines:
+    """The kv, recording the retry deadline of every call the succession makes."""
+
+    def __init__(self, kv):
+        self._kv, self.seen = kv, []
+
+    def get(self, key, **kwargs):
+        self.seen.append(kwargs.get("retry_deadline"))
+        return self._kv.get(key)
+
+    def revoke_lease(self, lease_id, **kwargs):
+        self.seen.append(kwargs.get("retry_deadline"))
+        return self._kv.revoke_lease(lease_id)
+
+
 def test_a_coordinator_whose_agent_refuses_is_replaced_before_its_ttl(kv):
     agents, plan = _three_agents(kv, refusing_port())
     b = agents[1]
-    succession = Succession(kv, KEYS, "b", lambda: b.control.plan.round, ttl=5.0).start()
+    calls = _Deadlines(kv)
+    succession = Succession(calls, KEYS, "b", lambda: b.control.plan.round, ttl=5.0).start()
     try:
         succession.ring_broke(plan.round)  # b's worker saw the ring break
         after = plan_of(b.control, plan.round + 1)
         assert sorted(after.worker_ids()) == ["b0", "c0"] and after.lost == ("a0",)
         assert kv.get(KEYS.member("a")) is None  # its lease went, member record and election key with it
         assert sum(x.coordinator.leading.is_set() for x in agents[1:]) == 1
+        # Every call one short try: etcd may be electing a new leader (the coordinator's
+        # host held it), and a call sent then waits for its whole timeout otherwise.
+        assert len(calls.seen) == 3 and set(calls.seen) == {CALL_DEADLINE_S}
     finally:
         succession.stop()
         for agent in agents:
