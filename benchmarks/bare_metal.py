@@ -96,7 +96,7 @@ def main() -> None:
                 finally:
                     if args.keep:
                         shutil.copytree(tmp, Path(args.keep) / f"rep{rep}-host{victim}", dirs_exist_ok=True,
-                                        ignore=shutil.ignore_patterns("*.secret", "*.pt"))
+                                        ignore=shutil.ignore_patterns("*.secret", "*password*", "*.pt"))
             rows.append({"rep": rep, **row})
             print(f"rep {rep}: host {victim} ({'the endpoint' if victim == 0 else 'another'}) lost -> "
                   f"next step {row['loss_to_next_step_s']:.2f}s", flush=True)
