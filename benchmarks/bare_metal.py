@@ -1,7 +1,8 @@
 """Bare metal, no etcd of the user's: from a host's loss to the survivors' next step, the
 endpoint's host lost against another host lost.
 
-    python -m benchmarks.bare_metal [--reps 1] [--hosts 3] [--ttl 4] [--json PATH]
+    python -m benchmarks.bare_metal [--reps 1] [--hosts 3] [--ttl 4] [--json PATH] [--only endpoint|other]
+        [--keep DIR]
 
 Per rep and case: N namespaced hosts (tests/fakes/netns.py; root and `ip` needed) run
 torchrun's multi-node command (``--nnodes=2:N --nproc-per-node=1 --rdzv-backend=c10d
@@ -10,13 +11,15 @@ rendezvous, which has three members once three hosts are in. When the ring of N 
 and the etcd has its three members, every process of the victim (agent, worker, and its
 etcd member: host 0's is the endpoint's) gets SIGKILL; the figure is the time to the
 first step the survivors record in their world of N-1. Goal: the endpoint's host no
-slower than another (within noise), both within --rdzv-ttl + 2 s.
+slower than another (within noise), both within --rdzv-ttl + 2 s. ``--keep DIR`` keeps each
+rep's hosts' logs (agents' output, workers' logs, steps) under DIR/rep<N>-host<victim>.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -66,8 +69,8 @@ def one_rep(tmp: Path, count: int, ttl: float, victim: int) -> dict:
         if not after:
             raise RuntimeError(f"the survivors never stepped: see {tmp}")
         stop.touch()
-        return {"victim": victim, "endpoint_host": victim == 0, "loss_to_next_step_s": min(s["t"] for s in after)
-                - killed_at}
+        return {"victim": victim, "endpoint_host": victim == 0, "killed_at": killed_at,
+                "loss_to_next_step_s": min(s["t"] for s in after) - killed_at}
     finally:
         hosts.destroy()
 
@@ -78,20 +81,30 @@ def main() -> None:
     p.add_argument("--hosts", type=int, default=3)
     p.add_argument("--ttl", type=float, default=4.0)
     p.add_argument("--json", default="benchmarks/results/bare_metal.json")
+    p.add_argument("--only", choices=("endpoint", "other"), help="lose only this host (both by default)")
+    p.add_argument("--keep", help="copy each rep's logs under this directory")
     args = p.parse_args()
+    victims = {"endpoint": (0,), "other": (args.hosts - 1,)}.get(args.only, (0, args.hosts - 1))
     netns.check_available()
     netns.sweep_leftovers()
     rows = []
     for rep in range(args.reps):
-        for victim in (0, args.hosts - 1):  # alternate, so the load drifts over both alike
+        for victim in victims:  # alternate, so the load drifts over both alike
             with tempfile.TemporaryDirectory(prefix="bench-bare-metal-") as tmp:
-                row = one_rep(Path(tmp), args.hosts, args.ttl, victim)
+                try:
+                    row = one_rep(Path(tmp), args.hosts, args.ttl, victim)
+                finally:
+                    if args.keep:
+                        shutil.copytree(tmp, Path(args.keep) / f"rep{rep}-host{victim}", dirs_exist_ok=True,
+                                        ignore=shutil.ignore_patterns("*.secret", "*password*", "*.pt"))
             rows.append({"rep": rep, **row})
             print(f"rep {rep}: host {victim} ({'the endpoint' if victim == 0 else 'another'}) lost -> "
                   f"next step {row['loss_to_next_step_s']:.2f}s", flush=True)
     summary = {}
     for endpoint in (True, False):
         values = [r["loss_to_next_step_s"] for r in rows if r["endpoint_host"] == endpoint]
+        if not values:
+            continue
         summary["endpoint_host" if endpoint else "other_host"] = {
             "median_s": statistics.median(values), "min_s": min(values), "max_s": max(values), "n": len(values)}
     print(f"\n| lost host ({args.hosts} hosts, --rdzv-ttl {args.ttl:g}) | median | min | max | n |\n|---|---|---|---|---|")

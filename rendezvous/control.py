@@ -33,6 +33,8 @@ RUNNING, STOPPING, SUCCEEDED, FAILED = "running", "stopping", "succeeded", "fail
 # Kubernetes Job fails at once instead of retrying). Anything else leaves it empty.
 CAUSE_USER_CODE = "user_code"
 
+REQUEST_DEADLINE_S = 1.0  # one try at posting a reset request (request_reset)
+
 
 @dataclass(frozen=True)
 class JobStatus:
@@ -234,6 +236,15 @@ class ControlChannel:
             # The status changed under us: read it again.
 
     def request_reset(self, worker_id: str, round_number: int, reason: str, lost: tuple = ()) -> None:
-        """Ask for a round after ``round_number``; ``lost`` names workers known dead."""
+        """Ask for a round after ``round_number``; ``lost`` names workers known dead.
+
+        Tried for ``REQUEST_DEADLINE_S`` at most, then RendezvousError: every caller posts
+        it again when refused (the worker's reset nudge, the agent's queued writes). A put
+        sent while etcd re-elects its leader (its leader's host was lost) is held until
+        the call's timeout even once a new leader is in; a worker waiting for its next
+        round posts from the thread that watches for that round's plan, and must not miss
+        the plan for that long (it cost 5 s, the call timeout, when the endpoint's host
+        was lost)."""
         body = json.dumps({"round": round_number, "reason": reason[:500], "lost": list(lost)}).encode()
-        put_on_job_lease(self._etcd, self._keys.request(worker_id), body, self.job_lease)
+        put_on_job_lease(self._etcd, self._keys.request(worker_id), body, self.job_lease,
+                         retry_deadline=REQUEST_DEADLINE_S)

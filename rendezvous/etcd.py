@@ -394,9 +394,10 @@ class Etcd:
             etcdrpc.StatusRequest(), timeout=t, metadata=md))
         return response.header.revision
 
-    def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+    def put(self, key: str, value: bytes, lease: int | None = None, *, retry_deadline: float | None = None) -> int:
         request = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease or 0)
-        response = self._call(f"put {key}", lambda ch, t, md: etcdrpc.KVStub(ch).Put(request, timeout=t, metadata=md))
+        response = self._call(f"put {key}", lambda ch, t, md: etcdrpc.KVStub(ch).Put(request, timeout=t, metadata=md),
+                              deadline=retry_deadline)
         return response.header.revision
 
     def delete(self, key: str) -> bool:

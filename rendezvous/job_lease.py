@@ -32,14 +32,15 @@ def lease_missing(exc: RendezvousError) -> bool:
     return "lease not found" in str(exc)
 
 
-def put_on_job_lease(etcd: Kv, key: str, value: bytes, lease: Optional[int]) -> None:
+def put_on_job_lease(etcd: Kv, key: str, value: bytes, lease: Optional[int], *,
+                     retry_deadline: Optional[float] = None) -> None:
     """Put ``key`` on the job lease; without it when the lease is gone (the job ended)."""
     try:
-        etcd.put(key, value, lease=lease)
+        etcd.put(key, value, lease=lease, retry_deadline=retry_deadline)
     except RendezvousError as exc:
         if not lease_missing(exc):
             raise
-        etcd.put(key, value)
+        etcd.put(key, value, retry_deadline=retry_deadline)
 
 
 def parse_job_lease(value: bytes) -> int:

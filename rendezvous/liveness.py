@@ -31,15 +31,24 @@ PROBE_TIMEOUT_S = 0.5
 _MAX_PARALLEL_PROBES = 32
 
 
-def agent_refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """True only when the host refused a connection to the agent's port."""
+ACCEPTED, REFUSED, SILENT = "accepted", "refused", "silent"  # a connect's answers
+
+
+def agent_answer(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str:
+    """ACCEPTED (the agent listens), REFUSED (the host is up, the agent gone) or SILENT
+    (a timeout, an unreachable network, any other error: no proof either way)."""
     try:
         with socket.create_connection((addr, port), timeout=timeout):
-            return False
+            return ACCEPTED
     except ConnectionRefusedError:
-        return True
-    except OSError:  # timeout, unreachable, ...: no proof either way
-        return False
+        return REFUSED
+    except OSError:
+        return SILENT
+
+
+def agent_refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """True only when the host refused a connection to the agent's port."""
+    return agent_answer(addr, port, timeout) == REFUSED
 
 
 def evict_if_dead(etcd: Kv, keys: JobKeys, member_id: str) -> bool:

@@ -200,6 +200,7 @@ class Agent:
         self.metrics.observe(event)
         on_straggler_event(self, event)
         self._watch.on_event(event)  # and the chaos monkey's
+        self._peer_probe.on_event(event)  # our ring broke: is the coordinator's agent gone? (succession.py)
 
     # -- following the plan -----------------------------------------------------------
     def _follow_rounds(self) -> None:

@@ -27,6 +27,11 @@ from an unreachable host). The agents find out themselves:
 
 The probing runs in its own thread: an unreachable peer costs ``timeout``
 seconds per pass, which the agent's loop must not wait for.
+
+A ring that broke for sure (a worker of ours reports ``failure_detected``) also makes
+the agent check the coordinator (``rendezvous/succession.py``): if the coordinator's
+host is up and its agent refuses connections, its lease is revoked so that another
+agent leads and plans the next round at once, instead of a TTL later.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Callable, Iterable, Optional
 
 from elastic.rendezvous import Etcd, MalformedValueError, Member, Participant, RendezvousError
 from elastic.rendezvous.reachability import ReachReport
+from elastic.rendezvous.succession import Succession
 
 from ..contract.events import EventLog
 from ..contract.progress import Marks
@@ -106,14 +112,28 @@ class PeerProbe:
         self._silent_once: set = set()  # gave no answer in the last pass
         self._written: Optional[tuple[int, tuple[str, ...]]] = None  # (round, unreachable) in etcd
         self._thread = threading.Thread(target=self._run, name="elastic-peer-probe", daemon=True)
+        self._succession: Optional[Succession] = None
 
     def start(self) -> "PeerProbe":
+        self._succession = Succession(self._etcd, self._keys, self._member_id, self._plan_round,
+                                      self._participant.session.ttl).start()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._stalled.set()
+        if self._succession is not None:
+            self._succession.stop()
+
+    def _plan_round(self) -> int:
+        plan = self._participant.control.plan
+        return 0 if plan is None else plan.round
+
+    def on_event(self, event: dict) -> None:
+        """Agent's loop, for each event of its host: a worker of ours saw its ring break."""
+        if event.get("event") == "failure_detected" and self._succession is not None:
+            self._succession.ring_broke(int(event.get("round") or 0))
 
     def tick(self, marks: Iterable[Marks]) -> None:
         """Agent's loop: does any of our workers look stuck in its step?"""

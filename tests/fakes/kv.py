@@ -65,7 +65,7 @@ class MemoryKv:
             return [self._data[k] for k in sorted(self._data) if k.startswith(prefix)], self._revision
 
     # -- writes --------------------------------------------------------------
-    def put(self, key: str, value: bytes, lease: Optional[int] = None) -> int:
+    def put(self, key: str, value: bytes, lease: Optional[int] = None, **_) -> int:
         ok, revision = self.txn([], [Put(key, value, lease)])
         return revision
 

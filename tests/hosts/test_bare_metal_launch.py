@@ -5,8 +5,8 @@ Every host runs ``elastic-run --nnodes=2:N --nproc-per-node=1 --rdzv-id=... --rd
 --rdzv-endpoint=<host 0's address>:29400 train_job.py ...`` (the last host the join command
 host 0 printed, as printed). Host 0 starts the etcd; once three hosts are in, it has a member on
 three of them. Then host 0 (its agent, its worker and its etcd member) is SIGKILLed: the
-survivors' next step comes within --rdzv-ttl + 5 s (+ slack for a loaded 2-core machine), a lost
-member is replaced by the fourth host's where there is one, and the job trains to the end,
+survivors' next step comes within --rdzv-ttl + 5 s (the issue's bound, no slack: it takes about 2 s,
+the coordinator's successor taking over at once, rendezvous/succession.py), a lost member is replaced by the fourth host's where there is one, and the job trains to the end,
 float64-exact against a plain run of as many steps.
 """
 
@@ -31,7 +31,6 @@ from tests.integration.test_served_etcd import assert_strangers_refused
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TTL = 4.0
-SLACK_S = 6.0  # a loaded 2-core machine; benchmarks/bare_metal.py measures it idle
 PORT = 29400
 # The data set's size fixed (it is --steps x the global batch otherwise), so a plain run of
 # as many steps as the job made (stopped by a file) draws the same samples.
@@ -98,8 +97,8 @@ def test_the_endpoint_host_is_lost_and_the_job_goes_on(netns_hosts, tmp_path, co
                                 if s["t"] > killed_at and s["world"] == count - 1], TTL + 60, "the survivors' step")
     stall = min(s["t"] for s in after) - killed_at
     print(f"\n{count} hosts, the endpoint's host killed: the survivors' next step after {stall:.2f}s "
-          f"(--rdzv-ttl {TTL:g}s; bound {TTL + 5:g}s + {SLACK_S:g}s slack)")
-    assert stall <= TTL + 5 + SLACK_S, f"survivors stalled {stall:.1f}s"
+          f"(--rdzv-ttl {TTL:g}s; bound {TTL + 5:g}s)")
+    assert stall <= TTL + 5, f"survivors stalled {stall:.1f}s"
 
     others = next(f"{h}:{p}" for m in members for h, p in m.client_endpoints() if h != hosts[0].addr)
     if count == 4:  # the lost member is replaced by the fourth host's

@@ -1,0 +1,165 @@
+"""Losing the coordinating host costs no more than losing another: its successor takes over at once.
+
+One elected agent plans the rounds (coordinator.py). When another host is lost, the
+coordinator proves that host's agent dead (its port refuses connections, liveness.py),
+revokes its lease and plans the next round within a second. When the coordinator's own
+host is lost, nobody did that: the survivors waited for its election key, on its lease,
+to expire. On bare metal with no etcd of the user's that host is usually the endpoint's,
+which holds etcd's leader too, and a new etcd leader renews every lease to its full TTL:
+the key outlived the host by etcd's re-election plus a whole ``--rdzv-ttl``.
+
+So when a survivor's ring breaks (its worker reports the failure), its agent checks the
+coordinator: it reads who holds the election key, connects to that agent's port, and
+only if the host refuses the connection (a TCP reset: the host is up and nothing listens
+there, so the agent process is gone) it revokes the key's lease. The key goes with the
+coordinator's member record, every agent campaigns, one leads and plans the round.
+
+Safety is the election's, unchanged:
+
+* only a refusal proves death. A connect that times out, an unreachable network, any
+  error, is no evidence: a coordinator cut off from us (the partition may be on our side)
+  keeps its key until its TTL, exactly as before;
+* a coordinator wrongly removed could not go on deciding anyway: every plan, status and
+  notice it writes is fenced by its key's create revision (``CreateRevisionEquals``), and
+  a new key has a new revision; its own watch on the key tells it it is deposed;
+* checking costs one read and one connect per agent per ring failure, and stops as soon
+  as a round answers the failure, the coordinator answers the connect, or the key goes.
+
+What to do next is decided by the pure ``next_move`` (tested as a table); ``Succession``
+carries it out in its own thread, so the agent's loop never waits on etcd or a connect.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+from .errors import MalformedValueError, RendezvousError
+from .keys import JobKeys
+from .kv import Kv
+from .liveness import ACCEPTED, REFUSED, agent_answer
+from .rounds import Member
+
+log = logging.getLogger(__name__)
+
+CHECK_EVERY_S = 0.5  # between two looks while the coordinator gave no proof either way
+# One try at each etcd call of a look. The coordinator's host is often etcd's leader's: a
+# call sent while etcd elects another is held for the whole call timeout (5 s) even once
+# the new leader is in, where a short try and another look half a second later is not.
+CALL_DEADLINE_S = 1.0
+PATIENCE_TTLS = 2.0  # stop looking after this many TTLs: by then its lease has decided
+
+DONE, PROBE, EVICT, RETRY = "done", "probe", "evict", "retry"
+
+
+@dataclass(frozen=True)
+class SuccessionView:
+    """What a survivor knows when it looks at the coordinator after its ring broke."""
+
+    failed_round: int  # the round whose ring broke
+    plan_round: int  # the newest plan's round (0: none)
+    leader: Optional[str]  # the member holding the election key (None: nobody)
+    me: str  # our member id
+    answer: Optional[str]  # the leader's agent's answer to a connect: ACCEPTED, REFUSED, SILENT; None: not asked
+    elapsed: float  # seconds since the ring broke
+    ttl: float  # --rdzv-ttl
+
+
+def next_move(view: SuccessionView) -> str:
+    """DONE (nothing to do), PROBE (ask the leader's agent), EVICT (revoke its lease), RETRY (look again soon)."""
+    if view.plan_round > view.failed_round:
+        return DONE  # a round answered the failure: the coordinator (whoever) is at work
+    if view.leader is None or view.leader == view.me:
+        return DONE  # vacant (every agent campaigns), or we lead: our coordinator answers
+    if view.elapsed >= PATIENCE_TTLS * view.ttl:
+        return DONE  # a dead leader's lease has expired by now; a live one is not ours to judge
+    if view.answer is None:
+        return PROBE
+    if view.answer == REFUSED:
+        return EVICT  # the host is up and its agent is gone: nobody will ever renew that lease
+    if view.answer == ACCEPTED:
+        return DONE  # alive: planning the round is its job
+    return RETRY  # silent: no proof (a partition may be ours); ask again until its TTL decides
+
+
+class Succession:
+    """``ring_broke(round)`` from the agent; the checking runs in a thread of its own."""
+
+    def __init__(self, etcd: Kv, keys: JobKeys, member_id: str, plan_round: Callable[[], int], ttl: float,
+                 *, answer: Callable[[str, int], str] = agent_answer, clock: Callable[[], float] = time.monotonic):
+        self._etcd, self._keys, self._member_id = etcd, keys, member_id
+        self._plan_round, self._ttl = plan_round, ttl
+        self._answer, self._clock = answer, clock
+        self._broken: Optional[tuple[int, float]] = None  # (round, when) of the newest failure not yet checked
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic-succession", daemon=True)
+
+    def start(self) -> "Succession":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def ring_broke(self, round_: int) -> None:
+        with self._lock:
+            if self._broken is None or round_ > self._broken[0]:
+                self._broken = (round_, self._clock())
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                broken, self._broken = self._broken, None
+            if broken is not None and not self._stop.is_set():
+                self.check(*broken)
+
+    def check(self, failed_round: int, since: float) -> Optional[str]:
+        """Look at the coordinator until there is nothing left to do; the last move."""
+        move = None
+        while not self._stop.is_set():
+            try:
+                move = self._look(failed_round, since)
+            except RendezvousError as exc:  # etcd re-electing its leader, or away: look again
+                log.info("round %d: cannot check the coordinator yet (%s)", failed_round, exc)
+                move = RETRY
+            if move in (DONE, EVICT):
+                return move
+            if self._stop.wait(CHECK_EVERY_S) or self._wake.is_set():
+                return move  # stopping, or a newer failure: that one is checked next
+        return move
+
+    def _look(self, failed_round: int, since: float) -> str:
+        key = self._etcd.get(self._keys.coordinator, retry_deadline=CALL_DEADLINE_S)
+        view = SuccessionView(failed_round, self._plan_round(), None if key is None else key.value.decode(errors="replace"),
+                              self._member_id, None, self._clock() - since, self._ttl)
+        if next_move(view) != PROBE:
+            return next_move(view)
+        record = self._etcd.get(self._keys.member(view.leader), retry_deadline=CALL_DEADLINE_S)
+        try:
+            leader = Member.from_json(record.value) if record is not None else None
+        except MalformedValueError:
+            leader = None
+        if leader is None:
+            return RETRY  # no address to prove anything with (re-registering, or being removed)
+        answer = self._answer(leader.addr, leader.store_port)
+        move = next_move(replace(view, answer=answer))
+        if move == EVICT:
+            try:
+                self._etcd.revoke_lease(key.lease, retry_deadline=CALL_DEADLINE_S)
+            except RendezvousError as exc:  # already revoked or expired: the key is gone either way
+                log.info("round %d: could not revoke coordinator %s's lease (%s)", failed_round, view.leader, exc)
+                return RETRY
+            log.warning("round %d: coordinator %s (%s): its agent at %s:%d refuses connections; revoked its "
+                        "lease %.2fs after the ring broke, without waiting for its TTL: another agent leads now",
+                        failed_round, view.leader, leader.host, leader.addr, leader.store_port,
+                        self._clock() - since)
+        return move
