@@ -28,7 +28,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
 
 # Long end-to-end runs that CI leaves out to stay within its time (sharded 4->3->4, a kill
-# inside a replication, two hosts lost with a DCP resume; a Horovod SIGKILL; 200 planned
+# inside a replication, two hosts lost with a DCP resume; a Horovod SIGKILL; 200 requested
 # re-formations; the chaos report of a full job): by hand.
 test-extended: $(STAMP)
 	$(PY) -m pytest -q -m extended

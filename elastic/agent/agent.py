@@ -53,6 +53,7 @@ from elastic.rendezvous import (
     RoundPlan,
     new_member_id,
 )
+from elastic.rendezvous.private_files import process_dir
 
 from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
@@ -106,7 +107,7 @@ class Agent:
         self._leaving_since: Optional[float] = None
         self._outcome: Optional[int] = None
         self._etcd_writes = EtcdWrites()  # reports queued while etcd is away
-        self._scratch = tempfile.mkdtemp(prefix="elastic-agent-")
+        self._scratch = tempfile.mkdtemp(prefix="agent-", dir=process_dir())  # gone with us, even if SIGKILLed
         # Without a log directory the events still go to a file: the agent reads its
         # workers' events from it (event_tail.py).
         self.events = EventLog(

@@ -76,6 +76,9 @@ p.add_argument("--break-ring-every", type=int, default=None,
                     "network fault would: the whole ring takes the failure path (abort, restore, re-form, sync)")
 p.add_argument("--hold-below-world", type=int, default=None,
                help="while the ring is smaller than this, commit in lockstep without training")
+p.add_argument("--hold-from-step", type=int, default=0,
+               help="--hold-below-world holds only from this step on (a ring that trains until a "
+                    "joiner is started, then waits for it however slowly it starts)")
 p.add_argument("--kill-at", default="", help="STEP:POINT,... --kill-rank SIGKILLs itself at POINT "
                "of step STEP: before-step, mid-step (after the forward, before the all-reduce), "
                "before-commit, after-peer-commit (once rank 0 has committed the step), after-commit; "
@@ -267,7 +270,7 @@ def hold_until_the_ring_grows():
     """Wait for a joiner at commits (where a grow is applied) without training, so a test
     sees its grow before the epoch ends however slowly the joiner starts. One barrier per
     turn keeps the ranks' commits in step: they must all switch at the same commit."""
-    while args.hold_below_world and elastic.size() < args.hold_below_world:
+    while args.hold_below_world and state.step >= args.hold_from_step and elastic.size() < args.hold_below_world:
         dist.barrier()
         time.sleep(0.05)
         state.commit()  # raises HostsUpdatedInterrupt at the switch: train is re-entered

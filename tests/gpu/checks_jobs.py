@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from tests.fakes.jobs import Job, read_jsonl
 
 from .check_base import REPO, Context, Outcome, child_env, run_children
@@ -52,6 +50,8 @@ def _events(job: Job, event: str) -> list:
 
 
 def _final(job: Job):
+    import torch  # here, not at the top: every check's process imports this module (check.py)
+
     finals = sorted(job.out.glob("final-*.pt"))
     return torch.load(finals[-1], weights_only=True) if finals else None
 
@@ -76,7 +76,7 @@ def default_backend_e2e(ctx: Context) -> Outcome:
     problems = [f"{name} exited {rc}: {jobs[name].text()[-300:]!r}" for name, rc in codes.items() if rc != 0]
     if not problems:
         clean, broken = _final(jobs["clean"]), _final(jobs["broken"])
-        if clean is None or broken is None or any(not torch.equal(v, broken[k]) for k, v in clean.items()):
+        if clean is None or broken is None or any(not v.equal(broken[k]) for k, v in clean.items()):
             problems.append("the broken run's final parameters differ from the clean run's")
         if len(reforms["broken"]) < E2E_STEPS // 3 - 2 or not all(r["failed"] for r in reforms["broken"]):
             problems.append(f"{len(reforms['broken'])} re-formations for {E2E_STEPS // 3} breaks")

@@ -14,7 +14,6 @@ import textwrap
 
 from elastic.agent.worker_env import nccl_env
 from elastic.contract.devices import CPU_AND_CUDA
-from elastic.worker.nccl_abort import ABORT_DEADLINE_S, nonblocking_env
 
 from .check_base import Context, Outcome, child_env, python_c, run_children
 
@@ -22,6 +21,10 @@ from .check_base import Context, Outcome, child_env, python_c, run_children
 def workers_nccl_env(**extra: str) -> dict:
     """The NCCL variables a worker of the default backend starts with, plus ``extra``."""
     env = nccl_env(CPU_AND_CUDA)
+    # Here, not at the top: nccl_abort imports torch, and every check's process imports
+    # this module (check.py), whatever it runs.
+    from elastic.worker.nccl_abort import nonblocking_env
+
     nonblocking_env(env)
     env.update(extra)
     return env
@@ -190,8 +193,9 @@ def abort_in_setup(ctx: Context) -> Outcome:
     if idle_s is None or idle_s > 5.0 or "initialized False" not in idle.out:
         problems.append(f"(i) the abort of an idle forming ring took {idle_s}s or left a group")
     busy_s = m_busy.get("abort_returned", 1e9) - m_busy["abort_called"] if "abort_called" in m_busy else None
-    if busy_s is None or busy_s > ABORT_DEADLINE_S - 15:
-        problems.append(f"(ii) the abort behind a waiting collective took {busy_s}s (deadline {ABORT_DEADLINE_S:g}s)")
+    from elastic.worker.nccl_abort import ABORT_DEADLINE_S as deadline_s
+    if busy_s is None or busy_s > deadline_s - 15:
+        problems.append(f"(ii) the abort behind a waiting collective took {busy_s}s (deadline {deadline_s:g}s)")
     figures.update(idle_abort_s=idle_s, busy_abort_s=busy_s)
     if problems:
         return Outcome(False, "; ".join(problems), figures)

@@ -83,12 +83,14 @@ def test_sigkill_of_a_worker_survivors_finish(tmp_path, victim_rank):
 
 def test_a_second_agent_joins_and_gets_rank0_state(tmp_path, etcd_server):
     endpoint = ["--rdzv-endpoint", etcd_server.endpoint, "--job-id", f"grow-{os.getpid()}-{id(tmp_path)}"]
-    # Long enough that a joiner importing torch on a loaded machine still finds it running.
-    first = start(tmp_path, [*endpoint, "--nproc-per-node", "2", "--min-np", "2", "--max-np", "3"],
-                  ["--steps", "400", "--step-delay", "0.03"], name="first")
+    # From step 15 the ring of 2 commits without training until the joiner is in (however
+    # slowly it imports torch on a loaded machine), instead of 400 steps to outlast it.
+    last = 60
+    script = ["--steps", str(last), "--step-delay", "0.03", "--hold-below-world", "3", "--hold-from-step", "15"]
+    first = start(tmp_path, [*endpoint, "--nproc-per-node", "2", "--min-np", "2", "--max-np", "3"], script, name="first")
     first.wait_for_step(15)
-    second = start(tmp_path, [*endpoint, "--nproc-per-node", "1", "--min-np", "2", "--max-np", "3"],
-                   ["--steps", "400", "--step-delay", "0.03"], name="second")
+    second = start(tmp_path, [*endpoint, "--nproc-per-node", "1", "--min-np", "2", "--max-np", "3"], script,
+                   name="second")
     assert first.wait() == 0, first.text()[-3000:]
     assert second.wait() == 0, second.text()[-3000:]
     params = finals(first.out)
@@ -100,7 +102,8 @@ def test_a_second_agent_joins_and_gets_rank0_state(tmp_path, etcd_server):
     assert switches and not any(e["failed"] for e in switches)
     # Nothing committed is rolled back on a planned switch: every step runs once.
     steps = [s["step"] for s in first.steps() if s["rank"] == 0]
-    assert sorted(steps) == list(range(1, 401))
+    assert sorted(steps) == list(range(1, last + 1))
+    assert {s["world"] for s in first.steps() if s["step"] > 15} == {3}  # the steps after the join: 3 workers
 
 
 def test_user_error_fails_the_job_without_reform_loop(tmp_path):

@@ -41,12 +41,12 @@ def three_hosts(tmp_path, etcd_server, extra=()):
     for name in ("a", "b", "c"):
         jobs.append(Job(tmp_path, Job.train_args(out, logs, [*common, "--host-id", f"host-{name}"], script),
                         name=name))
-        # One at a time, so "a" registers first: it leads and holds rank 0 and the store.
+        # "a" registers first: it leads and holds rank 0 and the store. b and c start
+        # together after it (one start of workers, not two one after the other).
         if name == "a":
             wait_until(lambda: any(e["event"] == "member_joined" for e in jobs[0].events()), 60, "a to register")
-        else:
-            wait_until(lambda n=len(jobs): any(s["world"] == n for s in jobs[0].steps()), 120,
-                       f"a ring of {len(jobs)}")
+    wait_until(lambda: any(s["world"] == 3 for s in jobs[0].steps()), 120, "a ring of 3")
+    assert [e["rank"] for e in jobs[0].events() if e["event"] == "worker_started" and e["host"] == "host-a"] == [0]
     return jobs
 
 

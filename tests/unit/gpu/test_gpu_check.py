@@ -5,42 +5,18 @@ check is killed at its budget, a raising one fails, the JSON records the version
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
 
 from tests.gpu import check
-from tests.gpu.check_base import Check, Outcome, Probe
+from tests.gpu.check_base import Probe
 
+# The fake checks, in a module without torch: each runs in a process of its own, which
+# imports it (importing this test file would cost each one torch's import, ~4 s of CPU).
+FAKES = "tests.unit.gpu.fake_checks:FAKES"
 SECTION_4 = {"stale_dump_key", "exit_join", "abort_in_setup", "default_backend_e2e", "sharded_world1",
              "device_hang", "cuda_snapshot_durable", "commit_stall"}
-
-
-def _passes(ctx):
-    (ctx.workdir / "made").write_text("x")
-    return Outcome(True, "fine", {"figure": 1.5})
-
-
-def _fails(ctx):
-    return Outcome(False, "the thing broke")
-
-
-def _raises(ctx):
-    raise ValueError("no such device")
-
-
-def _hangs(ctx):
-    time.sleep(600)
-
-
-FAKES = (
-    Check("passes", "X1", 30, _passes, needs=()),
-    Check("fails", "X2", 30, _fails, needs=()),
-    Check("raises", "X3", 30, _raises, needs=()),
-    Check("hangs", "X4", 3, _hangs, needs=()),
-    Check("on_cuda", "X5", 30, _passes),
-)
 
 
 def test_the_check_list_is_section_4_within_8_minutes_on_a_gpu():
@@ -85,7 +61,7 @@ def test_without_cuda_every_cuda_check_is_skipped_with_its_reason_and_the_run_ex
 
 def test_each_check_gets_its_own_process_and_bound(tmp_path, capsys):
     out = tmp_path / "check.json"
-    rc = check.main(["--registry", f"{__name__}:FAKES", "--json", str(out), "--workdir", str(tmp_path / "w")])
+    rc = check.main(["--registry", FAKES, "--json", str(out), "--workdir", str(tmp_path / "w")])
     printed = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("gpu-check:")]
     assert rc == 1  # a check failed
     by_name = {e["name"]: e for e in json.loads(out.read_text())["checks"]}
@@ -101,7 +77,7 @@ def test_each_check_gets_its_own_process_and_bound(tmp_path, capsys):
 
 
 def test_a_check_that_no_longer_fits_the_total_is_skipped(tmp_path, capsys):
-    rc = check.main(["--registry", f"{__name__}:FAKES", "--only", "passes,fails", "--total-s", "20",
+    rc = check.main(["--registry", FAKES, "--only", "passes,fails", "--total-s", "20",
                      "--json", str(tmp_path / "c.json"), "--workdir", str(tmp_path / "w")])
     printed = capsys.readouterr().out
     assert rc == 0 and "SKIP passes [X1] its 30s no longer fit in the run's 20s" in printed
