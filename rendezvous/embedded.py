@@ -200,9 +200,10 @@ class EmbeddedEtcd:
             raise RendezvousError(f"embedded etcd already running at {self.endpoint}")
         self.binary = self.binary or find_etcd_binary()
         if self._work_dir is None and (self._data_dir is None or self._log_path is None or self.security):
-            # 0700: the job's user only; with security (keys, the CA, the password) in the
-            # process's private directory, which goes even when the process is SIGKILLed.
-            self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-", dir=process_dir() if self.security else None)
+            # 0700, in the process's private directory, which goes even when the process is
+            # SIGKILLed: the keys, the CA and the password with security, and the data and log
+            # in any case (a killed test's or launcher's were left in /tmp for ever).
+            self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-", dir=process_dir())
         if self._data_dir is None:
             self._data_dir = os.path.join(self._work_dir, "data")
         if self._log_path is None:
@@ -446,7 +447,7 @@ class EmbeddedEtcdCluster:
             for member in self.members:
                 member._initial_cluster = initial
                 member.binary = member.binary or find_etcd_binary()
-                member._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-")
+                member._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-", dir=process_dir())
                 member._data_dir = os.path.join(member._work_dir, "data")
                 member._log_path = os.path.join(self.log_dir or member._work_dir, f"{member._name}.log")
                 member._spawn()

@@ -93,7 +93,7 @@ class ServedMember(EmbeddedEtcd):
         self.binary = self.binary or _binary()
         import tempfile
 
-        self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-", dir=process_dir() if self.security else None)
+        self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-", dir=process_dir())
         self._data_dir = os.path.join(self._work_dir, "data")
         self._log_path = self._log_path or os.path.join(self._work_dir, "etcd.log")
         self.client_port, self.peer_port = self._fixed_port, self._fixed_peer
