@@ -139,7 +139,7 @@ class Runtime:
         self._control.add_listener(self._on_control)
         if cfg.marker_file and cfg.error_file:
             self._siblings = SiblingWatch(cfg.worker_id, cfg.member_id, cfg.marker_file, cfg.error_file,
-                                          self._control, lambda: self.plan, self.abort_ring)
+                                          self._control, lambda: self.plan, self.abort_ring, self.events.emit)
         # The device slot its agent gave this process (device_slots.py): LOCAL_RANK and the
         # CUDA device for its whole life, set once, before any process group exists.
         self.local_rank = cfg.device_slot if cfg.device_slot is not None else 0

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 class SiblingWatch:
     def __init__(self, worker_id: str, member_id: str, marker_file: str, error_file: str, control,
-                 ring_plan: Callable[[], Optional[RoundPlan]], abort: Callable[[], None]):
+                 ring_plan: Callable[[], Optional[RoundPlan]], abort: Callable[[], None],
+                 emit: Callable[..., None] = lambda *a, **k: None):
         self._worker_id = worker_id
         self._member_id = member_id
         self._dir = os.path.dirname(marker_file)
@@ -40,6 +41,7 @@ class SiblingWatch:
         self._control = control
         self._ring_plan = ring_plan
         self._abort = abort
+        self._emit = emit
         self._lock = threading.Lock()
         self._watched: set[str] = set()
         self.held = life_lock.hold(life_lock.path_for(self._dir, worker_id))
@@ -73,6 +75,9 @@ class SiblingWatch:
         log.info("round %d: worker %s is exiting without a record: aborting the ring, asking for a round without it",
                  ring.round, worker, extra=FILE_ONLY)
         self._abort()
+        # Dates the failure in the timeline: its agent's worker_exited comes only once
+        # the process is gone, often after the ring trains again (timeline/model.py).
+        self._emit("sibling_exiting", console=False, dying=worker)
         try:
             self._control.request_reset(f"{self._worker_id}.sibling", ring.round, f"worker {worker} died",
                                         lost=(worker,))
