@@ -377,8 +377,13 @@ def decide(view: CoordinatorView, settings: RendezvousSettings, now: float) -> D
     if requests:
         known_lost = tuple(dict.fromkeys(w for r in requests for w in r.lost))
         if known_lost:
-            # An agent killed these itself: nothing more to wait for.
-            return FormRound(recovering, _with_cut(f"reset requested: {requests[0].reason}", view, known_lost),
+            # An agent killed these itself, or a worker saw them die on its host
+            # (worker/sibling_watch.py): nothing more to wait for. Their agent may not
+            # have withdrawn them yet (it learns of the exit only once the process is
+            # gone): the round goes on without them while enough remain.
+            alive = tuple(s for s in recovering if s.worker_id not in known_lost)
+            return FormRound(alive if len(alive) >= settings.min_np else recovering,
+                             _with_cut(f"reset requested: {requests[0].reason}", view, known_lost),
                              known_lost, recovers=True)
         # Give the agents a moment to report the crash behind the broken ring, so the
         # new round does not include a dead worker; then re-form with whoever is there.

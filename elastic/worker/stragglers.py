@@ -8,7 +8,7 @@ What is measured (per worker, per commit interval)
     ``step_s``     wall time between two commits (the first commit of a round is
                    the start: the interval before it holds the re-formation).
     ``compute_s``  ``step_s`` minus the time the main thread was waiting on peers.
-                   A ``WaitClock`` thread samples the main thread every ~10 ms
+                   A ``WaitClock`` thread samples the main thread every ~50 ms
                    (jittered, so it cannot alias with a periodic step). Between two
                    samples, the time the main thread was *blocked* (neither running
                    nor waiting for a CPU, from the kernel's per-thread scheduler
@@ -22,7 +22,10 @@ What is measured (per worker, per commit interval)
     Why sampling: the runtime does not own the user's DDP wrapper, so it cannot
     time the all-reduce wait from inside (a comm hook would take the user's one
     slot), and torch offers no completion hook for gloo work. The cost is one
-    frame walk and one clock read per sample, outside the main thread.
+    clock read per sample, and a frame walk when the main thread was blocked,
+    outside the main thread: at 20 samples a second about 0.1-0.2% of a core
+    (every 10 ms it was 2.2% per worker, mostly taking the GIL from the main thread:
+    4.5% of a 2-core host with 4 workers; issue 30).
     Limits: it is a sample (its error shrinks with the window's length); the
     attribution of a stretch goes by the frame seen at its end; with NCCL the GPU
     waits are invisible from the CPU, so scores stay near 1.
@@ -72,7 +75,13 @@ MIN_WINDOW_S = 1.0  # a window closes at an exchange once it spans this long on 
 TARGET_WINDOW_S = 2.0  # the next exchange: this long at the pace seen (a window of >= MIN_WINDOW_S)
 MAX_WINDOW_COMMITS = 1000  # ... but never further than this many commits away
 PERSISTENT_WINDOWS = 3  # windows in a row above the ratio before a rank is reported
-SAMPLE_INTERVAL = 0.01  # seconds between samples of the main thread (jittered +-50%)
+# Seconds between samples of the main thread (jittered +-50%). A window spans >= 1 s, so
+# >= 20 samples, and a straggler shows in 3 windows in a row: the figure's noise (each
+# stretch is attributed whole, by its last frame) stays far below --straggler-ratio.
+SAMPLE_INTERVAL = 0.05
+# A stretch blocked less than this is a GIL hand-over or a page fault, not a wait on
+# peers: no frame walk for it (the walk is most of a sample's cost).
+MIN_BLOCKED_S = 0.001
 # Frames in these modules, on a main thread that uses no CPU, are waits on peers.
 # Not torch.cuda (a GPU sync waits for this rank's own kernels: compute), nor
 # torch.utils.data (a slow input pipeline is this rank's own slowness).
@@ -153,7 +162,7 @@ class WaitClock:
             now, ran = time.monotonic(), self._ran()
             blocked = max(0.0, (now - last_now) - (ran - last_ran))
             last_now, last_ran = now, ran
-            if blocked and classify(main_thread_frames(self._main), self._stdlib, COLLECTIVE_MODULES)[0] == WAITING:
+            if blocked >= MIN_BLOCKED_S and classify(main_thread_frames(self._main), self._stdlib, COLLECTIVE_MODULES)[0] == WAITING:
                 self._waiting += blocked
 
     def _ran(self) -> float:

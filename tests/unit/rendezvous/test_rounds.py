@@ -154,6 +154,20 @@ def test_reset_request_naming_killed_workers_forms_at_once_and_marks_them_lost()
     assert workers(decision) == ["a0", "c0"] and decision.lost == ("b0",)
 
 
+def test_a_reset_request_naming_a_worker_its_agent_still_offers_forms_without_it():
+    # A worker saw its host's sibling die (worker/sibling_watch.py) before the sibling's
+    # agent could withdraw it: the round forms at once, without it, while min_np allows.
+    p = plan(2, ("a", "a0"), ("a", "a1"), ("b", "b0"))
+    ms = (member("a", ["a0", "a1"], 1), member("b", ["b0"], 2))
+    told = (ResetRequest("a0.sibling", 2, "worker a1 died", seen_at=7.0, lost=("a1",)),)
+    decision = decide(CoordinatorView(p, ms, told), S, now=7.0)
+    assert workers(decision) == ["a0", "b0"] and decision.lost == ("a1",) and decision.recovers
+    # Without it fewer than min_np would remain: the round keeps it (its agent's report follows).
+    p2 = plan(2, ("a", "a0"), ("a", "a1"))
+    told2 = (ResetRequest("a0.sibling", 2, "worker a1 died", seen_at=7.0, lost=("a1",)),)
+    assert workers(decide(CoordinatorView(p2, (member("a", ["a0", "a1"], 1),), told2), S, now=7.0)) == ["a0", "a1"]
+
+
 def draining(mid, revision):
     return Member(mid, "h" + mid, "127.0.0.1", 1000, (), 0.0, revision, draining=True)
 
