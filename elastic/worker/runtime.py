@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -356,6 +357,7 @@ class Runtime:
         with self._backend_lock:
             self._forming = (plan, forming_ring(before, port=store_port if "gloo" not in cfg.backend else None))
         self._on_control(self._control.plan, self._control.status)  # a loss announced already
+        excepthook = sys.excepthook  # torch wraps it at every init: [rankN] prefixes, stale ranks
         try:
             dist.init_process_group(
                 cfg.backend,
@@ -377,6 +379,8 @@ class Runtime:
             # Everyone reached the store, but not each other: name the addresses.
             addresses = sorted({addr for _, addr in plan.hosts.values()})
             raise PeersUnreachable(plan.round, addresses, fault.reason) from None
+        finally:
+            sys.excepthook = excepthook  # the agent prefixes every line with the rank itself
         initialized = time.monotonic()
         with self._backend_lock:
             forming, self._forming = self._forming, None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -233,3 +234,15 @@ def test_clearing_the_dump_signal_never_stops_a_round_entry():
     assert round_store.clear_dump_signal(store, 3) is False
     store.set(round_store.DUMP_SIGNAL_KEY, "x")
     assert round_store.clear_dump_signal(store, 3) is True and not store.check([round_store.DUMP_SIGNAL_KEY])
+
+
+def test_a_round_leaves_the_processs_excepthook_as_it_was(runtime, live_store):
+    # torch's init_process_group wraps sys.excepthook at every call: after 22 re-formations
+    # every traceback line carried 22 "[rank0]:" prefixes, wrong once the rank changed.
+    control = FakeControl(plan(2, live_store))
+    runtime._control = control
+    before = sys.excepthook
+    thread, outcome = enter_in_thread(runtime, control.plan)
+    thread.join(60)
+    assert outcome.get("round") == 2, outcome
+    assert sys.excepthook is before
