@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from elastic.rendezvous import ControlChannel, Etcd, JobKeys, RendezvousError, evict_if_dead
@@ -33,6 +34,25 @@ class ResetNudge:
         self._posted = False
         self._started = time.monotonic()
         self._next = self._started
+        self._done = threading.Event()
+
+    def start(self) -> "ResetNudge":
+        """Nudge from a thread of our own until ``stop()``: the worker waits for its plan
+        meanwhile. On the waiting thread, a request sent while etcd elected a new leader
+        (the endpoint's host lost) held the plan, already written, for up to a second."""
+        threading.Thread(target=self._run, name="elastic-reset-nudge", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            try:
+                self()
+            except Exception as exc:  # noqa: BLE001 - a nudge is a hint: the watch still delivers the plan
+                log.warning("round %d: the reset request failed (%s)", self._old_round, exc)
+            self._done.wait(self.next_in())
 
     def next_in(self) -> float:
         return max(0.0, self._next - time.monotonic())

@@ -235,11 +235,15 @@ class Runtime:
         nudge = None
         if failed:
             self.events.emit("failure_detected", reason=reason, console=False)  # reform_done says it
-            nudge = ResetNudge(self._control, self._etcd, self.config, old_round, reason)
-            nudge()  # ask for a round at once; the wait below repeats it if etcd refused
-        # [graceful-leave] A planned switch to a round without us: our host withdrew
-        # us (SIGTERM to its agent); leave with exit 0 instead of waiting for a round.
-        plan = self._wait_for_plan(lambda p: p.round > old_round, leave_if_withdrawn=not failed, on_idle=nudge)
+            # Asks for a round at once, and again if etcd refused, while we wait.
+            nudge = ResetNudge(self._control, self._etcd, self.config, old_round, reason).start()
+        try:
+            # [graceful-leave] A planned switch to a round without us: our host withdrew
+            # us (SIGTERM to its agent); leave with exit 0 instead of waiting for a round.
+            plan = self._wait_for_plan(lambda p: p.round > old_round, leave_if_withdrawn=not failed)
+        finally:
+            if nudge is not None:
+                nudge.stop()
         t2 = time.monotonic()
         entry = self._enter(plan)
         t3 = time.monotonic()
@@ -294,23 +298,15 @@ class Runtime:
         self.gate.leave()
         leave_ring(ring, failed=failed, round_number=self.round)
 
-    def _wait_for_plan(self, accept, *, leave_if_withdrawn: bool = False, on_idle=None) -> RoundPlan:
-        """Wait (bounded by --rdzv-timeout) for a plan that ``accept``s and includes us;
-        ``on_idle()`` runs every so often meanwhile (it must not raise)."""
+    def _wait_for_plan(self, accept, *, leave_if_withdrawn: bool = False) -> RoundPlan:
+        """Wait (bounded by --rdzv-timeout) for a plan that ``accept``s and includes us."""
         cfg = self.config
         worker = cfg.worker_id
         deadline = time.monotonic() + cfg.rdzv_timeout
         ready = lambda p, s: s.over or (  # noqa: E731
             p is not None and accept(p) and (leave_if_withdrawn or p.rank_of(worker) is not None)
         )
-        while True:
-            step = deadline - time.monotonic()
-            if on_idle is not None:
-                step = min(step, on_idle.next_in())
-            ok = self._control.wait_for(ready, max(0.0, step))
-            if ok or time.monotonic() >= deadline:
-                break
-            on_idle()
+        ok = self._control.wait_for(ready, max(0.0, deadline - time.monotonic()))
         status = self._control.status
         if status.over:
             raise LeftJob(f"job {status.state}: {status.reason}")
