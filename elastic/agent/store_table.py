@@ -4,11 +4,12 @@ The state behind store_server.py, kept apart from the sockets so that each query
 meaning is a table of cases (tests/unit/agent/test_store_table.py). ``handle`` takes
 one request of one connection and returns the bytes to send, to that connection and
 to any others it wakes; it never blocks and never touches a socket. Its meaning is
-that of torch 2.13's libuv server (see store_wire.py), except in three corners where
-torch's answer is a bug no client relies on: a compare-and-set that does not create
-its key wakes no waiter, a queue push wakes exactly one (torch could count a waiter
-down twice), and a new wait replaces the connection's previous one instead of adding
-to it.
+that of torch 2.13's libuv server (see store_wire.py), except in corners where torch's
+answer is a bug no client relies on: a compare-and-set that does not create its key
+wakes no waiter, a queue push wakes exactly one waiter (torch could count one down
+twice), a wait counts a non-empty queue as present for each of its keys (torch only
+when all are), and a new wait replaces the connection's previous one instead of
+adding to it.
 """
 
 from __future__ import annotations
