@@ -122,7 +122,9 @@ class StoreTable:
 
     def _add(self, key: bytes, delta: int) -> int:
         old = self._data.get(key)
-        if old is not None:
+        if old is not None and old.isdigit():  # what counters hold: the quick way
+            delta += int(old)
+        elif old is not None:
             match = _LEADING_INT.match(old)
             if match is None:
                 raise WireError(f"add to a value that is not a number: {old[:40]!r}")

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
-from typing import Union
+from typing import NamedTuple, Union
 
 VALIDATION_MAGIC = 0x3C85F7CE
 MAX_KEY_LEN = 8 * 1024  # torch's MAX_STRING_LEN
@@ -70,16 +69,14 @@ class WireError(ValueError):
     """The peer sent something torch's client never sends: drop its connection."""
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     query: Query
-    keys: tuple[bytes, ...] = ()
-    values: tuple[bytes, ...] = ()  # SET/APPEND/QUEUE_PUSH: one; COMPARE_SET: expected, desired; MULTI_SET: one a key
+    keys: tuple = ()  # bytes each
+    values: tuple = ()  # SET/APPEND/QUEUE_PUSH: one; COMPARE_SET: expected, desired; MULTI_SET: one a key
     number: int = 0  # ADD's delta, BARRIER's world size, PING's nonce, VALIDATE's magic
 
 
-@dataclass(frozen=True)
-class Need:
+class Need(NamedTuple):
     """The request is not all there: at least ``size`` bytes from its start are needed
     before parsing again is worth it."""
 
@@ -99,84 +96,93 @@ _FIELDS = {
     Query.MULTI_SET: "S",
     Query.GETNUMKEYS: "", Query.CANCEL_WAIT: "", Query.LIST_KEYS: "",
 }
+# By the byte on the wire: the query and its fields (a dict: Query(byte) costs more).
+_BY_CODE = {int(query): (query, fields) for query, fields in _FIELDS.items()}
 
 
 class _Short(Exception):
-    """Internal: the buffer ends before the request does."""
+    """Internal: the buffer ends before the request does (at ``size``)."""
 
     def __init__(self, size: int):
         super().__init__(size)
         self.size = size
 
 
-class _Reader:
-    def __init__(self, buf, start: int):
-        self.buf, self.pos = buf, start
-        self.end = len(buf)
+# The parser is written for speed, as plain functions over (buffer, position): every
+# request of every worker passes through it, in the agent's process, under the GIL.
+def _sized(buf, pos: int, end: int, cap: int, what: str) -> tuple[bytes, int]:
+    """The key or value at ``pos`` and where it ends; its size checked before anything
+    waits for, or keeps, its bytes."""
+    if pos + 8 > end:
+        raise _Short(pos + 8)
+    (size,) = _U64.unpack_from(buf, pos)
+    if size > cap:
+        raise WireError(f"{what} of {size} bytes (at most {cap})")
+    pos += 8
+    if pos + size > end:
+        raise _Short(pos + size)
+    return bytes(buf[pos:pos + size]), pos + size
 
-    def take(self, size: int) -> bytes:
-        if self.pos + size > self.end:
-            raise _Short(self.pos + size)
-        data = bytes(self.buf[self.pos:self.pos + size])
-        self.pos += size
-        return data
 
-    def fixed(self, fmt: struct.Struct) -> int:
-        if self.pos + fmt.size > self.end:
-            raise _Short(self.pos + fmt.size)
-        (value,) = fmt.unpack_from(self.buf, self.pos)
-        self.pos += fmt.size
-        return value
+def _number(buf, pos: int, end: int, fmt: struct.Struct) -> int:
+    if pos + fmt.size > end:
+        raise _Short(pos + fmt.size)
+    return fmt.unpack_from(buf, pos)[0]
 
-    def sized(self, cap: int, what: str) -> bytes:
-        size = self.fixed(_U64)
-        if size > cap:  # checked before waiting for, or keeping, any of it
-            raise WireError(f"{what} of {size} bytes (at most {cap})")
-        return self.take(size)
 
-    def count(self) -> int:
-        count = self.fixed(_U64)  # MULTI_SET sends it as a signed number: the same bytes
-        if count > MAX_KEY_COUNT:
-            raise WireError(f"{count} keys in one request (at most {MAX_KEY_COUNT})")
-        return count
+def _count(buf, pos: int, end: int) -> int:
+    count = _number(buf, pos, end, _U64)  # MULTI_SET sends it as a signed number: the same bytes
+    if count > MAX_KEY_COUNT:
+        raise WireError(f"{count} keys in one request (at most {MAX_KEY_COUNT})")
+    return count
 
 
 def parse_request(buf, start: int = 0, validated: bool = True) -> Union[tuple[Request, int], Need]:
     """The request at ``buf[start:]`` and where it ends, or ``Need`` when it is not all
     there yet; ``WireError`` when it is not one torch's client sends. Before a
     connection is ``validated``, only VALIDATE with the magic number is one."""
-    reader = _Reader(buf, start)
+    end = len(buf)
+    if start >= end:
+        return Need(1)
+    code = buf[start]
     try:
-        code = reader.fixed(_U8)
-        try:
-            query = Query(code)
-        except ValueError:
-            raise WireError(f"unknown query type {code}") from None
-        if validated == (query is Query.VALIDATE):
-            raise WireError("a request before validation" if not validated else "a second validation")
-        keys: list[bytes] = []
-        values: list[bytes] = []
-        number = 0
-        for field in _FIELDS[query]:
+        query, fields = _BY_CODE[code]
+    except KeyError:
+        raise WireError(f"unknown query type {code}") from None
+    if validated == (query is Query.VALIDATE):
+        raise WireError("a request before validation" if not validated else "a second validation")
+    pos = start + 1
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    number = 0
+    try:
+        for field in fields:
             if field == "k":
-                keys.append(reader.sized(MAX_KEY_LEN, "a key"))
+                key, pos = _sized(buf, pos, end, MAX_KEY_LEN, "a key")
+                keys.append(key)
             elif field == "v":
-                values.append(reader.sized(MAX_VALUE_LEN, "a value"))
+                value, pos = _sized(buf, pos, end, MAX_VALUE_LEN, "a value")
+                values.append(value)
             elif field == "q":
-                number = reader.fixed(_I64)
+                number = _number(buf, pos, end, _I64)
+                pos += 8
             elif field == "u":
-                number = reader.fixed(_U32)
-            elif field == "K":
-                keys.extend(reader.sized(MAX_KEY_LEN, "a key") for _ in range(reader.count()))
-            else:  # "S"
-                for _ in range(reader.count()):
-                    keys.append(reader.sized(MAX_KEY_LEN, "a key"))
-                    values.append(reader.sized(MAX_VALUE_LEN, "a value"))
+                number = _number(buf, pos, end, _U32)
+                pos += 4
+            else:  # "K", "S": a count, then that many keys (or key-value pairs)
+                count = _count(buf, pos, end)
+                pos += 8
+                for _ in range(count):
+                    key, pos = _sized(buf, pos, end, MAX_KEY_LEN, "a key")
+                    keys.append(key)
+                    if field == "S":
+                        value, pos = _sized(buf, pos, end, MAX_VALUE_LEN, "a value")
+                        values.append(value)
     except _Short as short:
         return Need(short.size - start)
     if query is Query.VALIDATE and number != VALIDATION_MAGIC:
         raise WireError(f"validation with the wrong magic number {number:#x}")
-    return Request(query, tuple(keys), tuple(values), number), reader.pos
+    return Request(query, tuple(keys), tuple(values), number), pos
 
 
 # -- answers ---------------------------------------------------------------------------
