@@ -24,6 +24,8 @@ contract, the timeline model, ``rendezvous`` and ``checkpoint``.
     watchdog.py     hang detection from the workers' progress marks
     health.py       the health endpoint for pod probes
     plain_store.py  a fresh store per round for torchrun-style scripts
+    store_server.py the stores the agent serves: torch's TCPStore protocol, in Python (no torch)
+    store_wire.py   that protocol's bytes; store_table.py  what a store holds and answers
     addressing.py   which address and interface peers reach this host at
 """
 

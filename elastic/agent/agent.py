@@ -136,9 +136,9 @@ class Agent:
     def run(self) -> int:
         cfg = self.config
         # The store that rounds use when one of our workers is rank 0. It lives as
-        # long as the agent, so a worker crash never takes the store down with it. Its
-        # port is known at once; torch starts it in the background (store_server.py).
-        self._store = StoreServer(cfg.host_addr, cfg.settings.timeout, "round-store")
+        # long as the agent, so a worker crash never takes the store down with it. It
+        # serves at once, without torch (store_server.py).
+        self._store = StoreServer(cfg.host_addr, "round-store")
         if cfg.health_port is not None:
             self._health_server = HealthServer(cfg.health_port, self.health.probe, host=cfg.health_addr or cfg.host_addr,
                                                metrics=self.metrics.exposition).start()
@@ -156,7 +156,7 @@ class Agent:
         )
         self.participant.start()
         self._plain_stores = PlainStores(
-            self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr, cfg.settings.timeout,
+            self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr,
             job_lease=lambda: self.participant.control.job_lease,
         )
         self.participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
@@ -239,9 +239,6 @@ class Agent:
         for worker_id in self._wanted:
             if worker_id in mine and worker_id not in self._workers and self._leaving_since is None:
                 self._start_worker(worker_id, plan)
-        # Our stores' servers load torch now, behind the workers (store_server.py).
-        self._plain_stores.start_serving()
-        self._store.start()
 
     def _restart_plain_workers(self) -> None:
         """torchrun semantics for scripts without the elastic API: restart on a new round.

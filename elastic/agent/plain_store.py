@@ -27,13 +27,12 @@ _KEEP_ROUNDS = 2  # the current round's store, and the previous one while it dra
 
 
 class PlainStores:
-    def __init__(self, etcd: Etcd, keys: JobKeys, member_id: str, host_addr: str, timeout: float,
+    def __init__(self, etcd: Etcd, keys: JobKeys, member_id: str, host_addr: str,
                  job_lease: Callable[[], Optional[int]] = lambda: None):
         self._etcd = etcd
         self._keys = keys
         self._member_id = member_id
         self._host_addr = host_addr
-        self._timeout = timeout
         self._job_lease = job_lease
         self._served: dict[int, StoreServer] = {}
 
@@ -41,8 +40,8 @@ class PlainStores:
         """If rank 0 of ``plan`` is ours, start the round's store and publish it."""
         if plan.slots[0].member_id != self._member_id or plan.round in self._served:
             return
-        # Published at once: the port is bound now; the store starts with start_serving().
-        store = StoreServer(self._host_addr, self._timeout, f"plain-store-{plan.round}")
+        # Published at once: the store serves from the moment its port is bound.
+        store = StoreServer(self._host_addr, f"plain-store-{plan.round}")
         self._served[plan.round] = store
         key, address = self._keys.plain_store(plan.round), f"{self._host_addr}:{store.port}".encode()
         put_on_job_lease(self._etcd, key, address, self._job_lease())  # gone with an abandoned job
@@ -63,11 +62,6 @@ class PlainStores:
             number = kv.key.rsplit("/", 1)[1]
             if number.isdigit() and int(number) <= current - _KEEP_ROUNDS:
                 self._etcd.delete(kv.key)
-
-    def start_serving(self) -> None:
-        """Start the stores published so far (after the round's workers are started)."""
-        for store in self._served.values():
-            store.start()
 
     def address(self, plan: RoundPlan, timeout: float = 30.0) -> tuple[str, int]:
         """The round's store address (waits, bounded, for rank 0's agent to publish it)."""
@@ -106,15 +100,12 @@ def parse_address(value: bytes) -> Optional[tuple[str, int]]:
 def prune_round_keys(store, current_round: int) -> None:
     """Delete the keys of rounds before the previous one from an agent's round store
     (``/round/<n>/...``, see runtime.Runtime._enter): a job that re-forms a thousand
-    times must not keep a thousand rounds of keys. ``None``: the store is not up yet,
-    so it holds no old rounds."""
+    times must not keep a thousand rounds of keys. ``store`` is the agent's server
+    (its ``list_keys``/``delete_key`` see keys as torch's client lists them); ``None``:
+    it is closed, so there is nothing to prune."""
     if store is None:
         return
-    try:
-        keys = store.list_keys()
-    except (AttributeError, RuntimeError):  # an older torch without list_keys
-        return
-    for key in keys:
+    for key in store.list_keys():
         parts = key.split("/", 3)
         if len(parts) > 2 and parts[1] == "round" and parts[2].isdigit() and int(parts[2]) < current_round - 1:
             store.delete_key(key)

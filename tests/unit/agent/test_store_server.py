@@ -1,74 +1,165 @@
-"""The agent's store server: a port at once, torch's TCPStore behind it later, bound to
-the job's address only."""
+"""The agent's store server: served from the moment its port is known, bound to the
+job's address only, and robust against what a peer can send. Clients here are raw
+sockets speaking the wire format (store_wire.py), so no torch in this process
+(test_store_protocol.py has torch's own client)."""
 
 from __future__ import annotations
 
-import datetime
 import socket
-import threading
+import struct
 
 import pytest
-import torch.distributed as dist
 
 from elastic.agent.store_server import StoreServer
+from elastic.agent.store_wire import MAX_KEY_LEN, MAX_VALUE_LEN, VALIDATION_MAGIC, Query, request
+
+pytestmark = pytest.mark.timeout(60)
 
 
-def _client(port: int, timeout: float = 10.0) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+@pytest.fixture
+def server():
+    server = StoreServer("127.0.0.1")
+    yield server
+    server.close()
 
 
-def test_a_client_that_connects_before_the_store_starts_is_served_once_it_does():
-    server = StoreServer("127.0.0.1", timeout=10.0)
-    got = {}
+class Client:
+    """A client as torch's connects: VALIDATE, then PING with a nonce."""
 
-    def early_client():
-        client = _client(server.port)
-        got["value"] = client.get("key")  # waits for the key: set only after start()
+    def __init__(self, port: int, validate: bool = True):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if validate:
+            self.send(request(Query.VALIDATE, VALIDATION_MAGIC) + request(Query.PING, 1234))
+            assert self.recv(4) == struct.pack("=I", 1234)
 
-    thread = threading.Thread(target=early_client)
-    thread.start()
-    try:
-        store = server.start().store(timeout=30)
-        store.set("key", "from the agent")
-        thread.join(30)
-        assert got == {"value": b"from the agent"}
-    finally:
-        server.close()
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionError(f"closed after {len(data)} of {size} bytes")
+            data += chunk
+        return data
+
+    def get(self, key: bytes) -> bytes:
+        self.send(request(Query.GET, key))
+        return self.recv(struct.unpack("=Q", self.recv(8))[0])
+
+    def closed_by_server(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
 
 
-def test_the_store_listens_on_the_given_address_only():
-    server = StoreServer("127.0.0.1", timeout=10.0).start()
-    try:
-        server.store(timeout=30)
-        listening = socket.socket()
-        # Another local address of this host (127.0.0.2 is loopback too): nothing there.
-        with pytest.raises(OSError):
-            listening.settimeout(2)
-            listening.connect(("127.0.0.2", server.port))
-        listening.close()
-        _client(server.port).set("k", "v")
-    finally:
-        server.close()
+def test_a_client_that_connects_at_once_is_served_and_the_agent_prunes_in_process(server):
+    client = Client(server.port)  # no start(): it serves from the constructor on
+    # Keys as torch's client writes them: "/" before the key a user (a PrefixStore) names.
+    client.send(request(Query.SET, b"//round/1/k", b"v") + request(Query.SET, b"/job", b"x")
+                + request(Query.SET, b"init/", b"1"))
+    assert client.get(b"//round/1/k") == b"v"
+    store = server.started()
+    assert sorted(store.list_keys()) == ["/round/1/k", "job"]  # torch's view: its "/" prefix off
+    assert store.delete_key("/round/1/k") and not store.delete_key("/round/1/k")
+    client.send(request(Query.CHECK, [b"//round/1/k"]))
+    assert client.recv(1) == b"\x01"  # NOT_READY
+    client.close()
+
+
+def test_the_store_listens_on_the_given_address_only(server):
+    other = socket.socket()
+    other.settimeout(2)
+    # Another local address of this host (127.0.0.2 is loopback too): nothing there.
+    with pytest.raises(OSError):
+        other.connect(("127.0.0.2", server.port))
+    other.close()
+    Client(server.port).close()
 
 
 def test_an_address_this_host_does_not_hold_falls_back_to_every_interface(caplog):
-    server = StoreServer("192.0.2.1", timeout=10.0)  # TEST-NET-1: never a local address
+    server = StoreServer("192.0.2.1")  # TEST-NET-1: never a local address
     try:
         assert "listens on every interface" in caplog.text
-        server.start().store(timeout=30)
-        _client(server.port).set("k", "v")  # reached through loopback
+        Client(server.port).close()  # reached through loopback
     finally:
         server.close()
 
 
-def test_closed_before_it_started_the_port_is_released_and_nothing_starts():
-    server = StoreServer("127.0.0.1", timeout=10.0)
-    port = server.port
+def test_closed_the_port_is_released_and_its_thread_ends():
+    server = StoreServer("127.0.0.1")
+    client = Client(server.port)
     server.close()
-    server.start()  # a no-op once closed
-    assert server.started() is None
+    assert server.started() is None and not server._thread.is_alive()
+    assert client.closed_by_server()
     probe = socket.socket()
     probe.settimeout(2)
     with pytest.raises(OSError):
-        probe.connect(("127.0.0.1", port))
+        probe.connect(("127.0.0.1", server.port))
     probe.close()
+
+
+@pytest.mark.parametrize("garbage", ids=["http", "wrong-magic", "unvalidated"], argvalues=[
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a probe or a scanner, before validation
+    request(Query.VALIDATE, 0xDEADBEEF),  # the wrong magic number
+    request(Query.SET, b"k", b"v"),  # a request before validation
+])
+def test_a_peer_that_does_not_validate_loses_its_connection_and_only_it(server, garbage, caplog):
+    good = Client(server.port)
+    bad = Client(server.port, validate=False)
+    bad.send(garbage)
+    assert bad.closed_by_server()
+    assert "dropped the connection" in caplog.text
+    good.send(request(Query.SET, b"k", b"still served"))
+    assert good.get(b"k") == b"still served"
+
+
+@pytest.mark.parametrize("garbage", ids=["type", "validate-twice", "key-len", "value-len", "huge-len", "key-count",
+                                         "add-to-text"], argvalues=[
+    bytes([200]),  # an unknown query type
+    request(Query.VALIDATE, VALIDATION_MAGIC),  # a second validation
+    struct.pack("=BQ", Query.GET, MAX_KEY_LEN + 1),  # a key over torch's 8 KiB: refused before it comes
+    struct.pack("=BQ", Query.SET, 3) + b"key" + struct.pack("=Q", MAX_VALUE_LEN + 1),  # a value over 8 MiB
+    struct.pack("=BQ", Query.SET, 1 << 62),  # a length that would exhaust memory
+    struct.pack("=BQ", Query.WAIT, 10 ** 9),  # too many keys
+    request(Query.SET, b"n", b"not a number") + request(Query.ADD, b"n", 1),  # a counter that is not one
+])
+def test_a_validated_peer_that_sends_garbage_loses_its_connection_and_the_server_goes_on(server, garbage):
+    good, bad = Client(server.port), Client(server.port)
+    bad.send(garbage)
+    assert bad.closed_by_server()
+    good.send(request(Query.SET, b"k", b"v"))
+    assert good.get(b"k") == b"v"
+
+
+def test_a_request_in_pieces_is_answered_once_it_is_whole(server):
+    client = Client(server.port)
+    data = request(Query.SET, b"split", b"x" * 100_000) + request(Query.GET, b"split")
+    for start in range(0, len(data), 7001):
+        client.send(data[start:start + 7001])
+    assert struct.unpack("=Q", client.recv(8))[0] == 100_000
+    assert client.recv(100_000) == b"x" * 100_000
+
+
+def test_a_client_gone_mid_wait_is_forgotten_and_the_others_are_woken(server):
+    gone, waiter, setter = Client(server.port), Client(server.port), Client(server.port)
+    gone.send(request(Query.WAIT, [b"late"]))
+    waiter.send(request(Query.WAIT, [b"late", b"also"]))
+    gone.close()  # a worker killed while it waited
+    setter.send(request(Query.SET, b"late", b"1") + request(Query.SET, b"also", b"2"))
+    assert waiter.recv(1) == b"\x00"  # STOP_WAITING
+    assert setter.get(b"late") == b"1"
+
+
+def test_a_cancelled_wait_is_answered_once(server):
+    client, setter = Client(server.port), Client(server.port)
+    client.send(request(Query.WAIT, [b"never"]) + request(Query.CANCEL_WAIT))
+    assert client.recv(1) == b"\x01"  # WAIT_CANCELED
+    setter.send(request(Query.SET, b"never", b"now"))
+    assert setter.get(b"never") == b"now"  # the set is done
+    assert client.get(b"never") == b"now"  # and no stale STOP_WAITING came before this answer
