@@ -22,13 +22,6 @@ from .errors import ConfigError, parsing, text, texts
 from .keys import JOB_LEASE_S
 
 
-# A worker named lost by its host's sibling (worker/sibling_watch.py) is reported by its
-# agent, alive (the sibling is its child too), once the kernel has freed the process:
-# 0.1-0.4 s after the kill on a loaded 2-core host. Below min_np without it, that report
-# is waited for this long at most before a round is formed with whoever is offered.
-LOST_REPORT_WAIT_S = 5.0
-
-
 @dataclass(frozen=True)
 class RendezvousSettings:
     min_np: int
@@ -384,18 +377,8 @@ def decide(view: CoordinatorView, settings: RendezvousSettings, now: float) -> D
     if requests:
         known_lost = tuple(dict.fromkeys(w for r in requests for w in r.lost))
         if known_lost:
-            # An agent killed these itself, or a worker saw them die on its host
-            # (worker/sibling_watch.py): nothing more to wait for. Their agent may not
-            # have withdrawn them yet (it learns of the exit only once the process is
-            # gone): the round goes on without them while enough remain.
-            alive = tuple(s for s in recovering if s.worker_id not in known_lost)
-            first = min(r.seen_at for r in requests)
-            if len(alive) < settings.min_np and len(alive) < len(recovering) and now < first + LOST_REPORT_WAIT_S:
-                # Too few without them: a round with them would fail at once. Their
-                # agent's report (the exit, a replacement) decides the round instead.
-                return Wait(first + LOST_REPORT_WAIT_S, "a lost worker's agent has yet to report it")
-            return FormRound(alive if len(alive) >= settings.min_np else recovering,
-                             _with_cut(f"reset requested: {requests[0].reason}", view, known_lost),
+            # An agent killed these itself: nothing more to wait for.
+            return FormRound(recovering, _with_cut(f"reset requested: {requests[0].reason}", view, known_lost),
                              known_lost, recovers=True)
         # Give the agents a moment to report the crash behind the broken ring, so the
         # new round does not include a dead worker; then re-form with whoever is there.

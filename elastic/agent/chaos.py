@@ -34,7 +34,7 @@ from ..timeline.model import build
 _RETRY_S = 0.2  # while no worker is ready to be killed, look again this often
 _KEPT_EVENTS = frozenset({
     "agent_started", "worker_started", "worker_exited", "failure_detected", "hang_detected",
-    "reform_done", "steps", "round_formed", "chaos_kill", "sibling_exiting",
+    "reform_done", "steps", "round_formed", "chaos_kill",
 })
 
 

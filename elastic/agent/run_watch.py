@@ -37,7 +37,6 @@ PUBLISH_S = 1.0  # one small put a second per job: the step records come as ofte
 _KEPT = frozenset({
     "agent_started", "worker_started", "worker_exited", "failure_detected", "hang_detected", "reform_done",
     "round_formed", "round_started", "member_joined", "member_left", "graceful_leave", "job_finished",
-    "sibling_exiting",
 })
 
 

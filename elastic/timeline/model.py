@@ -226,7 +226,6 @@ def build(events: Iterable[dict]) -> Timeline:
     changes: list[MemberChange] = []
     reforms: dict[int, Reformation] = {}
     formed: list[tuple[float, int]] = []  # round_formed (coordinator's plans)
-    dying: dict[str, float] = {}  # worker -> when a worker of its host first saw it exiting
     first_started: Optional[float] = None
     outcome = outcome_reason = None
     end = 0.0
@@ -274,8 +273,6 @@ def build(events: Iterable[dict]) -> Timeline:
                                                                  int(e.get("world_size") or 0), []))
             reform.workers.append(times)
             reform.failed = reform.failed or bool(e.get("failed"))
-        elif kind == "sibling_exiting" and e.get("dying"):
-            dying[e["dying"]] = min(t, dying.get(e["dying"], t))
         elif kind == "round_formed":
             formed.append((t, int(e.get("world_size") or 0)))
         elif kind == "member_joined" and (first_started is not None or e.get("rejoined")):
@@ -287,10 +284,6 @@ def build(events: Iterable[dict]) -> Timeline:
         elif kind == "job_finished" and outcome is None:
             outcome, outcome_reason = str(e.get("status")), e.get("reason")
 
-    # A death seen by a worker of its host (worker/sibling_watch.py) dates the failure:
-    # its agent sees the exit only once the process is gone, often after the re-formation.
-    failures = [Failure(dying[f.worker], f.worker, f.host, f.reason, f.kind)
-                if f.worker in dying and dying[f.worker] < f.time else f for f in failures]
     reformations = sorted(reforms.values(), key=lambda r: r.end)
     _attach_causes(reformations, failures)
     ordered = sorted(lanes.values(), key=lambda l: (l.started if l.started is not None else

@@ -71,11 +71,10 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
                 raise SystemExit(0)
             # -- we are outside the except block: the old ring can be freed now.
             if isinstance(outcome, Broken):
-                # Peers may sit in the ring's next operation, unaware (a fault only this
-                # worker saw), or blocked on us (only the dead rank's neighbours see its
-                # sockets close): fail it for them now, before the restore and the
-                # re-rendezvous, which ``reform``'s own abort of the ring would wait for.
-                runtime.abort_ring()
+                if outcome.alone:
+                    # The peers sit in the ring's next operation, unaware: fail it for them
+                    # now rather than after the collective timeout.
+                    runtime.abort_ring()
                 _spend(budget, runtime, outcome.reason, unreachable=outcome.unreachable)
                 _check_and_restore(runtime, state)
             finished_reform = (outcome, _reform(runtime, outcome, budget))

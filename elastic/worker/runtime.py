@@ -47,7 +47,6 @@ from ..contract.progress import Progress
 from .step_log import StepLog
 from .ring_abort import (RingHandle, broken_reason, check_ring, forget_failed_init, forming_ring, leave_ring,
                          peer_lost, prepare_ring, ring_breaks, socket_snapshot)
-from .sibling_watch import SiblingWatch
 from .stragglers import StragglerWatch
 from ..contract.worker_config import WorkerConfig
 
@@ -84,7 +83,6 @@ class Runtime:
         self._ring: Optional[RingHandle] = None  # the current round's ring, for abort()
         self._forming: Optional[tuple] = None  # (plan, RingHandle) of a round whose init is under way
         self._tried_round = 0  # the newest round whose init we began (it may have failed)
-        self._siblings: Optional[SiblingWatch] = None  # this host's other workers: their death aborts our ring
         self._backend_lock = threading.Lock()
         self.steps = StepLog(self.events, config.worker_id if config else "local")  # for the timeline
         self.gate = CommitGate(self.steps, self.check_ring_before_commit)  # a commit's one call
@@ -138,9 +136,6 @@ class Runtime:
         gate.control = self._control
         gate.left_behind = LeftBehindCheck(self._etcd, JobKeys(cfg.job_id), cfg.worker_id, cfg.rdzv_ttl)
         self._control.add_listener(self._on_control)
-        if cfg.marker_file and cfg.error_file:
-            self._siblings = SiblingWatch(cfg.worker_id, cfg.member_id, cfg.marker_file, cfg.error_file,
-                                          self._control, lambda: self.plan, self.abort_ring, self.events.emit)
         # The device slot its agent gave this process (device_slots.py): LOCAL_RANK and the
         # CUDA device for its whole life, set once, before any process group exists.
         self.local_rank = cfg.device_slot if cfg.device_slot is not None else 0
@@ -390,8 +385,6 @@ class Runtime:
             self.round = plan.round
         self.gate.enter(store)
         self._take_position(plan)
-        if self._siblings is not None:
-            self._siblings.arm(plan)
         return connected - started, arrived - connected, initialized - arrived
 
     def _connect_store(self, plan: RoundPlan):

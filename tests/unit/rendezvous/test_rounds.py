@@ -6,7 +6,6 @@ from elastic.rendezvous.errors import ConfigError
 from elastic.rendezvous.rounds import (
     Fail,
     FormRound,
-    LOST_REPORT_WAIT_S,
     Member,
     ProbeLiveness,
     ResetRequest,
@@ -153,28 +152,6 @@ def test_reset_request_naming_killed_workers_forms_at_once_and_marks_them_lost()
     req = (ResetRequest("b.forced", 3, "graceful leave forced", seen_at=7.0, lost=("b0",)),)
     decision = decide(CoordinatorView(p, ms, req), S, now=7.0)
     assert workers(decision) == ["a0", "c0"] and decision.lost == ("b0",)
-
-
-def test_a_reset_request_naming_a_worker_its_agent_still_offers_forms_without_it():
-    # A worker saw its host's sibling die (worker/sibling_watch.py) before the sibling's
-    # agent could withdraw it: the round forms at once, without it, while min_np allows.
-    p = plan(2, ("a", "a0"), ("a", "a1"), ("b", "b0"))
-    ms = (member("a", ["a0", "a1"], 1), member("b", ["b0"], 2))
-    told = (ResetRequest("a0.sibling", 2, "worker a1 died", seen_at=7.0, lost=("a1",)),)
-    decision = decide(CoordinatorView(p, ms, told), S, now=7.0)
-    assert workers(decision) == ["a0", "b0"] and decision.lost == ("a1",) and decision.recovers
-    # Without it fewer than min_np would remain: a round with it would fail at once, so its
-    # agent's report (the exit, a replacement) is waited for, a few seconds at most.
-    p2 = plan(2, ("a", "a0"), ("a", "a1"))
-    told2 = (ResetRequest("a0.sibling", 2, "worker a1 died", seen_at=7.0, lost=("a1",)),)
-    still_offered = (member("a", ["a0", "a1"], 1),)
-    assert decide(CoordinatorView(p2, still_offered, told2), S, now=7.0) == Wait(
-        7.0 + LOST_REPORT_WAIT_S, "a lost worker's agent has yet to report it")
-    assert workers(decide(CoordinatorView(p2, still_offered, told2), S, now=7.0 + LOST_REPORT_WAIT_S)) == ["a0", "a1"]
-    # The report came: a1 withdrawn, its replacement a2 offered; the loss path forms with it.
-    reported = (member("a", ["a0", "a2"], 1),)
-    decision = decide(CoordinatorView(p2, reported, told2), S, now=7.1)
-    assert workers(decision) == ["a0", "a2"] and decision.lost == ("a1",)
 
 
 def draining(mid, revision):

@@ -48,17 +48,6 @@ def kill_and_join_events():
     return events
 
 
-def test_a_kill_seen_by_a_sibling_is_dated_by_it_not_by_the_agents_later_exit():
-    # The survivors re-formed (5.2, 5.25) before the agent saw the exit (5.3): a worker of
-    # the host saw the victim start to exit at 5.01 (worker/sibling_watch.py).
-    events = [e | {"time": T0 + 5.3} if e["event"] in ("worker_exited", "failure_detected") else e
-              for e in kill_and_join_events()]
-    events.append(ev(5.01, "sibling_exiting", worker=f"{A}.w0", rank=0, dying=f"{A}.w2", round=1))
-    tl = build(events)
-    [failure] = tl.failures
-    assert failure.time == pytest.approx(5.01) and tl.recovery_of(failure) is tl.reformations[0]
-
-
 def test_a_kill_and_a_join_give_lanes_failures_reformations_and_a_world_size_line():
     tl = build(list(reversed(kill_and_join_events())))  # any order
     assert tl.t0 == T0 and tl.end == pytest.approx(12.5)
