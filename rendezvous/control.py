@@ -241,10 +241,9 @@ class ControlChannel:
         Tried for ``REQUEST_DEADLINE_S`` at most, then RendezvousError: every caller posts
         it again when refused (the worker's reset nudge, the agent's queued writes). A put
         sent while etcd re-elects its leader (its leader's host was lost) is held until
-        the call's timeout even once a new leader is in; a worker waiting for its next
-        round posts from the thread that watches for that round's plan, and must not miss
-        the plan for that long (it cost 5 s, the call timeout, when the endpoint's host
-        was lost)."""
+        the call's timeout even once a new leader is in, and a worker waiting for its next
+        round must not post for that long (it cost 5 s, the call timeout, when the
+        endpoint's host was lost)."""
         body = json.dumps({"round": round_number, "reason": reason[:500], "lost": list(lost)}).encode()
         put_on_job_lease(self._etcd, self._keys.request(worker_id), body, self.job_lease,
                          retry_deadline=REQUEST_DEADLINE_S)

@@ -101,16 +101,6 @@ class StoreServer:
         self._thread.start()
 
     # -- the agent's side ------------------------------------------------------------
-    def start(self) -> "StoreServer":
-        """Serving already: kept for callers from when torch started it later."""
-        return self
-
-    def store(self) -> "StoreServer":
-        """This store, for ``list_keys``/``delete_key``."""
-        if self._closed:
-            raise RuntimeError(f"the store at port {self.port} is closed")
-        return self
-
     def started(self) -> Optional["StoreServer"]:
         """This store, or None once closed (never waits)."""
         return None if self._closed else self
