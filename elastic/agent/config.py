@@ -49,9 +49,11 @@ class AgentConfig:
 
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,
                       events_file: str, scratch: str, progress_file: Optional[str], stacks_file: Optional[str],
-                      final_checkpoint_file: str, device_slot: Optional[int] = None) -> WorkerConfig:
+                      final_checkpoint_file: str, device_slot: Optional[int] = None,
+                      agent_channel: Optional[str] = None) -> WorkerConfig:
     """The runtime's settings of one worker; the files named are the agent's ways of
-    hearing from it (error report, elastic marker, progress board, stacks)."""
+    hearing from it (error report, elastic marker, progress board, stacks, the channel
+    of what it tells its agent to act on)."""
     return WorkerConfig(
         job_id=cfg.job_id,
         endpoints=endpoints,
@@ -66,6 +68,7 @@ def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, en
         max_resets=cfg.max_resets,
         reset_window=cfg.reset_window,
         events_file=events_file,
+        agent_channel=agent_channel,
         error_file=os.path.join(scratch, f"{worker_id}.error"),
         marker_file=os.path.join(scratch, f"{worker_id}.elastic"),
         final_checkpoint_file=final_checkpoint_file,

@@ -413,7 +413,7 @@ def main(argv: Sequence[str]) -> int:
                                       security=getattr(args, "job_secret", None) if config_of_etcd.secure else None
                                       ).start()
             embedded = None  # stopped by `served` (removed from the cluster first where others keep it)
-        code = Agent(config, etcd, endpoints).run()
+        code = Agent(config, etcd).run()
         if embedded is not None or (served is not None and served.member is not None):
             # A served member too: every member stays up until the job's agents have all left.
             ended = _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)

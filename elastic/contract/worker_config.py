@@ -33,6 +33,7 @@ class WorkerConfig:
     max_resets: int = 20
     reset_window: float = 3600.0
     events_file: Optional[str] = None
+    agent_channel: Optional[str] = None  # where the worker tells its agent what to act on (agent_channel.py)
     error_file: Optional[str] = None
     marker_file: Optional[str] = None
     final_checkpoint_file: Optional[str] = None  # exists while rank 0 writes the final checkpoint
