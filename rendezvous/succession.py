@@ -53,7 +53,6 @@ CHECK_EVERY_S = 0.5  # between two looks while the coordinator gave no proof eit
 # call sent while etcd elects another is held for the whole call timeout (5 s) even once
 # the new leader is in, where a short try and another look half a second later is not.
 CALL_DEADLINE_S = 1.0
-PATIENCE_TTLS = 2.0  # stop looking after this many TTLs: by then its lease has decided
 
 
 
@@ -77,7 +76,7 @@ class SuccessionView:
     me: str  # our member id
     answer: Optional[Answer]  # the leader's agent's answer to a connect (liveness.py); None: not asked
     elapsed: float  # seconds since the ring broke
-    ttl: float  # --rdzv-ttl
+    patience: float  # seconds to look for at all: a dead leader's lease decides by then (two TTLs, timeouts.py)
 
 
 def next_move(view: SuccessionView) -> Move:
@@ -86,7 +85,7 @@ def next_move(view: SuccessionView) -> Move:
         return DONE  # a round answered the failure: the coordinator (whoever) is at work
     if view.leader is None or view.leader == view.me:
         return DONE  # vacant (every agent campaigns), or we lead: our coordinator answers
-    if view.elapsed >= PATIENCE_TTLS * view.ttl:
+    if view.elapsed >= view.patience:
         return DONE  # a dead leader's lease has expired by now; a live one is not ours to judge
     if view.answer is None:
         return PROBE
@@ -100,10 +99,10 @@ def next_move(view: SuccessionView) -> Move:
 class Succession:
     """``ring_broke(round)`` from the agent; the checking runs in a thread of its own."""
 
-    def __init__(self, etcd: Kv, keys: JobKeys, member_id: str, plan_round: Callable[[], int], ttl: float,
+    def __init__(self, etcd: Kv, keys: JobKeys, member_id: str, plan_round: Callable[[], int], patience: float,
                  *, answer: Callable[[str, int], Answer] = answer_of, clock: Callable[[], float] = time.monotonic):
         self._etcd, self._keys, self._member_id = etcd, keys, member_id
-        self._plan_round, self._ttl = plan_round, ttl
+        self._plan_round, self._patience = plan_round, patience
         self._answer, self._clock = answer, clock
         self._broken: Optional[tuple[int, float]] = None  # (round, when) of the newest failure not yet checked
         self._lock = threading.Lock()
@@ -152,7 +151,7 @@ class Succession:
     def _look(self, failed_round: int, since: float) -> Move:
         key = self._etcd.get(self._keys.coordinator, retry_deadline=CALL_DEADLINE_S)
         view = SuccessionView(failed_round, self._plan_round(), None if key is None else key.value.decode(errors="replace"),
-                              self._member_id, None, self._clock() - since, self._ttl)
+                              self._member_id, None, self._clock() - since, self._patience)
         if next_move(view) != PROBE:
             return next_move(view)
         record = read_member(self._etcd, self._keys, view.leader, retry_deadline=CALL_DEADLINE_S)

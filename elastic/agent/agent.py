@@ -82,7 +82,8 @@ from .workers import Exited, WorkerProcess, worker_output
 log = logging.getLogger(__name__)
 
 # A worker that has not called elastic.init() within this long after its start is a
-# plain (torchrun-style) script; before that it may still be importing torch.
+# plain (torchrun-style) script; before that it may still be importing torch. Not one of
+# the job's timeouts (contract/timeouts.py): it bounds a script's start, not a wait of the job.
 _STARTUP_S = 60.0
 
 
@@ -166,7 +167,8 @@ class Agent:
         # Without a log directory the events still go to a file: the agent reads its
         # workers' events from it for its metrics and the run's summary (event_tail.py).
         events = EventLog(os.path.join(config.log_dir or self._scratch, "events.jsonl"), host=config.host_id)
-        health = HealthState(ttl=config.ttl)
+        timeouts = config.timeouts  # the job's, reviewed at launch; every worker gets the same
+        health = HealthState(ttl=timeouts.ttl)
         metrics = AgentMetrics(config.host_id, self.member_id)  # fed by _observe and the watchdog's reads
         self.telemetry = Telemetry(
             events, EventTail(events.path, max_bytes=config.log_max_bytes), metrics, health,
@@ -177,8 +179,7 @@ class Agent:
                             max_restarts=config.max_restarts, events=events, out=print) if config.chaos else None
         self.telemetry.run_watch = RunWatch(job_id=config.job_id, log_dir=config.log_dir,
                                             publish=self._publish_progress, chaos=chaos)
-        policy = HangPolicy(timeout=config.hang_timeout,
-                            device_floor=device_floor(config.backend, config.collective_timeout))
+        policy = HangPolicy(timeout=timeouts.hang, device_floor=device_floor(config.backend, timeouts.collective))
         self._watchdog = Watchdog(policy, self._scratch, events, config.log_dir, on_marks=metrics.observe_marks)
         self.services: Optional[Services] = None
 
@@ -211,7 +212,8 @@ class Agent:
                                    job_lease=lambda: participant.control.job_lease)
         participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
         newest_round = lambda: participant.control.plan.round if participant.control.plan is not None else 0  # noqa: E731
-        succession = Succession(self._etcd, participant.keys, self.member_id, newest_round, cfg.ttl)
+        succession = Succession(self._etcd, participant.keys, self.member_id, newest_round,
+                                cfg.timeouts.succession_patience)
         self.services = Services(store, participant, plain_stores, PeerProbe(self._etcd, participant, self.events).start(),
                                  succession.start(), health_server)
         self.telemetry.health.mark_registered()
@@ -219,7 +221,7 @@ class Agent:
             # The session's own verdict comes only after max(ttl, retry deadline);
             # the probe must fail once our lease has not been seen alive for a TTL.
             self.services.session_monitor = SessionMonitor(self.telemetry.health, self._lease_alive,
-                                                           cfg.ttl / 3).start()
+                                                           cfg.timeouts.ttl / 3).start()
         self.events.emit("agent_started", member=self.member_id, workers=len(self.workers.wanted))
         self.events.emit("member_joined", member=self.member_id)
         for signum in (signal.SIGTERM, signal.SIGINT):
