@@ -55,7 +55,7 @@ from .rounds import (
 )
 from .session import Session
 from .skipped import SkippedKeys
-from .waiting import WAITING_LINE_INTERVAL_S, WaitingEcho, WaitingLine, WaitingNotice
+from .waiting import WaitingEcho, WaitingLine, WaitingNotice, notice_due
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +157,7 @@ class Coordinator:
         wait cost every agent one event per interval, not one per arrival (O(N) per
         interval, never O(N^2)). When the wait ends, the key goes."""
         count = None if notice is None else notice.present
-        if count == self._waiting_published:
-            return
-        if notice is not None and (now - self._below_min_since < WAITING_LINE_INTERVAL_S
-                                   or now - self._waiting_published_at < WAITING_LINE_INTERVAL_S):
+        if not notice_due(count, self._waiting_published, self._waiting_published_at, self._below_min_since, now):
             return  # the next turn (at least every second) looks again
         key, fence = self._keys.waiting, CreateRevisionEquals(self._keys.coordinator, token)
         action = Delete(key) if notice is None else Put(key, notice.to_json(), lease=self._session.lease_id)
