@@ -287,7 +287,7 @@ class Agent:
         self.state.previous_plan, self.state.plan = previous, plan
         self.events.round = plan.round
         self.events.emit("round_started", **round_change(previous, plan))
-        if not self.workers.script_is_elastic:  # a torchrun-style script needs a fresh store per round
+        if not self._script_is_elastic():  # a torchrun-style script needs a fresh store per round
             self.services.plain_stores.serve_if_rank0(plan)
         prune_round_keys(self.services.store.started(), plan.round)
         self._restart_plain_workers()
@@ -359,16 +359,26 @@ class Agent:
         self.workers.running[worker_id] = proc
         self.events.emit("worker_started", worker=worker_id, pid=proc.pid, rank=rank, round=plan.round, slot=slot)
 
+    def _script_is_elastic(self) -> bool:
+        """Our workers use the elastic runtime: seen by us (then told to the job, once), or
+        by another agent of the job (plain_store.py)."""
+        plain_stores = self.services.plain_stores
+        if self.workers.script_is_elastic:
+            plain_stores.say_elastic(self._etcd_writes.write)
+            return True
+        return plain_stores.job_is_elastic()
+
     def _torchrun_store(self, plan: RoundPlan) -> tuple[str, int]:
         """MASTER_ADDR:PORT for a worker of ``plan``. A torchrun-style script needs the
         round's fresh store, which rank 0's agent publishes (waited for, bounded:
         plain_store.py). An elastic worker never uses it (its rounds have their own
-        store, the plan's): once our workers are known to be elastic, they start at
-        once, told the plan's store."""
-        if self.workers.script_is_elastic:
+        store, the plan's): once the job's workers are known to be elastic, they start
+        at once, told the plan's store."""
+        address = None if self._script_is_elastic() else self.services.plain_stores.address(plan)
+        if address is None:
             host, port = plan.store_addr.rsplit(":", 1)
             return host, int(port)
-        return self.services.plain_stores.address(plan)
+        return address
 
     def _start_awaiting(self) -> None:
         """Start the workers that waited for a device slot, once one is free."""

@@ -25,7 +25,10 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    from .worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +95,10 @@ def decode(line: str) -> Optional[Told]:
     return Told(host, worker, cls(**values))
 
 
-def tell_agent(config, message: Message) -> None:
-    """Send ``message`` to this worker's agent (``config``: the worker's ``WorkerConfig``);
-    nothing when no agent listens (a world of one, or an agent without a channel)."""
-    path = getattr(config, "agent_channel", None)
+def tell_agent(config: Optional["WorkerConfig"], message: Message) -> None:
+    """Send ``message`` to this worker's agent; nothing when no agent listens (a world of
+    one: no config; an agent without a channel)."""
+    path = config.agent_channel if config is not None else None
     if not path:
         return
     line = (encode(config.host_id, config.worker_id, message) + "\n").encode()
