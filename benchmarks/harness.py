@@ -54,10 +54,10 @@ def benchmark_env(**extra: str) -> dict[str, str]:
 class Job:
     """A launcher process group; a context manager that always kills what it started."""
 
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path, cwd: Path = REPO) -> None:
         self.command = command
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
     def __enter__(self) -> "Job":

@@ -187,7 +187,10 @@ def run_size(server: EmbeddedEtcd, hosts: int, *, real_members: int, watch_strea
         deadline = registered + timeout
         if not watchers.everyone.wait(timeout):
             raise RuntimeError(f"{hosts} hosts: only {len(watchers.seen_at)} of {streams} watchers saw a plan")
-        plan = participants[0].wait_for_plan(lambda p: p.round >= 1, max(0.1, deadline - time.monotonic()))
+        control = participants[0].control
+        if not control.wait_for(lambda p, _status: p is not None and p.round >= 1, max(0.1, deadline - time.monotonic())):
+            raise RuntimeError(f"{hosts} hosts: no round formed in time")
+        plan = control.plan
         while len(seen) < real and time.monotonic() < deadline:
             time.sleep(0.001)
         if len(seen) < real:

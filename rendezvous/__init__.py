@@ -17,7 +17,6 @@ from .etcd import Etcd, EtcdConfig, KeyValue
 from .history import keep_ended_job
 from .job_view import JobView, job_view, read_job
 from .keys import JobKeys, validate_job_id
-from .liveness import evict_dead_members, evict_if_dead
 from .membership import MemberRegistration
 from .participant import Participant, new_member_id
 from .rounds import Member, RendezvousSettings, RoundPlan, Slot, decide
@@ -29,5 +28,5 @@ __all__ = [
     "MemberRegistration", "Participant", "RUNNING", "RendezvousAuthError",
     "RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",
     "RendezvousSettings", "RendezvousTimeoutError", "RoundPlan", "STOPPING", "SUCCEEDED", "Session",
-    "Slot", "decide", "evict_dead_members", "evict_if_dead", "find_etcd_binary", "new_member_id", "validate_job_id",
+    "Slot", "decide", "find_etcd_binary", "new_member_id", "validate_job_id",
 ]

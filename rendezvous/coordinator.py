@@ -55,7 +55,7 @@ from .rounds import (
 )
 from .session import Session
 from .skipped import SkippedKeys
-from .waiting import WAITING_LINE_INTERVAL_S, WaitingEcho, WaitingLine, WaitingNotice
+from .waiting import WaitingEcho, WaitingLine, WaitingNotice, notice_due
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +157,7 @@ class Coordinator:
         wait cost every agent one event per interval, not one per arrival (O(N) per
         interval, never O(N^2)). When the wait ends, the key goes."""
         count = None if notice is None else notice.present
-        if count == self._waiting_published:
-            return
-        if notice is not None and (now - self._below_min_since < WAITING_LINE_INTERVAL_S
-                                   or now - self._waiting_published_at < WAITING_LINE_INTERVAL_S):
+        if not notice_due(count, self._waiting_published, self._waiting_published_at, self._below_min_since, now):
             return  # the next turn (at least every second) looks again
         key, fence = self._keys.waiting, CreateRevisionEquals(self._keys.coordinator, token)
         action = Delete(key) if notice is None else Put(key, notice.to_json(), lease=self._session.lease_id)
@@ -186,31 +183,13 @@ class Coordinator:
             with self._wake:
                 self._wake.notify_all()
 
-        def on_election_events(events):
-            if any(e.type == "delete" for e in events):
-                on_deposed()
-
-        def on_election_reset():
-            # The history of the election key was compacted: a delete may be lost.
-            kv = self._etcd.get(self._keys.coordinator)
-            if kv is None or kv.create_revision != token:
-                on_deposed()
-
         watches = []
         try:
             self._job_lease.take()  # plans and rounds go on it (job_lease.py)
             watches.append(self._follow(self._keys.members, self._on_member_events))
             watches.append(self._follow(self._keys.requests, self._on_request_events))
             watches.append(self._follow(self._keys.reach, self._on_reach_events))
-            watches.append(
-                self._etcd.watch(
-                    self._keys.coordinator,
-                    prefix=False,
-                    start_revision=token + 1,
-                    on_events=on_election_events,
-                    on_reset=on_election_reset,
-                )
-            )
+            watches.append(self._election.watch_deposed(token, on_deposed))
             while not (self._stop.is_set() or deposed.is_set() or self._session.lost.is_set()):
                 if self._control.status.state != RUNNING:  # no new rounds once stopping
                     self._stop.wait(0.5)
@@ -259,55 +238,53 @@ class Coordinator:
             self._wake.notify_all()
 
     def _on_request_events(self, events, initial: bool = False) -> None:
-        malformed: list[str] = []
-        self._apply_requests(events, initial, malformed)
-        for key in malformed:
-            try:
-                self._etcd.delete(key)
-            except RendezvousError as exc:
-                log.debug("coordinator: malformed request %s not deleted (%s)", key, exc)
-
-    def _apply_requests(self, events, initial: bool, malformed: list) -> None:
         with self._wake:
-            known = self._requests
+            self._requests, changes = self._merged(self._requests, events, initial, self._keys.requests,
+                                                   lambda worker, value: ResetRequest.from_json(worker, value,
+                                                                                                self._clock()))
             if initial:
-                self._requests = {}
-            for kind, kv in events:
-                worker_id = kv.key[len(self._keys.requests):]
-                request = self._parsed(kv, lambda: ResetRequest.from_json(worker_id, kv.value, self._clock())) \
-                    if kind == "put" and kv.value else None
-                if kind == "put" and kv.value and request is None:
-                    malformed.append(kv.key)  # deleted below: requests carry no lease
+                self._request_revisions = {}
+            for worker_id, _, request, kv in changes:
                 if request is not None:
-                    seen = known.get(worker_id)
-                    if initial and seen is not None and seen.round == request.round:
-                        request = seen  # a reload keeps when we first saw it
-                    self._requests[worker_id] = request
                     self._request_revisions[worker_id] = kv.mod_revision
                 else:
-                    self._requests.pop(worker_id, None)
                     self._request_revisions.pop(worker_id, None)
             self._dirty = True
             self._wake.notify_all()
+        for _, kind, request, kv in changes:
+            if kind == "put" and kv.value and request is None:  # unreadable: requests carry no lease, so delete it
+                try:
+                    self._etcd.delete(kv.key)
+                except RendezvousError as exc:
+                    log.debug("coordinator: malformed request %s not deleted (%s)", kv.key, exc)
 
     def _on_reach_events(self, events, initial: bool = False) -> None:
         with self._wake:
-            known, now = self._reports, self._clock()
-            if initial:
-                self._reports = {}
-            for kind, kv in events:
-                member_id = kv.key[len(self._keys.reach):]
-                report = self._parsed(kv, lambda: ReachReport.from_json(member_id, kv.value, now)) \
-                    if kind == "put" and kv.value else None
-                if report is not None:
-                    seen = known.get(member_id)
-                    if initial and seen is not None and seen.round == report.round:
-                        report = seen  # a reload keeps when we first saw it
-                    self._reports[member_id] = report
-                else:
-                    self._reports.pop(member_id, None)
+            now = self._clock()
+            self._reports, _ = self._merged(self._reports, events, initial, self._keys.reach,
+                                            lambda member, value: ReachReport.from_json(member, value, now))
             self._dirty = True
             self._wake.notify_all()
+
+    def _merged(self, table: dict, events, initial: bool, prefix: str, parse) -> tuple[dict, list]:
+        """``table`` (requests or reach reports, by the name after ``prefix``) after ``events``,
+        and (name, kind, parsed or None, kv) per event. A reload (``initial``) starts afresh but
+        keeps the copy first seen of an entry for the same round: when it was first seen
+        is what the rules (rounds.decide, reachability.exclusions) time from."""
+        merged = {} if initial else table
+        changes = []
+        for kind, kv in events:
+            name = kv.key[len(prefix):]
+            item = self._parsed(kv, lambda: parse(name, kv.value)) if kind == "put" and kv.value else None
+            if item is not None:
+                seen = table.get(name)
+                if initial and seen is not None and seen.round == item.round:
+                    item = seen  # a reload keeps when we first saw it
+                merged[name] = item
+            else:
+                merged.pop(name, None)
+            changes.append((name, kind, item, kv))
+        return merged, changes
 
     def _renew_until(self) -> Optional[float]:
         """After our own refreshes failed (etcd away), the members get one TTL from when

@@ -4,7 +4,8 @@ etcd's own election recipe (``client/v3/concurrency/election.go``) reduced to wh
 job needs: a member claims ``JobKeys.coordinator`` with one transaction that puts its id
 on its lease only if the key does not exist; the key's create revision is the leader's
 fencing token (every write a leader makes compares it). The others watch the key and
-campaign again when it is deleted: its holder left, or its lease expired.
+campaign again when it is deleted: its holder left, or its lease expired. A leader learns
+it is deposed from the recipe too (``watch_deposed``), as etcd's ``Observe`` tells.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 from typing import Callable, Optional
 
 from .etcd import CreateRevisionEquals, Put
-from .kv import Kv
+from .kv import Cancellable, Kv
 from .session import Session
 
 
@@ -57,3 +58,26 @@ class Election:
                 vacant.wait(0.5)
         finally:
             watch.cancel()
+
+    def watch_deposed(self, token: int, on_deposed: Callable[[], None]) -> Cancellable:
+        """Call ``on_deposed`` once our claim (fencing token ``token``) is gone: the key
+        deleted, or, after a compaction that may have hidden a delete, held by another
+        claim. Cancel the returned watch when leading ends."""
+        told = threading.Event()
+
+        def deposed() -> None:
+            if not told.is_set():
+                told.set()
+                on_deposed()
+
+        def on_events(events) -> None:
+            if any(e.type == "delete" for e in events):
+                deposed()
+
+        def on_reset() -> None:  # the key's history was compacted: a delete may be lost
+            kv = self._etcd.get(self._key)
+            if kv is None or kv.create_revision != token:
+                deposed()
+
+        return self._etcd.watch(self._key, prefix=False, start_revision=token + 1, on_events=on_events,
+                                on_reset=on_reset)

@@ -26,6 +26,9 @@ never read or watch each other's keys.
     /elastic/<job>/plainstores/<n>       "host:port" of round n's fresh TCPStore for
                                          workers that use torchrun's env:// init
                                          (deleted with the store, two rounds later).
+    /elastic/<job>/plainstores/none      "elastic": an agent saw one of its workers call
+                                         elastic.init(), so the job's workers need no
+                                         such store; none is served or waited for since.
     /elastic/.served/offers/<member>     JSON Offer: this agent could hold a member of the etcd
                                          its bare-metal job serves itself (served.py), on its
                                          lease. Not under a job: one etcd, one set of members,
@@ -121,6 +124,10 @@ class JobKeys:
 
     def plain_store(self, number: int) -> str:
         return f"{self.prefix}plainstores/{number:08d}"
+
+    @property
+    def no_plain_stores(self) -> str:
+        return f"{self.prefix}plainstores/none"
 
     @property
     def reach(self) -> str:

@@ -1,98 +1,157 @@
-"""Proof of death: is a member's agent gone for sure, so its lease can go now?
+"""Is that agent alive? One probe, what each answer proves, and the one place a member's lease is revoked.
 
 A member's keys live on its lease, which outlives a dead agent by up to the TTL.
 Waiting that long is right when we cannot tell a dead host from one we merely
-cannot reach (a partition may be on *our* side). But when the host answers and
-says nothing listens on the agent's port any more (a TCP reset: connection
-refused), the agent process is gone: its workers died with it (parent-death
-signal) and nobody will ever refresh the lease. Revoking the lease then removes
-the member (and the election key, if it led) at once, and the rounds move on
-in about a second instead of a TTL.
+cannot reach (a partition may be on *our* side). But a TCP connect to the agent's
+port (the store it serves for as long as it lives) says more than nothing:
 
-Only a refusal counts. A timeout, an unreachable network or any other error is
-no evidence, so those members are left to their TTL.
+    ACCEPTED  the agent listens: alive, and reachable from here
+    REFUSED   the host answered and nothing listens there (a TCP reset): the agent
+              process is gone, its workers died with it (parent-death signal) and
+              nobody will ever refresh its lease. Proof of death; the host is reachable
+    SILENT    no answer within the timeout, no route, any other error: no proof either
+              way (a partition may be ours), and unreachable from here
+
+``probe`` asks many agents at once (non-blocking connects, one timeout for all). Each
+decision that rests on it has one owner, and asks it here:
+
+* a member whose agent is dead (``proves_dead``): the coordinator revokes its lease when
+  a ring broke and nobody said why (``rounds.ProbeLiveness``, ``coordinator.py``), so the
+  round forms in about a second instead of a TTL;
+* a coordinator whose agent is dead: the agents whose ring broke, and only they
+  (``succession.py``), so another agent leads at once;
+* a peer that cannot be reached (not ``reachable``): the agents' peer probe while a ring
+  stalls, reported to etcd for the coordinator to decide on (``elastic/agent/peer_probe.py``,
+  ``reachability.py``).
+
+Every revocation of a member's lease goes through ``revoke_member``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import selectors
 import socket
-from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+import time
+from enum import Enum
+from typing import Hashable, Iterable, Mapping, Optional, TypeVar
 
 from .errors import MalformedValueError, RendezvousError
 from .keys import JobKeys
-from .kv import KeyValue, Kv
+from .kv import Kv
 from .rounds import Member
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT_S = 0.5
-_MAX_PARALLEL_PROBES = 32
+PROBE_TIMEOUT_S = 0.5  # the coordinator's and the succession's: a live agent on a loaded host answers in ms
 
 
-ACCEPTED, REFUSED, SILENT = "accepted", "refused", "silent"  # a connect's answers
+class Answer(Enum):
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+    SILENT = "silent"
 
 
-def agent_answer(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str:
-    """ACCEPTED (the agent listens), REFUSED (the host is up, the agent gone) or SILENT
-    (a timeout, an unreachable network, any other error: no proof either way)."""
+ACCEPTED, REFUSED, SILENT = Answer.ACCEPTED, Answer.REFUSED, Answer.SILENT
+
+
+def proves_dead(answer: Answer) -> bool:
+    """Only a refusal proves that the agent is gone."""
+    return answer is REFUSED
+
+
+def reachable(answer: Answer) -> bool:
+    """Any answer, an accept or a refusal, shows the host reachable from here."""
+    return answer is not SILENT
+
+
+_CONNECTED = (0, errno.EISCONN)
+K = TypeVar("K", bound=Hashable)
+
+
+def probe(addresses: Mapping[K, tuple[str, int]], timeout: float = PROBE_TIMEOUT_S) -> dict[K, Answer]:
+    """Connect to every (host, port) of ``addresses`` at once; each one's ``Answer``
+    within ``timeout`` seconds (those still waiting then are SILENT)."""
+    answers: dict[K, Answer] = {}
+    pending: dict[socket.socket, K] = {}
+    selector = selectors.DefaultSelector()
     try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            return ACCEPTED
-    except ConnectionRefusedError:
-        return REFUSED
-    except OSError:
-        return SILENT
+        for key, (host, port) in addresses.items():
+            try:
+                sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            except OSError:
+                answers[key] = SILENT
+                continue
+            sock.setblocking(False)
+            try:
+                code = sock.connect_ex((host, port))
+            except OSError:  # a name that does not resolve: no answer
+                code = errno.EHOSTUNREACH
+            if code in (errno.EINPROGRESS, errno.EAGAIN):
+                pending[sock] = key
+                selector.register(sock, selectors.EVENT_WRITE)
+            else:
+                sock.close()
+                answers[key] = _answer(code)
+        deadline = time.monotonic() + timeout
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for selected, _ in selector.select(left):
+                sock = selected.fileobj
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                selector.unregister(sock)
+                answers[pending.pop(sock)] = _answer(code)
+                sock.close()
+        for key in pending.values():  # still waiting: no answer within the timeout
+            answers[key] = SILENT
+    finally:
+        for sock in pending:
+            sock.close()
+        selector.close()
+    return answers
 
 
-def agent_refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """True only when the host refused a connection to the agent's port."""
-    return agent_answer(addr, port, timeout) == REFUSED
+def _answer(code: int) -> Answer:
+    if code in _CONNECTED:
+        return ACCEPTED
+    return REFUSED if code == errno.ECONNREFUSED else SILENT  # no route, network down: no answer
 
 
-def evict_if_dead(etcd: Kv, keys: JobKeys, member_id: str) -> bool:
-    """Revoke ``member_id``'s lease if its agent refuses connections; True if revoked."""
-    kv = etcd.get(keys.member(member_id))
+def answer_of(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> Answer:
+    """One agent's answer (``probe`` of one address)."""
+    return probe({0: (addr, port)}, timeout)[0]
+
+
+def read_member(etcd: Kv, keys: JobKeys, member_id: str,
+                retry_deadline: Optional[float] = None) -> Optional[tuple[Member, int]]:
+    """A member's record and the lease it lives on; None when it is gone, or unreadable
+    (no address to prove anything with: its lease decides)."""
+    kv = etcd.get(keys.member(member_id), retry_deadline=retry_deadline)
     if kv is None:
-        return False
-    return _evict(etcd, kv)
-
-
-def evict_dead_members(etcd: Kv, keys: JobKeys, member_ids: Iterable[str]) -> list[str]:
-    """Probe several members in parallel; revoke the leases of the dead ones."""
-    wanted = list(dict.fromkeys(member_ids))
-    if not wanted:
-        return []
-    kvs = [kv for kv in (etcd.get(keys.member(m)) for m in wanted) if kv is not None]
-    with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_PROBES, len(kvs) or 1)) as pool:
-        verdicts = list(pool.map(_probe, kvs))
-    evicted = []
-    for kv, dead in zip(kvs, verdicts):
-        if dead and _revoke(etcd, kv):
-            evicted.append(Member.from_json(kv.value).member_id)
-    return evicted
-
-
-def _probe(kv: KeyValue) -> bool:
+        return None
     try:
-        member = Member.from_json(kv.value)
+        return Member.from_json(kv.value), kv.lease
     except MalformedValueError:
-        return False  # no address to prove anything with: its lease decides
-    return agent_refuses(member.addr, member.store_port)
+        return None
 
 
-def _evict(etcd: Kv, kv: KeyValue) -> bool:
-    return _probe(kv) and _revoke(etcd, kv)
-
-
-def _revoke(etcd: Kv, kv: KeyValue) -> bool:
-    member = Member.from_json(kv.value)
+def revoke_member(etcd: Kv, member: Member, lease: int, why: str, retry_deadline: Optional[float] = None) -> bool:
+    """Revoke ``member``'s lease (its member record, and the election key if it led, go
+    with it); True once done. The one place a member's lease is revoked."""
     try:
-        etcd.revoke_lease(kv.lease)
-    except RendezvousError as exc:
-        log.info("could not evict dead member %s: %s", member.member_id, exc)
+        etcd.revoke_lease(lease, retry_deadline=retry_deadline)
+    except RendezvousError as exc:  # already revoked or expired: gone either way, not by us
+        log.info("could not evict member %s: %s", member.member_id, exc)
         return False
-    log.warning("member %s (%s): its agent at %s:%d refuses connections; evicted it without waiting for its TTL",
-                member.member_id, member.host, member.addr, member.store_port)
+    log.warning("member %s (%s): its agent at %s:%d refuses connections; evicted it without waiting for its TTL "
+                "(%s)", member.member_id, member.host, member.addr, member.store_port, why)
     return True
+
+
+def evict_dead_members(etcd: Kv, keys: JobKeys, member_ids: Iterable[str],
+                       timeout: float = PROBE_TIMEOUT_S) -> list[str]:
+    """Probe several members at once; revoke the leases of those proven dead."""
+    records = {m: r for m in dict.fromkeys(member_ids) if (r := read_member(etcd, keys, m)) is not None}
+    answers = probe({m: (member.addr, member.store_port) for m, (member, _) in records.items()}, timeout)
+    return [m for m, answer in answers.items()
+            if proves_dead(answer) and revoke_member(etcd, *records[m], "a ring broke and nobody said why")]

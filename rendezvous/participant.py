@@ -8,16 +8,15 @@ follow) and a ``Coordinator`` (which leads while we hold the election key).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 from .control import RUNNING, ControlChannel, JobStatus
 from .coordinator import Coordinator, RoundListener
-from .errors import RendezvousClosedError, RendezvousTimeoutError
 from .etcd import Etcd
 from .history import keep_ended_job
 from .keys import JobKeys
 from .membership import MemberRegistration
-from .rounds import Member, RendezvousSettings, RoundPlan
+from .rounds import Member, RendezvousSettings
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -75,25 +74,6 @@ class Participant:
     def set_workers(self, workers: tuple[str, ...], *, draining: bool = False) -> None:
         assert self.registration is not None
         self.registration.set_workers(workers, draining=draining)
-
-    def wait_for_plan(
-        self,
-        accept: Callable[[RoundPlan], bool],
-        timeout: float,
-    ) -> RoundPlan:
-        """Block until a plan that ``accept``s arrives; raise if the job ends first."""
-        ok = self.control.wait_for(
-            lambda plan, status: status.over or (plan is not None and accept(plan)),
-            timeout,
-        )
-        status = self.control.status
-        if status.over:
-            raise RendezvousClosedError(f"job {self.keys.job_id} {status.state}: {status.reason}".rstrip(": "))
-        if not ok:
-            raise RendezvousTimeoutError(f"no round formed within {timeout:g}s")
-        plan = self.control.plan
-        assert plan is not None
-        return plan
 
     def set_status(self, status: JobStatus) -> bool:
         return self.control.set_status(status)

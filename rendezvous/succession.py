@@ -8,7 +8,8 @@ to expire. On bare metal with no etcd of the user's that host is usually the end
 which holds etcd's leader too, and a new etcd leader renews every lease to its full TTL:
 the key outlived the host by etcd's re-election plus a whole ``--rdzv-ttl``.
 
-So when a survivor's ring breaks (its worker reports the failure), its agent checks the
+So when a survivor's ring breaks (its worker tells its agent, ``contract/agent_channel.py``,
+or the agent saw one of its workers die), the agent checks the
 coordinator: it reads who holds the election key, connects to that agent's port, and
 only if the host refuses the connection (a TCP reset: the host is up and nothing listens
 there, so the agent process is gone) it revokes the key's lease. The key goes with the
@@ -25,6 +26,8 @@ Safety is the election's, unchanged:
 * checking costs one read and one connect per agent per ring failure, and stops as soon
   as a round answers the failure, the coordinator answers the connect, or the key goes.
 
+This is the one mechanism for a dead coordinator, and the agent its one owner: the probe
+and what its answers prove are ``liveness.py``'s, the revocation is ``liveness.revoke_member``.
 What to do next is decided by the pure ``next_move`` (tested as a table); ``Succession``
 carries it out in its own thread, so the agent's loop never waits on etcd or a connect.
 """
@@ -35,13 +38,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable, Optional
 
-from .errors import MalformedValueError, RendezvousError
+from .errors import RendezvousError
 from .keys import JobKeys
 from .kv import Kv
-from .liveness import ACCEPTED, REFUSED, agent_answer
-from .rounds import Member
+from .liveness import ACCEPTED, Answer, answer_of, proves_dead, read_member, revoke_member
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +53,17 @@ CHECK_EVERY_S = 0.5  # between two looks while the coordinator gave no proof eit
 # call sent while etcd elects another is held for the whole call timeout (5 s) even once
 # the new leader is in, where a short try and another look half a second later is not.
 CALL_DEADLINE_S = 1.0
-PATIENCE_TTLS = 2.0  # stop looking after this many TTLs: by then its lease has decided
 
-DONE, PROBE, EVICT, RETRY = "done", "probe", "evict", "retry"
+
+
+class Move(Enum):
+    DONE = "done"  # nothing (left) to do
+    PROBE = "probe"  # ask the leader's agent
+    EVICT = "evict"  # revoke its lease
+    RETRY = "retry"  # look again soon
+
+
+DONE, PROBE, EVICT, RETRY = Move.DONE, Move.PROBE, Move.EVICT, Move.RETRY
 
 
 @dataclass(frozen=True)
@@ -63,24 +74,24 @@ class SuccessionView:
     plan_round: int  # the newest plan's round (0: none)
     leader: Optional[str]  # the member holding the election key (None: nobody)
     me: str  # our member id
-    answer: Optional[str]  # the leader's agent's answer to a connect: ACCEPTED, REFUSED, SILENT; None: not asked
+    answer: Optional[Answer]  # the leader's agent's answer to a connect (liveness.py); None: not asked
     elapsed: float  # seconds since the ring broke
-    ttl: float  # --rdzv-ttl
+    patience: float  # seconds to look for at all: a dead leader's lease decides by then (two TTLs, timeouts.py)
 
 
-def next_move(view: SuccessionView) -> str:
-    """DONE (nothing to do), PROBE (ask the leader's agent), EVICT (revoke its lease), RETRY (look again soon)."""
+def next_move(view: SuccessionView) -> Move:
+    """What to do next about the coordinator (see the module's docstring)."""
     if view.plan_round > view.failed_round:
         return DONE  # a round answered the failure: the coordinator (whoever) is at work
     if view.leader is None or view.leader == view.me:
         return DONE  # vacant (every agent campaigns), or we lead: our coordinator answers
-    if view.elapsed >= PATIENCE_TTLS * view.ttl:
+    if view.elapsed >= view.patience:
         return DONE  # a dead leader's lease has expired by now; a live one is not ours to judge
     if view.answer is None:
         return PROBE
-    if view.answer == REFUSED:
+    if proves_dead(view.answer):
         return EVICT  # the host is up and its agent is gone: nobody will ever renew that lease
-    if view.answer == ACCEPTED:
+    if view.answer is ACCEPTED:
         return DONE  # alive: planning the round is its job
     return RETRY  # silent: no proof (a partition may be ours); ask again until its TTL decides
 
@@ -88,10 +99,10 @@ def next_move(view: SuccessionView) -> str:
 class Succession:
     """``ring_broke(round)`` from the agent; the checking runs in a thread of its own."""
 
-    def __init__(self, etcd: Kv, keys: JobKeys, member_id: str, plan_round: Callable[[], int], ttl: float,
-                 *, answer: Callable[[str, int], str] = agent_answer, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, etcd: Kv, keys: JobKeys, member_id: str, plan_round: Callable[[], int], patience: float,
+                 *, answer: Callable[[str, int], Answer] = answer_of, clock: Callable[[], float] = time.monotonic):
         self._etcd, self._keys, self._member_id = etcd, keys, member_id
-        self._plan_round, self._ttl = plan_round, ttl
+        self._plan_round, self._patience = plan_round, patience
         self._answer, self._clock = answer, clock
         self._broken: Optional[tuple[int, float]] = None  # (round, when) of the newest failure not yet checked
         self._lock = threading.Lock()
@@ -122,7 +133,7 @@ class Succession:
             if broken is not None and not self._stop.is_set():
                 self.check(*broken)
 
-    def check(self, failed_round: int, since: float) -> Optional[str]:
+    def check(self, failed_round: int, since: float) -> Optional[Move]:
         """Look at the coordinator until there is nothing left to do; the last move."""
         move = None
         while not self._stop.is_set():
@@ -137,29 +148,20 @@ class Succession:
                 return move  # stopping, or a newer failure: that one is checked next
         return move
 
-    def _look(self, failed_round: int, since: float) -> str:
+    def _look(self, failed_round: int, since: float) -> Move:
         key = self._etcd.get(self._keys.coordinator, retry_deadline=CALL_DEADLINE_S)
         view = SuccessionView(failed_round, self._plan_round(), None if key is None else key.value.decode(errors="replace"),
-                              self._member_id, None, self._clock() - since, self._ttl)
+                              self._member_id, None, self._clock() - since, self._patience)
         if next_move(view) != PROBE:
             return next_move(view)
-        record = self._etcd.get(self._keys.member(view.leader), retry_deadline=CALL_DEADLINE_S)
-        try:
-            leader = Member.from_json(record.value) if record is not None else None
-        except MalformedValueError:
-            leader = None
-        if leader is None:
+        record = read_member(self._etcd, self._keys, view.leader, retry_deadline=CALL_DEADLINE_S)
+        if record is None:
             return RETRY  # no address to prove anything with (re-registering, or being removed)
-        answer = self._answer(leader.addr, leader.store_port)
-        move = next_move(replace(view, answer=answer))
+        leader, _ = record
+        move = next_move(replace(view, answer=self._answer(leader.addr, leader.store_port)))
         if move == EVICT:
-            try:
-                self._etcd.revoke_lease(key.lease, retry_deadline=CALL_DEADLINE_S)
-            except RendezvousError as exc:  # already revoked or expired: the key is gone either way
-                log.info("round %d: could not revoke coordinator %s's lease (%s)", failed_round, view.leader, exc)
+            # The election key's lease (the leader's session's) is the one to revoke.
+            why = f"round {failed_round}: the coordinator, {self._clock() - since:.2f}s after the ring broke"
+            if not revoke_member(self._etcd, leader, key.lease, why, retry_deadline=CALL_DEADLINE_S):
                 return RETRY
-            log.warning("round %d: coordinator %s (%s): its agent at %s:%d refuses connections; revoked its "
-                        "lease %.2fs after the ring broke, without waiting for its TTL: another agent leads now",
-                        failed_round, view.leader, leader.host, leader.addr, leader.store_port,
-                        self._clock() - since)
         return move

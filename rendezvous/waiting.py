@@ -45,6 +45,20 @@ class WaitingNotice:
             return cls(int(obj["present"]), int(obj["min_np"]), float(obj["fails_in"]))
 
 
+def notice_due(present: Optional[int], published: Optional[int], published_at: float,
+               below_min_since: Optional[float], now: float, interval: float = WAITING_LINE_INTERVAL_S) -> bool:
+    """Whether the coordinator writes the notice now (``present``: the count below min_np,
+    None once the wait is over; ``published``: the count of the notice in etcd, None for
+    none, -1 for not known). The rules of the module's docstring: never a write that
+    changes nothing; the first only once the wait has lasted ``interval``, a changed count
+    at most once an ``interval``; the end of the wait at once."""
+    if present == published:
+        return False
+    if present is None:
+        return True  # the wait ended: the notice goes
+    return below_min_since is not None and now - below_min_since >= interval and now - published_at >= interval
+
+
 class WaitingLine:
     """The line, at once when the count changes and every ``interval`` seconds."""
 

@@ -221,10 +221,21 @@ def test_the_states_bookkeeping_stays_out_of_the_users_namespace():
     assert found == {}
 
 
-def test_no_module_is_over_about_500_lines():
+# An alarm, not a target: a module this long holds more than one job. The answer is a
+# seam (a named object that takes one of its jobs, with its own tests), never a move of
+# whatever code fits elsewhere to get back under the number; a cap that code is moved to
+# meet only hides the second job in another file.
+LONG_MODULE_ALARM = 700
+
+
+def test_no_module_grows_past_the_alarm():
     long = {str(path.relative_to(ROOT)): n for path in MODULES.values()
-            if (n := len(path.read_text().splitlines())) > 520}
-    assert long == {}
+            if (n := len(path.read_text().splitlines())) > LONG_MODULE_ALARM}
+    assert long == {}, (
+        f"{', '.join(f'{p} ({n} lines)' for p, n in sorted(long.items()))}: past {LONG_MODULE_ALARM} lines a "
+        "module holds more than one job. Find the seam (a decision that can be a pure function with a table "
+        "test, a piece of state that can be a named object) and give it its own module; do not move code only "
+        "to get under the number.")
 
 
 def test_the_public_api_keeps_its_names():

@@ -9,10 +9,12 @@ contract, the timeline model, ``rendezvous`` and ``checkpoint``.
 
     agent.py        the agent: its loop, following plans, acting on a worker's exit, leaving
     fate.py         what a worker's exit means (its record, the agent's view) -> one decision
+    budgets.py      what the agent may still spend on failures (restarts, network rounds), in one object
+    local_workers.py  this host's workers: the ids offered, the processes running, their device slots
     outcome.py      the job's final status -> elastic-run's exit status (a user error is 3)
     config.py       what the agent is told, and what it tells each worker
     worker_env.py   the environment a worker starts with (torchrun's variables, ours)
-    event_tail.py   the workers' events, read from the events file they append to
+    event_tail.py   the workers' events, read from the events file they append to (metrics, summary)
     metrics.py      Prometheus metrics from those events and the progress boards
     straggler_eviction.py  a reported straggler's host leaves (--evict-stragglers)
     chaos.py        --chaos-kill-every: kill our own workers, report the recoveries

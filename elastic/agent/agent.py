@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 from elastic.rendezvous import (
     FAILED,
@@ -54,32 +54,36 @@ from elastic.rendezvous import (
     new_member_id,
 )
 from elastic.rendezvous.private_files import process_dir
+from elastic.rendezvous.succession import Succession
 
+from ..contract.agent_channel import ChannelReader, RingBroke, Straggler, Told
+from ..contract.events import EventLog
+from ..contract.faults import NETWORK
+from .budgets import AgentBudgets, Charge
+from .chaos import ChaosMonkey
 from .config import AgentConfig, config_for_worker
 from .etcd_writes import EtcdWrites
-from ..contract.events import EventLog
-from ..contract.faults import Fault
-from .device_slots import DeviceSlots
-from ..contract.reset_budget import ResetBudget, RoundFailures
 from .event_tail import EventTail
+from .fate import Action, Exit, Fate, View, fate
+from .health import HealthServer, HealthState, SessionMonitor, SessionWatch
+from .local_workers import LocalWorkers
+from .metrics import AgentMetrics, round_change
+from .outcome import exit_status
 from .peer_probe import PeerProbe
 from .plain_store import PlainStores, prune_round_keys
+from .run_watch import RunWatch
 from .store_server import StoreServer
-from .straggler_eviction import on_straggler_event
+from .straggler_eviction import verdict
 from .watchdog import HangPolicy, Watchdog, device_floor
 from .wind_down import wind_down
-from .health import HealthServer, HealthState, SessionMonitor, SessionWatch
-from .metrics import AgentMetrics, round_change
-from .fate import FAIL, NETWORK_ROUND, REPLACE, RESTART_PLAIN, SUCCEED, Exit, FaultHistory, View, fate
-from .outcome import exit_status
-from .run_watch import RunWatch
 from .worker_env import worker_env
 from .workers import Exited, WorkerProcess, worker_output
 
 log = logging.getLogger(__name__)
 
 # A worker that has not called elastic.init() within this long after its start is a
-# plain (torchrun-style) script; before that it may still be importing torch.
+# plain (torchrun-style) script; before that it may still be importing torch. Not one of
+# the job's timeouts (contract/timeouts.py): it bounds a script's start, not a wait of the job.
 _STARTUP_S = 60.0
 
 
@@ -88,49 +92,104 @@ class _Signal:
     signum: int
 
 
+@dataclass
+class AgentState:
+    """Where this agent is in the job: the plan it acts on, whether it leaves, how it ended."""
+
+    plan: Optional[RoundPlan] = None  # the newest plan acted on
+    previous_plan: Optional[RoundPlan] = None  # the one before it
+    leaving_since: Optional[float] = None  # time.monotonic() of the SIGTERM that started a graceful leave
+    forced_leave: Optional[str] = None  # why a leave stopped being graceful
+    outcome: Optional[int] = None  # the agent's exit status, once it ends
+
+    @property
+    def leaving(self) -> bool:
+        return self.leaving_since is not None
+
+    @property
+    def round(self) -> int:
+        return self.plan.round if self.plan is not None else 0
+
+
+def follow_rounds(state: AgentState, steps: Iterable[Callable[[], None]]) -> None:
+    """Act on the newest plan, one step after another. A step may read etcd (a
+    torchrun-style worker's store address), so etcd being away, or a store never
+    published, must not end the agent: the plan is then taken as not acted on, and the
+    next turn acts on it again (starting the workers it wants that are not running)."""
+    try:
+        for step in steps:
+            step()
+    except RendezvousError as exc:
+        state.plan = state.previous_plan
+        log.warning("cannot follow the newest plan yet (%s); retrying", exc)
+
+
+@dataclass
+class Telemetry:
+    """What the agent tells people and tools: events, metrics, the health endpoint's state,
+    the run's progress and summary. Observation only: nothing here decides anything."""
+
+    events: EventLog
+    tail: EventTail  # the workers' events, for the metrics and the run's record
+    metrics: AgentMetrics
+    health: HealthState
+    session_watch: SessionWatch
+    run_watch: Optional[RunWatch] = None
+
+
+@dataclass
+class Services:
+    """What ``run`` starts (and ``_teardown`` stops): the host's stores, its membership,
+    its probes and health endpoints."""
+
+    store: StoreServer  # the round store, when one of our workers is rank 0
+    participant: Participant
+    plain_stores: PlainStores
+    peer_probe: PeerProbe  # can we reach our peers while our ring stalls?
+    succession: Succession  # a ring of ours broke: is the coordinator's agent dead?
+    health_server: Optional[HealthServer] = None
+    session_monitor: Optional[SessionMonitor] = None
+
+
 class Agent:
-    def __init__(self, config: AgentConfig, etcd: Etcd, endpoints: str):
+    def __init__(self, config: AgentConfig, etcd: Etcd):
         self.config = config
         self._etcd = etcd
-        self._endpoints = endpoints
         self._inbox: "queue.Queue" = queue.Queue()
-        self._workers: dict[str, WorkerProcess] = {}
-        self._wanted: list[str] = []  # worker ids we offer, in local order
-        self._next_worker = 0
-        self._slots = DeviceSlots(config.nproc_per_node)  # GPU index / LOCAL_RANK of each live process
-        self._restarts = 0
-        self._plan: Optional[RoundPlan] = None
-        self._plan_started: Optional[RoundPlan] = None  # the plan before the one being acted on
-        self._plain_failure_rounds: set[int] = set()
-        self._faults = FaultHistory()  # broken processes' faults: one broken process, or every one?
-        self._network_failures = RoundFailures(ResetBudget(config.max_resets, config.reset_window))  # could not connect
-        self._leaving_since: Optional[float] = None
-        self._outcome: Optional[int] = None
+        self.member_id = new_member_id(config.host_id)
+        self.workers = LocalWorkers(self.member_id, config.nproc_per_node)
+        self.budgets = AgentBudgets(config.max_restarts, config.max_resets, config.reset_window)
+        self.state = AgentState()
         self._etcd_writes = EtcdWrites()  # reports queued while etcd is away
         self._scratch = tempfile.mkdtemp(prefix="agent-", dir=process_dir())  # gone with us, even if SIGKILLed
+        # What our workers tell us to act on (contract/agent_channel.py), in our scratch directory.
+        self._channel = ChannelReader(os.path.join(self._scratch, "channel.jsonl"), config.host_id)
         # Without a log directory the events still go to a file: the agent reads its
-        # workers' events from it (event_tail.py).
-        self.events = EventLog(
-            os.path.join(config.log_dir or self._scratch, "events.jsonl"), host=config.host_id
+        # workers' events from it for its metrics and the run's summary (event_tail.py).
+        events = EventLog(os.path.join(config.log_dir or self._scratch, "events.jsonl"), host=config.host_id)
+        timeouts = config.timeouts  # the job's, reviewed at launch; every worker gets the same
+        health = HealthState(ttl=timeouts.ttl)
+        metrics = AgentMetrics(config.host_id, self.member_id)  # fed by _observe and the watchdog's reads
+        self.telemetry = Telemetry(
+            events, EventTail(events.path, max_bytes=config.log_max_bytes), metrics, health,
+            SessionWatch(health, events.emit, self.member_id),
         )
-        self._event_tail = EventTail(self.events.path, max_bytes=config.log_max_bytes)
-        self.health = HealthState(ttl=config.ttl)
-        self.member_id = new_member_id(config.host_id)
-        self._session_watch = SessionWatch(self.health, self.events.emit, self.member_id)
-        self.metrics = AgentMetrics(config.host_id, self.member_id)  # fed by _on_event and the watchdog's reads
-        policy = HangPolicy(timeout=config.hang_timeout,
-                            device_floor=device_floor(config.backend, config.collective_timeout))
-        self._watchdog = Watchdog(policy, self._scratch, self.events, config.log_dir,
-                                  on_marks=self.metrics.observe_marks)
-        self._health_server: Optional[HealthServer] = None
-        self._session_monitor: Optional[SessionMonitor] = None
-        self._forced_leave: Optional[str] = None  # why a leave stopped being graceful
-        self._store: Optional[StoreServer] = None
-        self._plain_stores: Optional[PlainStores] = None
-        self._peer_probe: Optional[PeerProbe] = None
-        self.participant: Optional[Participant] = None
         # Progress for `elastic-run status`, the summary at the end, --chaos-kill-every's monkey (run_watch.py).
-        self._watch = RunWatch.of(self)
+        chaos = ChaosMonkey(config.chaos, workers=self.workers.running, min_np=config.settings.min_np,
+                            max_restarts=config.max_restarts, events=events, out=print) if config.chaos else None
+        self.telemetry.run_watch = RunWatch(job_id=config.job_id, log_dir=config.log_dir,
+                                            publish=self._publish_progress, chaos=chaos)
+        policy = HangPolicy(timeout=timeouts.hang, device_floor=device_floor(config.backend, timeouts.collective))
+        self._watchdog = Watchdog(policy, self._scratch, events, config.log_dir, on_marks=metrics.observe_marks)
+        self.services: Optional[Services] = None
+
+    @property
+    def events(self) -> EventLog:
+        return self.telemetry.events
+
+    @property
+    def participant(self) -> Participant:
+        return self.services.participant
 
     # -- life ---------------------------------------------------------------------
     def run(self) -> int:
@@ -138,47 +197,44 @@ class Agent:
         # The store that rounds use when one of our workers is rank 0. It lives as
         # long as the agent, so a worker crash never takes the store down with it. It
         # serves at once, without torch (store_server.py).
-        self._store = StoreServer(cfg.host_addr, "round-store")
+        store = StoreServer(cfg.host_addr, "round-store")
+        health_server = None
         if cfg.health_port is not None:
-            self._health_server = HealthServer(cfg.health_port, self.health.probe, host=cfg.health_addr or cfg.host_addr,
-                                               metrics=self.metrics.exposition).start()
-        self._wanted = [self._new_worker_id() for _ in range(cfg.nproc_per_node)]
-        member = Member(
-            member_id=self.member_id,
-            host=cfg.host_id,
-            addr=cfg.host_addr,
-            store_port=self._store.port,
-            workers=tuple(self._wanted),
-            joined=time.time(),
-        )
-        self.participant = Participant(
-            self._etcd, JobKeys(cfg.job_id), cfg.settings, member, ttl=cfg.ttl, on_round=self._on_round
-        )
-        self.participant.start()
-        self._plain_stores = PlainStores(
-            self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr,
-            job_lease=lambda: self.participant.control.job_lease,
-        )
-        self.participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
-        self._peer_probe = PeerProbe(self._etcd, self.participant, self.events).start()
-        self.health.mark_registered()
-        if self._health_server is not None:
+            health_server = HealthServer(cfg.health_port, self.telemetry.health.probe,
+                                         host=cfg.health_addr or cfg.host_addr,
+                                         metrics=self.telemetry.metrics.exposition).start()
+        member = Member(member_id=self.member_id, host=cfg.host_id, addr=cfg.host_addr, store_port=store.port,
+                        workers=self.workers.offer(cfg.nproc_per_node), joined=time.time())
+        participant = Participant(self._etcd, JobKeys(cfg.job_id), cfg.settings, member, ttl=cfg.ttl,
+                                  on_round=self._on_round)
+        participant.start()
+        plain_stores = PlainStores(self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr,
+                                   job_lease=lambda: participant.control.job_lease)
+        participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
+        newest_round = lambda: participant.control.plan.round if participant.control.plan is not None else 0  # noqa: E731
+        succession = Succession(self._etcd, participant.keys, self.member_id, newest_round,
+                                cfg.timeouts.succession_patience)
+        self.services = Services(store, participant, plain_stores, PeerProbe(self._etcd, participant, self.events).start(),
+                                 succession.start(), health_server)
+        self.telemetry.health.mark_registered()
+        if health_server is not None:
             # The session's own verdict comes only after max(ttl, retry deadline);
             # the probe must fail once our lease has not been seen alive for a TTL.
-            self._session_monitor = SessionMonitor(self.health, self._lease_alive, cfg.ttl / 3).start()
-        self.events.emit("agent_started", member=self.member_id, workers=len(self._wanted))
+            self.services.session_monitor = SessionMonitor(self.telemetry.health, self._lease_alive,
+                                                           cfg.timeouts.ttl / 3).start()
+        self.events.emit("agent_started", member=self.member_id, workers=len(self.workers.wanted))
         self.events.emit("member_joined", member=self.member_id)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda s, _f: self._inbox.put(_Signal(s)))
         try:
             return self._loop()
         finally:
-            self._watch.finish(self._event_tail.read_new())  # the chaos report, if any; the run's summary
+            self.telemetry.run_watch.finish(self.telemetry.tail.read_new())  # the chaos report, if any; the summary
             self._teardown()
 
     def _loop(self) -> int:
-        while self._outcome is None:
-            self._session_watch.check(self.participant.session)
+        while self.state.outcome is None:
+            self.telemetry.session_watch.check(self.participant.session)
             try:
                 item = self._inbox.get(timeout=0.5)
             except queue.Empty:
@@ -187,57 +243,57 @@ class Agent:
                 self._on_exit(item)
             elif isinstance(item, _Signal):
                 self._on_signal(item.signum)
-            for event in self._event_tail.read_new():
-                self._on_event(event)
+            for told in self._channel.read_new():
+                self._on_told(told)
+            for event in self.telemetry.tail.read_new():
+                self._observe(event)
             self._etcd_writes.flush()
-            self._watchdog.check(self._workers, self._plan)  # a hung worker is killed; its exit comes next
-            self._peer_probe.tick(self._watchdog.marks())  # a stalled ring: can we reach our peers?
-            self._follow_rounds()
+            self._watchdog.check(self.workers.running, self.state.plan)  # a hung worker is killed; its exit next
+            self.services.peer_probe.tick(self._watchdog.marks())  # a stalled ring: can we reach our peers?
+            follow_rounds(self.state, (self._restart_plain_workers, self._follow_control, self._start_awaiting))
             self._check_grace()
-        return self._outcome
+        return self.state.outcome
 
-    def _on_event(self, event: dict) -> None:
-        """An event of this host's workers or of the agent itself (in file order)."""
-        self.metrics.observe(event)
-        on_straggler_event(self, event)
-        self._watch.on_event(event)  # and the chaos monkey's
-        self._peer_probe.on_event(event)  # our ring broke: is the coordinator's agent gone? (succession.py)
+    def _observe(self, event: dict) -> None:
+        """An event of this host's workers or of the agent itself (in file order): observed, never acted on."""
+        self.telemetry.metrics.observe(event)
+        self.telemetry.run_watch.on_event(event)  # and the chaos monkey's
+
+    def _on_told(self, told: Told) -> None:
+        """A message of one of this host's workers (contract/agent_channel.py)."""
+        match told.message:
+            case RingBroke(round=failed_round):
+                # Our ring broke: is the coordinator's agent gone? (rendezvous/succession.py)
+                self.services.succession.ring_broke(failed_round)
+            case Straggler() as message:
+                self._on_straggler(told.worker, message)
+            case other:
+                raise TypeError(f"agent: no way to act on {other!r}")
 
     # -- following the plan -----------------------------------------------------------
-    def _follow_rounds(self) -> None:
-        """Act on the newest plan. Starting a worker reads etcd (a torchrun-style
-        worker's store address), so etcd being away, or a store never published, must
-        not end the agent: the plan is then taken as not acted on, and the next turn
-        acts on it again (starting the workers it wants that are not running)."""
-        try:
-            self._restart_plain_workers()
-            self._follow_control()
-            self._start_awaiting()
-        except RendezvousError as exc:
-            self._plan = self._plan_started
-            log.warning("cannot follow the newest plan yet (%s); retrying", exc)
-
     def _follow_control(self) -> None:
         control = self.participant.control
         status, plan = control.status, control.plan
         if status.over:
             self._finish(status)
             return
-        if status.state == STOPPING and not any(p.alive for p in self._workers.values()):
+        if status.state == STOPPING and not self.workers.any_alive():
             self.events.emit("job_finished", status=STOPPING, reason=status.reason)
-            self._outcome = 0
+            self.state.outcome = 0
             return
-        if plan is None or (self._plan is not None and plan.round <= self._plan.round):
+        if plan is None or (self.state.plan is not None and plan.round <= self.state.plan.round):
             return
-        self._plan_started, self._plan = self._plan, plan
+        previous = self.state.plan
+        self.state.previous_plan, self.state.plan = previous, plan
         self.events.round = plan.round
-        self.events.emit("round_started", **round_change(self._plan_started, plan))
-        self._plain_stores.serve_if_rank0(plan)
-        prune_round_keys(self._store.started(), plan.round)
+        self.events.emit("round_started", **round_change(previous, plan))
+        if not self._script_is_elastic():  # a torchrun-style script needs a fresh store per round
+            self.services.plain_stores.serve_if_rank0(plan)
+        prune_round_keys(self.services.store.started(), plan.round)
         self._restart_plain_workers()
         mine = set(plan.local_ranks(self.member_id))
-        for worker_id in self._wanted:
-            if worker_id in mine and worker_id not in self._workers and self._leaving_since is None:
+        for worker_id in self.workers.wanted:
+            if worker_id in mine and worker_id not in self.workers.running and not self.state.leaving:
                 self._start_worker(worker_id, plan)
 
     def _restart_plain_workers(self) -> None:
@@ -249,41 +305,43 @@ class Agent:
         turn looks again until then. After a crash its ring is broken either way: an
         elastic worker restarted that early loses nothing but its start-up.
         """
-        plan = self._plan
-        if plan is None or self._leaving_since is not None:
+        plan = self.state.plan
+        if plan is None or self.state.leaving:
             return
         mine = set(plan.local_ranks(self.member_id))
-        for worker_id, proc in list(self._workers.items()):
+        for worker_id, proc in list(self.workers.running.items()):
             if not proc.alive or proc.elastic or proc.started_round >= plan.round or proc.stopping:
                 continue
-            broken = bool(plan.lost) or proc.started_round in self._plain_failure_rounds
+            broken = bool(plan.lost) or self.budgets.plain_round_failed(proc.started_round)
             if not broken and time.monotonic() - proc.started_at < _STARTUP_S:
                 continue
             log.info("restarting %s for round %d (not an elastic worker)", worker_id, plan.round)
             proc.stop()
-            proc.join(10) or proc.kill()
+            if not proc.join(10):
+                proc.kill()
             if proc.join(5):  # reaped: its device slot is free for its successor (else that waits)
-                self._slots.release(proc.pid)
-            self._workers.pop(worker_id)
+                self.workers.slots.release(proc.pid)
+            self.workers.remove(worker_id)
             if worker_id in mine:
                 self._start_worker(worker_id, plan)
 
     def _start_worker(self, worker_id: str, plan: RoundPlan) -> None:
         cfg = self.config
         rank = plan.rank_of(worker_id)
-        slot = self._slots.claim(worker_id)  # None: started by _start_awaiting once a holder has exited
+        slot = self.workers.slots.claim(worker_id)  # None: started by _start_awaiting once a holder has exited
         if slot is None:
             return
         progress_file, stacks_file = self._watchdog.files_for(worker_id)
         worker_config = config_for_worker(  # etcd's endpoints now: a served etcd's members move (served.py)
             cfg, worker_id, plan.round, endpoints=self._etcd.config.describe(), member_id=self.member_id,
-            events_file=self.events.path, scratch=self._scratch, progress_file=progress_file,
-            stacks_file=stacks_file, final_checkpoint_file=self._final_checkpoint_file(worker_id), device_slot=slot,
+            events_file=self.events.path, agent_channel=self._channel.path, scratch=self._scratch,
+            progress_file=progress_file, stacks_file=stacks_file,
+            final_checkpoint_file=self._final_checkpoint_file(worker_id), device_slot=slot,
         )
         env = worker_env(
             os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id, nproc_per_node=cfg.nproc_per_node,
-            master=self._plain_stores.address(plan), worker_config=worker_config, socket_ifname=cfg.socket_ifname,
-            restart_count=self._restarts, max_restarts=cfg.max_restarts, device_slot=slot,
+            master=self._torchrun_store(plan), worker_config=worker_config, socket_ifname=cfg.socket_ifname,
+            restart_count=self.budgets.restarts, max_restarts=cfg.max_restarts, device_slot=slot,
         )
         proc = WorkerProcess(
             worker_id,
@@ -297,19 +355,42 @@ class Agent:
             error_file=worker_config.error_file,
             marker_file=worker_config.marker_file,
         )
-        self._slots.hold(slot, proc.pid, worker_id)
-        self._workers[worker_id] = proc
+        self.workers.slots.hold(slot, proc.pid, worker_id)
+        self.workers.running[worker_id] = proc
         self.events.emit("worker_started", worker=worker_id, pid=proc.pid, rank=rank, round=plan.round, slot=slot)
+
+    def _script_is_elastic(self) -> bool:
+        """Our workers use the elastic runtime: seen by us (then told to the job, once), or
+        by another agent of the job (plain_store.py)."""
+        plain_stores = self.services.plain_stores
+        if self.workers.script_is_elastic:
+            plain_stores.say_elastic(self._etcd_writes.write)
+            return True
+        return plain_stores.job_is_elastic()
+
+    def _torchrun_store(self, plan: RoundPlan) -> tuple[str, int]:
+        """MASTER_ADDR:PORT for a worker of ``plan``. A torchrun-style script needs the
+        round's fresh store, which rank 0's agent publishes (waited for, bounded:
+        plain_store.py). An elastic worker never uses it (its rounds have their own
+        store, the plan's): once the job's workers are known to be elastic, they start
+        at once, told the plan's store."""
+        address = None if self._script_is_elastic() else self.services.plain_stores.address(plan)
+        if address is None:
+            host, port = plan.store_addr.rsplit(":", 1)
+            return host, int(port)
+        return address
 
     def _start_awaiting(self) -> None:
         """Start the workers that waited for a device slot, once one is free."""
-        mine = set(self._plan.local_ranks(self.member_id)) if self._plan is not None else set()
-        for worker_id in self._slots.awaiting(lambda w: w in mine and w in self._wanted and w not in self._workers
-                                              and self._leaving_since is None):
-            self._start_worker(worker_id, self._plan)
+        plan = self.state.plan
+        mine = set(plan.local_ranks(self.member_id)) if plan is not None else set()
+        for worker_id in self.workers.slots.awaiting(
+                lambda w: w in mine and w in self.workers.wanted and w not in self.workers.running
+                and not self.state.leaving):
+            self._start_worker(worker_id, plan)
 
     def _label(self, worker_id: str) -> str:
-        plan = self.participant.control.plan if self.participant else None
+        plan = self.participant.control.plan if self.services is not None else None
         rank = plan.rank_of(worker_id) if plan is not None else None
         return f"rank{rank}" if rank is not None else worker_id
 
@@ -320,123 +401,135 @@ class Agent:
             members=len(plan.member_order()), reason=reason,
         )
 
+    def _publish_progress(self, value: bytes) -> None:
+        """The run's progress at the job's key (run_watch.py's thread), on the job's lease
+        only: a value put after the job ended must not outlive it."""
+        lease = self.participant.control.job_lease if self.services is not None else None
+        if lease:
+            self._etcd.put(JobKeys(self.config.job_id).progress, value, lease=lease)
+
     # -- what happened to a worker --------------------------------------------------------
     def _on_exit(self, exited: Exited) -> None:
-        self._slots.release(exited.pid)  # seen to exit: its slot may go to a new process
-        proc = self._workers.get(exited.worker_id)
+        self.workers.slots.release(exited.pid)  # seen to exit: its slot may go to a new process
+        proc = self.workers.running.get(exited.worker_id)
         if proc is None or proc.pid != exited.pid:
             return  # a process we replaced ourselves
         self._report_exit(exited)
-        if proc.stopping and self._leaving_since is None:
+        if proc.stopping and not self.state.leaving:
             return  # we restarted it ourselves
-        del self._workers[exited.worker_id]
+        self.workers.remove(exited.worker_id)
         self._watchdog.forget(exited.worker_id)
-        fault = exited.record.fault if exited.record is not None else None
+        exit = Exit(exited.worker_id, exited.exit_code, exited.signal, exited.record)
+        charge = Charge.of(exit, network_round=self.state.round, plain_round=proc.started_round,
+                           now=time.monotonic())
         status = self.participant.control.status
-        decided = fate(Exit(exited.worker_id, exited.exit_code, exited.signal, exited.record), View(
-            leaving=self._leaving_since is not None,
-            wanted=exited.worker_id in self._wanted,
+        decided = fate(exit, View(
+            leaving=self.state.leaving,
+            wanted=exited.worker_id in self.workers.wanted,
             job_ending=status.state == STOPPING or status.over,
             elastic=proc.elastic,
             lost_reason=proc.lost_reason,
-            replaced_fault=self._faults.replaced_fault(exited.worker_id),
-            same_fault_workers=self._faults.ended(exited.worker_id, fault, time.monotonic()),
             local_workers=self.config.nproc_per_node,
+            budget=self.budgets.standing(charge),
         ))
-        if decided.action == SUCCEED:
-            done = JobStatus(SUCCEEDED, decided.reason)  # the job is done for everyone
-            self._etcd_writes.write("report the job succeeded", lambda: self.participant.set_status(done))
-        elif decided.action == NETWORK_ROUND:
-            self._on_network_failure(exited.worker_id, decided.reason)
-        elif decided.action == FAIL:
-            self.events.emit("failure_detected", reason=decided.reason, user_error=bool(decided.cause))
-            failed = JobStatus(FAILED, decided.reason, cause=decided.cause)  # the cause sets every agent's exit status
-            self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
-        elif decided.action == RESTART_PLAIN:
-            self._on_plain_failure(exited.worker_id, proc, decided.reason)
-        elif decided.action == REPLACE:
-            self._replace(exited.worker_id, decided.reason, fault)
+        replacement = self._carry_out(decided, exit, charge)
+        self.budgets.spend(decided, charge, replacement=replacement)
 
-    def _replace(self, worker_id: str, reason: str, fault: Optional[Fault]) -> None:
-        """Drop a lost worker; offer a new one in its place within --max-restarts."""
-        self.events.emit("failure_detected", reason=reason)
-        self._wanted.remove(worker_id)
-        if self._restarts < self.config.max_restarts:
-            self._restarts += 1
-            self._wanted.append(self._new_worker_id())
-            self._faults.replaced(self._wanted[-1], fault)
-        # Reported at once: the coordinator re-forms without waiting for any TTL.
-        wanted = tuple(self._wanted)
-        self._etcd_writes.write(f"drop worker {worker_id}", lambda: self.participant.set_workers(wanted))
+    def _carry_out(self, decided: Fate, exit: Exit, charge: Charge) -> Optional[str]:
+        """Do what ``fate`` decided; the worker offered in the lost one's place, if any."""
+        worker_id = exit.worker_id
+        network = exit.fault is not None and exit.fault.kind == NETWORK
+        match decided.action:
+            case Action.IGNORE:
+                pass
+            case Action.SUCCEED:
+                done = JobStatus(SUCCEEDED, decided.reason)  # the job is done for everyone
+                self._etcd_writes.write("report the job succeeded", lambda: self.participant.set_status(done))
+            case Action.FAIL:
+                extra = dict(network=True, worker=worker_id) if network else dict(user_error=bool(decided.cause))
+                self._ring_broke(decided.reason, **extra)
+                failed = JobStatus(FAILED, decided.reason, cause=decided.cause)  # the cause sets every exit status
+                self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
+            case Action.REPLACE | Action.DROP:
+                self._ring_broke(decided.reason)
+                # Dropped at once: the coordinator re-forms without waiting for any TTL.
+                replacement = self.workers.replace(worker_id, with_new=decided.action == Action.REPLACE)
+                wanted = tuple(self.workers.wanted)
+                self._etcd_writes.write(f"drop worker {worker_id}", lambda: self.participant.set_workers(wanted))
+                return replacement
+            case Action.NETWORK_ROUND:
+                # Not a crash: the worker stays wanted (it starts again in the next round)
+                # and nobody is dropped, so the job does not bleed workers.
+                log.warning("%s", decided.reason)
+                self._ring_broke(decided.reason, network=True, worker=worker_id)
+                self._ask_for_round(worker_id, charge.network_round, decided.reason)
+            case Action.RESTART_PLAIN:
+                self._ring_broke(decided.reason)  # torchrun semantics: every worker restarts
+                self._ask_for_round(worker_id, charge.plain_round, decided.reason)
+            case Action.NOTED:
+                self._ring_broke(decided.reason)
+            case other:
+                raise TypeError(f"agent: no way to carry out {other!r}")
+        return None
 
-    # -- [addressing] peers that cannot reach each other ------------------------------------
-    def _on_network_failure(self, worker_id: str, reason: str) -> None:
-        """The round's workers could not connect to each other. Not a crash: the worker
-        stays wanted (it is started again in the next round), and nobody is dropped, so
-        the job does not bleed workers. One line per failed round; beyond --max-resets such
-        rounds within --reset-window (reset_budget.py) the job fails with that line."""
-        failed_round = self._plan.round if self._plan is not None else 0
-        within_budget = self._network_failures.spend(failed_round)
-        if within_budget is None:
-            return  # the round's other workers say the same
-        log.warning("%s", reason)
-        self.events.emit("failure_detected", reason=reason, network=True, worker=worker_id)
-        if not within_budget:
-            cfg = self.config
-            failed = JobStatus(FAILED, f"{reason} ({self._network_failures.recent} rounds within {cfg.reset_window:g}s,"
-                                       f" --max-resets {cfg.max_resets} per --reset-window)")
-            self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
-            return
+    def _ring_broke(self, reason: str, **fields) -> None:
+        """A failure of ours, told (the events log), and our coordinator checked, as when a
+        worker of ours tells us its ring broke (a torchrun-style worker cannot)."""
+        self.events.emit("failure_detected", reason=reason, **fields)
+        if self.services is not None:
+            self.services.succession.ring_broke(self.state.round)
+
+    def _ask_for_round(self, worker_id: str, failed_round: int, reason: str) -> None:
         self._etcd_writes.write(f"ask for a round after {failed_round}",
-                         lambda: self.participant.control.request_reset(worker_id, failed_round, reason))
+                                lambda: self.participant.control.request_reset(worker_id, failed_round, reason))
 
-    def _on_plain_failure(self, worker_id: str, proc: WorkerProcess, how: str) -> None:
-        """torchrun semantics: any failure restarts every worker, counted once per round."""
-        failed_round = proc.started_round
-        self.events.emit("failure_detected", reason=f"worker {worker_id} died ({how})")
-        if failed_round in self._plain_failure_rounds:
+    def _on_straggler(self, worker_id: str, message: Straggler) -> None:
+        """``--evict-stragglers``: our worker is a persistent straggler (straggler_eviction.py)."""
+        plan = self.state.plan
+        if not self.config.stragglers.evict or worker_id not in self.workers.running or self.state.leaving \
+                or plan is None:
             return
-        self._plain_failure_rounds.add(failed_round)
-        if self._restarts >= self.config.max_restarts:
-            failed = JobStatus(FAILED, f"worker {worker_id} died ({how}); --max-restarts {self.config.max_restarts} used up")
-            self._etcd_writes.write("report the job failed", lambda: self.participant.set_status(failed))
+        decided = verdict(message, plan, len(plan.local_ranks(self.member_id)), self.config.settings.min_np)
+        if not decided.evict:
+            log.warning("%s", decided.refusal(plan, worker_id, message.rank))
             return
-        self._restarts += 1
-        self._etcd_writes.write(f"ask for a round after {failed_round}", lambda: self.participant.control.request_reset(
-            worker_id, failed_round, f"worker died ({how})"))
+        self.events.emit("straggler_evicted", worker=worker_id, ratio=message.ratio, remaining=decided.remaining,
+                         min_np=decided.min_np)
+        self._on_signal(signal.SIGTERM)  # the graceful leave, the same as a scale-down
 
     # -- leaving -------------------------------------------------------------------------
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        if self._leaving_since is not None:
+        if self.state.leaving:
             log.warning("%s again: stopping workers now", name)
             self._force_leave(f"{name} again during the graceful leave")
             return
-        self._leaving_since = time.monotonic()
+        self.state.leaving_since = time.monotonic()
         self.events.emit("graceful_leave", signal=name, grace_period=self.config.grace_period)
         # Withdraw our workers. Whether the ring goes on without them or the whole job
         # stops at a commit (with a final checkpoint) because too few would remain is
         # the coordinator's decision (rounds.decide): other hosts may be leaving too.
-        self._wanted = []
+        self.workers.wanted = []
         self._etcd_writes.write("withdraw our workers", lambda: self.participant.set_workers((), draining=True))
-        if not any(p.elastic for p in self._workers.values()):
-            for proc in self._workers.values():
+        if not any(p.elastic for p in self.workers.running.values()):
+            for proc in self.workers.running.values():
                 proc.stop()
 
     def _check_grace(self) -> None:
-        if self._leaving_since is None or self._outcome is not None:
+        state = self.state
+        if not state.leaving or state.outcome is not None:
             return
-        if not any(p.alive for p in self._workers.values()):
+        if not self.workers.any_alive():
             stopping = self._job_status()
             # Left a job that goes on: --leave-exit-code (0 by default) lets a scheduler
             # tell this from the job's end (a Kubernetes Job then recreates the pod).
-            self._outcome = self.config.leave_exit_code if stopping.state == RUNNING else 0
+            state.outcome = self.config.leave_exit_code if stopping.state == RUNNING else 0
             if stopping.state == STOPPING:
                 self.events.emit("job_finished", status=STOPPING, reason=stopping.reason)
             else:
-                self.events.emit("member_left", member=self.member_id, graceful=self._forced_leave is None)
+                self.events.emit("member_left", member=self.member_id, graceful=state.forced_leave is None)
             return
-        if self._forced_leave is None and time.monotonic() - self._leaving_since > self.config.grace_period:
+        if state.forced_leave is None and time.monotonic() - state.leaving_since > self.config.grace_period:
             log.warning("grace period of %gs over: stopping workers", self.config.grace_period)
             self._force_leave(f"grace period of {self.config.grace_period:g}s over")
 
@@ -454,17 +547,17 @@ class Agent:
 
     def _force_leave(self, reason: str) -> None:
         """Kill our workers mid-step: for the ring this is a failure, not a leave."""
-        self._forced_leave = reason
-        alive = [w for w, p in self._workers.items() if p.alive]
+        self.state.forced_leave = reason
+        alive = self.workers.alive()
         if alive:
-            self.events.emit("failure_detected", reason=f"graceful leave forced: {reason}", workers=alive)
-        for proc in self._workers.values():
+            self._ring_broke(f"graceful leave forced: {reason}", workers=alive)
+        for proc in self.workers.running.values():
             proc.kill()
-        if alive and self._plan is not None:
+        if alive and self.state.plan is not None:
             # The ring they were in may still be blocked on them; a round that names
             # them lost makes its survivors abort it now, not at the collective timeout.
             # Queued if etcd is away: the agent must still get on with leaving.
-            failed_round, why = self._plan.round, f"graceful leave forced: {reason}"
+            failed_round, why = self.state.plan.round, f"graceful leave forced: {reason}"
             self._etcd_writes.write("ask for a round without our workers", lambda: (
                 self.participant.control.request_reset(f"{self.member_id}.forced", failed_round, why, lost=alive)))
 
@@ -472,20 +565,21 @@ class Agent:
         """The job is over: let our workers end (rank 0 may be writing the final
         checkpoint: see wind_down.py), then report how it ended."""
         wind_down(
-            self._workers, self._inbox, succeeded=status.state == SUCCEEDED,
+            self.workers.running, self._inbox, succeeded=status.state == SUCCEEDED,
             final_timeout=self.config.final_checkpoint_timeout,
             writing=lambda w: os.path.exists(self._final_checkpoint_file(w)),
             label=self._label, on_exit=self._report_exit, is_signal=lambda item: isinstance(item, _Signal),
         )
         self.events.emit("job_finished", status=status.state, reason=status.reason)
-        self._outcome = exit_status(status)
+        self.state.outcome = exit_status(status)
         if status.state != SUCCEEDED:
             print(f"elastic-run: job {self.config.job_id} failed: {status.reason}", file=sys.stderr)
 
     def _report_exit(self, item: Exited) -> None:
+        plan = self.state.plan
         self.events.emit(
             "worker_exited", worker=item.worker_id, exit_code=item.exit_code, signal=item.signal,
-            rank=self._plan.rank_of(item.worker_id) if self._plan else None,
+            rank=plan.rank_of(item.worker_id) if plan else None,
         )
 
     def _lease_alive(self) -> bool:
@@ -494,24 +588,19 @@ class Agent:
         return session is not None and self._etcd.lease_time_to_live(session.lease_id) > 0
 
     def _teardown(self) -> None:
-        for proc in self._workers.values():
+        for proc in self.workers.running.values():
             proc.kill()
             proc.join(5)
-        if self.participant is not None:
-            self.participant.leave()
-        for server in (self._session_monitor, self._peer_probe, self._health_server):  # threads we started
-            if server is not None:
-                server.stop()
-        if self._plain_stores is not None:
-            self._plain_stores.close()
-        if self._store is not None:
-            self._store.close()
+        services = self.services
+        if services is not None:
+            services.participant.leave()
+            for server in (services.session_monitor, services.peer_probe, services.succession,
+                           services.health_server):  # threads we started
+                if server is not None:
+                    server.stop()
+            services.plain_stores.close()
+            services.store.close()
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _final_checkpoint_file(self, worker_id: str) -> str:
         return os.path.join(self._scratch, f"{worker_id}.final-checkpoint")
-
-    def _new_worker_id(self) -> str:
-        worker_id = f"{self.member_id}.w{self._next_worker}"
-        self._next_worker += 1
-        return worker_id

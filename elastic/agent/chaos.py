@@ -15,7 +15,7 @@ The kill is the same as ``kill -9`` from outside: the agent's own handling of th
 exit (report, replacement) is the one a real crash gets.
 
 The report is built from the events the agent saw (its own and its workers',
-``Agent._on_event``) with the timeline model, by a pure function
+``Agent._observe``) with the timeline model, by a pure function
 (``build_report``).
 """
 

@@ -10,7 +10,9 @@ from typing import Optional
 from elastic.rendezvous import RendezvousSettings
 
 from ..contract.log_files import DEFAULT_MAX_BYTES
+from ..contract.devices import uses_nccl
 from ..contract.straggler_policy import StragglerOptions
+from ..contract.timeouts import Timeouts
 from ..contract.worker_config import WorkerConfig
 from .chaos import ChaosConfig
 from .output_pump import ConsoleRanks
@@ -46,12 +48,22 @@ class AgentConfig:
     console_ranks: ConsoleRanks = ConsoleRanks()  # --console-ranks: whose output and bars the console shows
     log_max_bytes: int = DEFAULT_MAX_BYTES  # --log-max-bytes: events.jsonl and worker logs rotate there (0: never)
 
+    @property
+    def timeouts(self) -> Timeouts:
+        """The job's timeouts together (reviewed at launch: cli/launch.py); every worker is
+        given the same (``WorkerConfig.timeouts``)."""
+        return Timeouts(ttl=self.ttl, collective=self.collective_timeout, rendezvous=self.settings.timeout,
+                        settle=self.settings.settle, hang=self.hang_timeout, nccl=uses_nccl(self.backend))
+
 
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,
                       events_file: str, scratch: str, progress_file: Optional[str], stacks_file: Optional[str],
-                      final_checkpoint_file: str, device_slot: Optional[int] = None) -> WorkerConfig:
+                      final_checkpoint_file: str, device_slot: Optional[int] = None,
+                      agent_channel: Optional[str] = None) -> WorkerConfig:
     """The runtime's settings of one worker; the files named are the agent's ways of
-    hearing from it (error report, elastic marker, progress board, stacks)."""
+    hearing from it (error report, elastic marker, progress board, stacks, the channel
+    of what it tells its agent to act on)."""
+    timeouts = cfg.timeouts
     return WorkerConfig(
         job_id=cfg.job_id,
         endpoints=endpoints,
@@ -60,12 +72,15 @@ def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, en
         host_id=cfg.host_id,
         round=round_number,
         backend=cfg.backend,
-        collective_timeout=cfg.collective_timeout,
-        rdzv_timeout=cfg.settings.timeout,
-        rdzv_ttl=cfg.ttl,
+        collective_timeout=timeouts.collective,
+        rdzv_timeout=timeouts.rendezvous,
+        rdzv_ttl=timeouts.ttl,
+        rdzv_settle=timeouts.settle,
+        hang_timeout=timeouts.hang,
         max_resets=cfg.max_resets,
         reset_window=cfg.reset_window,
         events_file=events_file,
+        agent_channel=agent_channel,
         error_file=os.path.join(scratch, f"{worker_id}.error"),
         marker_file=os.path.join(scratch, f"{worker_id}.elastic"),
         final_checkpoint_file=final_checkpoint_file,

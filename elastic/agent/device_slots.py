@@ -86,9 +86,6 @@ class DeviceSlots:
                 return slot
         return None
 
-    def slot_of(self, pid: int) -> Optional[int]:
-        return next((slot for slot, (holder, _) in self._holders.items() if holder == pid), None)
-
     def held(self) -> dict[int, str]:
         """slot -> worker id, for logs and tests."""
         return {slot: worker for slot, (_, worker) in self._holders.items()}

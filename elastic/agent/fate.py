@@ -3,8 +3,10 @@
 ``fate(exit, view)`` reads the exit (status, signal), the record the worker left
 (``contract/faults.py``: finished, or the fault that ended it) and the agent's view
 (leaving? still wanted? job stopping? an elastic worker or a torchrun-style script?
-restarts left? the same fault seen before?) and returns a ``Fate``; ``Agent._on_exit``
-carries it out. The rules, in order:
+and what the agent's budgets say: restarts left, this round's failure counted already,
+network rounds within the window, the same fault seen before; ``budgets.py`` reads them
+without spending) and returns a ``Fate``. Every decision to fail the job is made here;
+``Agent`` carries the fate out and spends the budget it names. The rules, in order:
 
 * the agent is leaving, or no longer wants the worker: nothing to do;
 * exit 0: the job succeeds only when the training function returned
@@ -13,35 +15,52 @@ carries it out. The rules, in order:
   mid-training, a stop nobody decided) did not finish: it is a lost worker, replaced
   like a crash. A stop at the job's last commit, or a job already over, is the
   job's own ending;
-* peers unreachable: a round of the network, nobody dropped (the budget is the agent's);
+* peers unreachable: a round of the network, nobody dropped; each failed round counts
+  once against ``--max-resets`` per ``--reset-window``, and beyond it the job fails;
 * an error in user code, the reset budget used up, or storage that cannot be read:
   the job fails, once (as the user's error only for the first);
-* a broken process: replaced within ``--max-restarts``, unless the same fault (same
-  kind, same line) hit every worker of this agent within ``SAME_FAULT_WINDOW_S``, or
-  hits a replacement again: then
-  it is deterministic (every rank out of memory at the same step) and every
+* a broken process: replaced, unless the same fault (same kind, same line) hit every
+  worker of this agent within ``SAME_FAULT_WINDOW_S``, or hits a replacement again:
+  then it is deterministic (every rank out of memory at the same step) and every
   replacement would meet it, so the job fails at once, naming it;
-* anything else (a crash, a signal, a broken ring that escaped ``@elastic.run``):
-  an elastic worker is replaced; a torchrun-style script restarts every worker.
+* a torchrun-style script that exited with an error: every worker restarts (torchrun's
+  semantics), counted once per round against ``--max-restarts``; beyond it the job fails;
+* anything else (a crash, a signal, a broken ring that escaped ``@elastic.run``): the
+  worker is lost. It is replaced while ``--max-restarts`` allows, else only dropped (the
+  job goes on with fewer workers while the coordinator's ``--min-np`` allows).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import Enum
 from typing import Optional
 
 from elastic.rendezvous.control import CAUSE_USER_CODE
 
 from ..contract.faults import BUDGET, NETWORK, PROCESS, STORAGE, USER, ExitRecord, Fault
 
-IGNORE, SUCCEED, REPLACE, NETWORK_ROUND, FAIL, RESTART_PLAIN = (
-    "ignore", "succeed", "replace", "network round", "fail", "restart plain",
-)
-CAUSE_USER = "user"
 # Workers that meet one deterministic fault (every rank out of memory at step K) end
 # within a second of each other: they run in lockstep. Minutes apart, the same line is
 # more likely two separate faults.
-SAME_FAULT_WINDOW_S = 120.0  # the cause of a failure in the user's code (the agent maps it to etcd's)
+SAME_FAULT_WINDOW_S = 120.0
+
+
+class Action(Enum):
+    """What the agent does about an exit (``Agent._carry_out`` matches every one)."""
+
+    IGNORE = "ignore"  # nothing: the agent leaves, the job ends, or the round's failure was counted
+    SUCCEED = "succeed"  # the job succeeded
+    REPLACE = "replace"  # drop the worker and offer a new one in its place (spends a restart)
+    DROP = "drop"  # drop the worker, no replacement: --max-restarts is used up
+    NETWORK_ROUND = "network round"  # ask for another round, nobody dropped (spends a network round)
+    RESTART_PLAIN = "restart plain"  # torchrun's semantics: ask for a round that restarts every worker
+    NOTED = "noted"  # a torchrun-style failure of a round already counted: told, nothing more
+    FAIL = "fail"  # the job fails
+
+
+IGNORE, SUCCEED, REPLACE, DROP = Action.IGNORE, Action.SUCCEED, Action.REPLACE, Action.DROP
+NETWORK_ROUND, RESTART_PLAIN, NOTED, FAIL = Action.NETWORK_ROUND, Action.RESTART_PLAIN, Action.NOTED, Action.FAIL
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,25 @@ class Exit:
     signal: Optional[int] = None
     record: Optional[ExitRecord] = None  # what the worker said of its end, if anything
 
+    @property
+    def fault(self) -> Optional[Fault]:
+        return self.record.fault if self.record is not None else None
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What the agent's budgets say about one exit, read before anything is spent."""
+
+    restarts_left: int = 1  # of --max-restarts
+    max_restarts: int = 1
+    plain_round_counted: bool = False  # this torchrun-style round's failure was counted already
+    network_round_counted: bool = False  # this round's failure to connect was counted already
+    network_rounds: int = 1  # rounds that failed to connect within --reset-window, this one included
+    max_resets: int = 20
+    reset_window: float = 3600.0
+    replaced_fault: Optional[Fault] = None  # the fault of the worker this one replaced
+    same_fault_workers: int = 1  # this agent's workers that ended with this exit's fault, this one included
+
 
 @dataclass(frozen=True)
 class View:
@@ -63,22 +101,20 @@ class View:
     job_ending: bool = False  # the job stops at a commit (every worker exits 0), or has ended
     elastic: bool = True  # the worker called elastic.init() (else a torchrun-style script)
     lost_reason: Optional[str] = None  # why the agent killed it (a hang), if it did
-    replaced_fault: Optional[Fault] = None  # the fault of the worker this one replaced
-    same_fault_workers: int = 1  # this agent's workers that ended with this exit's fault, this one included
     local_workers: int = 1  # the agent's workers (--nproc-per-node)
+    budget: Standing = Standing()
 
 
 @dataclass(frozen=True)
 class Fate:
-    action: str  # IGNORE, SUCCEED, REPLACE, NETWORK_ROUND, FAIL, RESTART_PLAIN
+    action: Action
     reason: str = ""  # the line logged and reported (the job's status for SUCCEED and FAIL)
     cause: str = ""  # FAIL: CAUSE_USER_CODE for an error in user code, else "" (sets every agent's exit status)
 
 
 def fate(exit: Exit, view: View) -> Fate:
     """What to do about ``exit`` (see the module's docstring for the rules)."""
-    worker, record = exit.worker_id, exit.record
-    fault = record.fault if record is not None else None
+    worker, record, fault, budget = exit.worker_id, exit.record, exit.fault, view.budget
     if view.leaving or not view.wanted:
         return Fate(IGNORE)
     if exit.exit_code == 0:
@@ -88,57 +124,39 @@ def fate(exit: Exit, view: View) -> Fate:
             return Fate(SUCCEED, f"worker {worker} finished")
         return _lost(exit, view, "exited 0 before its training function returned")
     if fault is not None and fault.kind == NETWORK:
+        if budget.network_round_counted:
+            return Fate(IGNORE)  # the round's other workers say the same
+        if budget.network_rounds > budget.max_resets:
+            return Fate(FAIL, f"{fault.reason} ({budget.network_rounds} rounds within {budget.reset_window:g}s, "
+                              f"--max-resets {budget.max_resets} per --reset-window)")
         return Fate(NETWORK_ROUND, fault.reason)
     if fault is not None and fault.kind in (USER, BUDGET, STORAGE):
         return Fate(FAIL, f"worker {worker} failed: {fault.reason}", CAUSE_USER_CODE if fault.kind == USER else "")
     if fault is not None and fault.kind == PROCESS:
-        if fault == view.replaced_fault:
+        if fault == budget.replaced_fault:
             return Fate(FAIL, f"worker {worker} failed as the worker it replaced did: {fault.reason} "
                               f"(the same fault again: replacing it cannot help)")
-        if view.local_workers > 1 and view.same_fault_workers >= view.local_workers:
+        if view.local_workers > 1 and budget.same_fault_workers >= view.local_workers:
             return Fate(FAIL, f"all {view.local_workers} workers of this host failed the same way: {fault.reason} "
                               f"(replacing them cannot help)")
         return _lost(exit, view, f"broken process: {fault.reason}")
     how = f"signal {exit.signal}" if exit.signal else f"exit code {exit.exit_code}"
     if not view.elastic and exit.signal is None:
         # A torchrun script that exited with an error, most likely because a peer died
-        # under it: restart every worker, as torchrun would.
-        return Fate(RESTART_PLAIN, _with_lost_reason(view, how))
+        # under it: restart every worker, as torchrun would, once per round.
+        died = f"worker {worker} died ({_with_lost_reason(view, how)})"
+        if budget.plain_round_counted:
+            return Fate(NOTED, died)
+        if budget.restarts_left <= 0:
+            return Fate(FAIL, f"{died}; --max-restarts {budget.max_restarts} used up")
+        return Fate(RESTART_PLAIN, died)
     return _lost(exit, view, how)
 
 
 def _lost(exit: Exit, view: View, how: str) -> Fate:
-    return Fate(REPLACE, f"worker {exit.worker_id} died ({_with_lost_reason(view, how)})")
+    reason = f"worker {exit.worker_id} died ({_with_lost_reason(view, how)})"
+    return Fate(REPLACE if view.budget.restarts_left > 0 else DROP, reason)
 
 
 def _with_lost_reason(view: View, how: str) -> str:
     return f"{view.lost_reason}, {how}" if view.lost_reason else how
-
-
-@dataclass
-class FaultHistory:
-    """The broken-process faults this agent's workers ended with, to tell one broken
-    process (replace it) from a fault every process meets (fail the job)."""
-
-    window_s: float = SAME_FAULT_WINDOW_S
-    _ends: dict = field(default_factory=dict)  # Fault -> {worker id: when it ended (monotonic)}
-    _replaced: dict = field(default_factory=dict)  # new worker id -> the fault of the one it replaced
-
-    def ended(self, worker_id: str, fault: Optional[Fault], now: float) -> int:
-        """Note that ``worker_id`` ended with ``fault`` at ``now``; how many workers
-        ended with it within the window, this one included."""
-        if fault is None or fault.kind != PROCESS:
-            return 1
-        ends = self._ends.setdefault(fault, {})
-        ends[worker_id] = now
-        for other, when in list(ends.items()):
-            if now - when > self.window_s:
-                del ends[other]
-        return len(ends)
-
-    def replaced(self, new_worker_id: str, fault: Optional[Fault]) -> None:
-        if fault is not None:
-            self._replaced[new_worker_id] = fault
-
-    def replaced_fault(self, worker_id: str) -> Optional[Fault]:
-        return self._replaced.get(worker_id)

@@ -4,7 +4,7 @@ Everything here is fed from what the agent already sees; nothing per step goes t
 etcd and nothing is read from the training loop:
 
 * events (``observe``): the agent's own and its workers' lines of ``events.jsonl``,
-  handed over one by one by ``Agent._on_event``;
+  handed over one by one by ``Agent._observe``;
 * progress boards (``observe_marks``): the shared-memory marks the hang watchdog
   reads on each turn of the agent's loop (``progress.py``); a commit counts itself
   there and adds its interval to a total, so commits and step time cost the worker

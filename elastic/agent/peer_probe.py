@@ -13,10 +13,11 @@ from an unreachable host). The agents find out themselves:
   harmless, so this bound is far shorter than the hang watchdog's, which kills.
 * **what**: a TCP connect to each peer agent's store port (the members of the
   current plan, and whoever this host found unreachable before), all at once,
-  ``timeout`` seconds each (1.5 s: a SYN lost once is sent again after 1 s).
-  Accepted or refused, the host answered: reachable. Only no answer at all, in
-  two passes in a row, counts as unreachable: a busy host or a long step is
-  never reported (the agent's port is served by the agent, not by the workers).
+  ``timeout`` seconds each (1.5 s: a SYN lost once is sent again after 1 s), with
+  ``rendezvous/liveness.py``'s probe. Accepted or refused, the host answered:
+  reachable. Only no answer at all, in two passes in a row, counts as unreachable: a
+  busy host or a long step is never reported (the agent's port is served by the
+  agent, not by the workers).
 * **then**: the result goes to ``reach/<member-id>`` on our lease, written only
   when it changes; the coordinator decides who is left out
   (``rendezvous/reachability.py``). While the last report names anybody, the
@@ -26,27 +27,21 @@ from an unreachable host). The agents find out themselves:
   the next commit.
 
 The probing runs in its own thread: an unreachable peer costs ``timeout``
-seconds per pass, which the agent's loop must not wait for.
-
-A ring that broke for sure (a worker of ours reports ``failure_detected``) also makes
-the agent check the coordinator (``rendezvous/succession.py``): if the coordinator's
-host is up and its agent refuses connections, its lease is revoked so that another
-agent leads and plans the next round at once, instead of a TTL later.
+seconds per pass, which the agent's loop must not wait for. Whether the
+coordinator's agent is dead is not asked here: the agent's succession check owns
+that (``rendezvous/succession.py``).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import selectors
-import socket
 import threading
 import time
 from typing import Callable, Iterable, Optional
 
-from elastic.rendezvous import Etcd, MalformedValueError, Member, Participant, RendezvousError
+from elastic.rendezvous import Etcd, Participant, RendezvousError
+from elastic.rendezvous.liveness import probe, reachable, read_member
 from elastic.rendezvous.reachability import ReachReport
-from elastic.rendezvous.succession import Succession
 
 from ..contract.events import EventLog
 from ..contract.progress import Marks
@@ -54,43 +49,6 @@ from ..contract.progress import Marks
 log = logging.getLogger(__name__)
 
 _PAUSE_S = 0.5  # between two probe passes while there is something to find out
-_ANSWERED = (0, errno.ECONNREFUSED, errno.EISCONN)  # connected, or refused: the host answered
-
-
-def unreachable(addresses: dict, timeout: float) -> set:
-    """The keys of ``addresses`` ({key: (host, port)}) that gave no answer to a TCP
-    connect within ``timeout`` (an accept or a refusal is an answer)."""
-    pending, silent = {}, set()
-    selector = selectors.DefaultSelector()
-    try:
-        for key, (host, port) in addresses.items():
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            code = sock.connect_ex((host, port))
-            if code in _ANSWERED:
-                sock.close()
-            elif code in (errno.EINPROGRESS, errno.EAGAIN):
-                pending[sock] = key
-                selector.register(sock, selectors.EVENT_WRITE)
-            else:  # no route, network down: no answer
-                sock.close()
-                silent.add(key)
-        deadline = time.monotonic() + timeout
-        while pending and (left := deadline - time.monotonic()) > 0:
-            for selected, _ in selector.select(left):
-                sock = selected.fileobj
-                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                selector.unregister(sock)
-                key = pending.pop(sock)
-                sock.close()
-                if code not in _ANSWERED:
-                    silent.add(key)
-        silent.update(pending.values())  # still waiting: no answer within the timeout
-    finally:
-        for sock in pending:
-            sock.close()
-        selector.close()
-    return silent
 
 
 class PeerProbe:
@@ -98,7 +56,7 @@ class PeerProbe:
 
     def __init__(self, etcd: Etcd, participant: Participant, events: EventLog,
                  *, floor: float = 1.0, factor: float = 3.0, first: float = 10.0, timeout: float = 1.5,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, probe: Callable = probe):
         self._etcd = etcd
         self._keys = participant.keys
         self._member_id = participant.member.member_id
@@ -106,34 +64,21 @@ class PeerProbe:
         self._events = events
         self.floor, self.factor, self.first, self.timeout = floor, factor, first, timeout
         self._clock = clock
+        self._probe = probe  # liveness.probe; a test gives the answers
         self._stalled = threading.Event()
         self._stop = threading.Event()
         self._addresses: dict[str, tuple[str, int]] = {}  # member id -> (addr, store port)
         self._silent_once: set = set()  # gave no answer in the last pass
         self._written: Optional[tuple[int, tuple[str, ...]]] = None  # (round, unreachable) in etcd
         self._thread = threading.Thread(target=self._run, name="elastic-peer-probe", daemon=True)
-        self._succession: Optional[Succession] = None
 
     def start(self) -> "PeerProbe":
-        self._succession = Succession(self._etcd, self._keys, self._member_id, self._plan_round,
-                                      self._participant.session.ttl).start()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._stalled.set()
-        if self._succession is not None:
-            self._succession.stop()
-
-    def _plan_round(self) -> int:
-        plan = self._participant.control.plan
-        return 0 if plan is None else plan.round
-
-    def on_event(self, event: dict) -> None:
-        """Agent's loop, for each event of its host: a worker of ours saw its ring break."""
-        if event.get("event") == "failure_detected" and self._succession is not None:
-            self._succession.ring_broke(int(event.get("round") or 0))
 
     def tick(self, marks: Iterable[Marks]) -> None:
         """Agent's loop: does any of our workers look stuck in its step?"""
@@ -180,7 +125,7 @@ class PeerProbe:
         for member_id in outside:
             self._addresses.pop(member_id, None)
         addresses = {m: a for m in peers + outside if (a := self._address(m)) is not None}
-        silent = unreachable(addresses, self.timeout)
+        silent = {m for m, answer in self._probe(addresses, self.timeout).items() if not reachable(answer)}
         confirmed = tuple(sorted(silent & self._silent_once))  # silent twice in a row
         self._silent_once = silent
         if silent - set(confirmed):
@@ -199,12 +144,8 @@ class PeerProbe:
     def _address(self, member_id: str) -> Optional[tuple[str, int]]:
         """A peer agent's (addr, store port), from its member record (cached)."""
         if member_id not in self._addresses:
-            kv = self._etcd.get(self._keys.member(member_id))
-            if kv is None:
-                return None  # gone from the job: nothing to reach
-            try:
-                member = Member.from_json(kv.value)
-            except MalformedValueError:
-                return None  # unreadable: nothing to probe (the coordinator names the key)
-            self._addresses[member_id] = (member.addr, member.store_port)
+            record = read_member(self._etcd, self._keys, member_id)
+            if record is None:
+                return None  # gone from the job, or unreadable (the coordinator names the key): nothing to reach
+            self._addresses[member_id] = (record[0].addr, record[0].store_port)
         return self._addresses[member_id]

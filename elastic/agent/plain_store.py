@@ -7,6 +7,12 @@ retry"), so re-using one store across rounds hands the restarted workers stale
 peer addresses and ``connectFullMesh`` fails. The agent of the round's rank 0
 therefore serves a new store for each round and publishes its address in etcd;
 every agent reads it before starting a worker of that round.
+
+An elastic worker never uses that store (its rounds have their own, the plan's). Once an
+agent has seen one of its workers call ``elastic.init()`` it says so for the job
+(``say_elastic``: every worker runs the same script): from then on no agent serves a
+plain store, and none waits for one (``address`` returns None), a joining host's agent
+included, which has not seen a worker of its own yet.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class PlainStores:
         self._host_addr = host_addr
         self._job_lease = job_lease
         self._served: dict[int, StoreServer] = {}
+        self._elastic = False  # the job's workers are known to be elastic (plainstores/none)
+        self._said = False  # we said so
 
     def serve_if_rank0(self, plan: RoundPlan) -> None:
         """If rank 0 of ``plan`` is ours, start the round's store and publish it."""
@@ -63,12 +71,32 @@ class PlainStores:
             if number.isdigit() and int(number) <= current - _KEEP_ROUNDS:
                 self._etcd.delete(kv.key)
 
-    def address(self, plan: RoundPlan, timeout: float = 30.0) -> tuple[str, int]:
-        """The round's store address (waits, bounded, for rank 0's agent to publish it)."""
+    def job_is_elastic(self) -> bool:
+        """Has an agent of the job said that its workers are elastic (``say_elastic``)?"""
+        if not self._elastic:
+            self._elastic = self._etcd.get(self._keys.no_plain_stores) is not None
+        return self._elastic
+
+    def say_elastic(self, write: Callable[[str, Callable[[], object]], None]) -> None:
+        """Our workers are elastic, hence every worker of the job: nobody needs a plain
+        store. Said once, through ``write`` (the agent's queue while etcd is away)."""
+        if not self._said:
+            self._said = True
+            write("say the job's workers are elastic", self._mark_elastic)
+
+    def _mark_elastic(self) -> None:
+        put_on_job_lease(self._etcd, self._keys.no_plain_stores, b"elastic", self._job_lease())
+        self._elastic = True
+
+    def address(self, plan: RoundPlan, timeout: float = 30.0) -> Optional[tuple[str, int]]:
+        """The round's store address (waits, bounded, for rank 0's agent to publish it);
+        None once the job's workers are known to be elastic (no store is served then)."""
         deadline = time.monotonic() + timeout
         delay = 0.005
         said = False
         while True:
+            if self.job_is_elastic():
+                return None
             kv = self._etcd.get(self._keys.plain_store(plan.round))
             address = parse_address(kv.value) if kv is not None else None
             if address is not None:

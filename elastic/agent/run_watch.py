@@ -1,7 +1,7 @@
 """A job you can watch: the agent publishes its run's progress for ``elastic-run status``
 and prints what the run cost at its end.
 
-Fed with the events the agent reads anyway (``Agent._on_event``), nothing per step:
+Fed with the events the agent reads anyway (``Agent._observe``), nothing per step:
 
 * progress: the agent whose worker is rank 0 turns that worker's ``steps`` events
   into a ``JobProgress`` (``elastic/timeline/progress.py``) and a thread of its own
@@ -13,7 +13,9 @@ Fed with the events the agent reads anyway (``Agent._on_event``), nothing per st
   merged per round, so a week-long run keeps a few thousand records, not a line
   per second.
 
-It also hands the events to ``--chaos-kill-every``'s monkey and prints its report.
+It also hands the events to ``--chaos-kill-every``'s monkey and prints its report. The
+agent builds it with what it needs, by name: how to publish (``publish``, on the job's
+lease) and the monkey.
 """
 
 from __future__ import annotations
@@ -23,10 +25,7 @@ import threading
 from collections import deque
 from typing import Callable, Optional
 
-from elastic.rendezvous import JobKeys
-
 from ..timeline.model import build
-from .chaos import ChaosMonkey
 from ..timeline.progress import WINDOW_S, progress_of
 from ..timeline.summary import failures_lost, summarize
 
@@ -78,25 +77,9 @@ class RunWatch:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    @classmethod
-    def of(cls, agent) -> "RunWatch":
-        """The agent's (its config, etcd, participant: the job lease), with its chaos monkey
-        when ``--chaos-kill-every`` asks for one (it kills from the agent's own workers)."""
-        cfg = agent.config
-        key = JobKeys(cfg.job_id).progress  # kept in an ended job's history (rendezvous/history.py)
-
-        def publish(value: bytes) -> None:
-            # Only on the job's lease: a value put after the job ended must not outlive it.
-            lease = agent.participant.control.job_lease if agent.participant else None
-            if lease:
-                agent._etcd.put(key, value, lease=lease)
-
-        chaos = cfg.chaos and ChaosMonkey(cfg.chaos, workers=agent._workers, min_np=cfg.settings.min_np,
-                                          max_restarts=cfg.max_restarts, events=agent.events, out=print)
-        return cls(job_id=cfg.job_id, log_dir=cfg.log_dir, publish=publish, chaos=chaos)
-
     def on_event(self, event: dict) -> None:
-        self._chaos and self._chaos.on_event(event)
+        if self._chaos is not None:
+            self._chaos.on_event(event)
         self.record.add(event)
         if event.get("event") == "steps" and event.get("rank") == 0 and isinstance(event.get("last"), int):
             self._spans.append(event)

@@ -64,9 +64,9 @@ from .options import (
 )
 from ..agent import Agent, AgentConfig
 from ..contract.console import ConsoleFormatter
-from ..contract.devices import BACKENDS, choose_backend, may_have_cuda, uses_nccl
+from ..contract.devices import BACKENDS, choose_backend, may_have_cuda
 from ..contract.straggler_policy import StragglerOptions
-from ..contract.timeouts import ERROR, Timeouts, review
+from ..contract.timeouts import ERROR, review
 from ..agent.chaos import ChaosConfig
 from ..agent.output_pump import ConsoleRanks, console_ranks, end_open_bar
 from ..contract.log_files import byte_size
@@ -327,8 +327,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         log_max_bytes=args.log_max_bytes,
     )
     # The timeouts together (contract/timeouts.py): a combination that cannot work is refused here.
-    findings = review(Timeouts(ttl=config.ttl, collective=config.collective_timeout, rendezvous=settings.timeout,
-                               settle=settings.settle, hang=config.hang_timeout, nccl=uses_nccl(backend)))
+    findings = review(config.timeouts)
     for level, line in findings:
         if level == ERROR:
             raise ConfigError(line)
@@ -413,7 +412,7 @@ def main(argv: Sequence[str]) -> int:
                                       security=getattr(args, "job_secret", None) if config_of_etcd.secure else None
                                       ).start()
             embedded = None  # stopped by `served` (removed from the cluster first where others keep it)
-        code = Agent(config, etcd, endpoints).run()
+        code = Agent(config, etcd).run()
         if embedded is not None or (served is not None and served.member is not None):
             # A served member too: every member stays up until the job's agents have all left.
             ended = _outlast_other_agents(etcd, JobKeys(config.job_id), config.final_checkpoint_timeout + 30.0)

@@ -239,9 +239,3 @@ def group_options(parser: argparse.ArgumentParser) -> None:
             parser._optionals._group_actions.remove(action)
             group._group_actions.append(action)
     parser._optionals.title = "options"
-
-
-def ungrouped_options(parser: argparse.ArgumentParser) -> list[str]:
-    """Options --help shows under plain "options" (none but -h once every one has a group)."""
-    return [action.option_strings[0] for action in parser._optionals._group_actions
-            if action.option_strings and action.option_strings[0] != "-h"]

@@ -1,6 +1,7 @@
 """What a worker and its agent share: the files and values that pass between them.
 
-    events.py           one JSON line per thing that happened (both write, the agent reads)
+    events.py           one JSON line per thing that happened, for people and tools (observation only)
+    agent_channel.py    what a running worker tells its agent to act on: typed messages, by host
     progress.py         progress marks on a shared page, read by the agent's hang watchdog
     worker_config.py    what the agent tells a worker through its environment
     console.py          which lines reach the console and which stay in the log file

@@ -8,7 +8,7 @@ budget is N re-formations within any ``--reset-window`` seconds: failures older
 than the window no longer count.
 
 Two counters use it: each worker (``recovery.py``: its ring re-formed) and each
-agent (``RoundFailures``: rounds whose workers could not connect to each other).
+agent (``agent/budgets.py``: rounds whose workers could not connect to each other).
 """
 
 from __future__ import annotations
@@ -36,35 +36,13 @@ class ResetBudget:
         self._spent.append(now)
         return len(self._spent) <= self.limit
 
+    def count_if_spent(self, now: Optional[float] = None) -> int:
+        """How many re-formations the window would hold if one were spent at ``now``;
+        spends nothing (the agent decides first, then spends: agent/budgets.py)."""
+        now = self.clock() if now is None else now
+        return sum(1 for when in self._spent if now - when < self.window_s) + 1
+
     @property
     def recent(self) -> int:
         """Re-formations counted in the current window (after the last ``spend``)."""
         return len(self._spent)
-
-
-class RoundFailures:
-    """The agent's count of failed rounds: each round once, against a ``ResetBudget``.
-
-    Every worker of a round whose ring could not connect reports it, so one failure
-    arrives several times. Rounds only grow, so remembering the newest round counted
-    is enough to tell a repeat (or a stale report of an older round, which the job has
-    already moved past) from a new failure, and it stays one number however long the
-    job runs, where a set of every failed round would grow for ever.
-    """
-
-    def __init__(self, budget: ResetBudget):
-        self.budget = budget
-        self._newest: Optional[int] = None
-
-    def spend(self, round_number: int) -> Optional[bool]:
-        """None if ``round_number`` was counted already; else count it and say whether
-        the budget still holds."""
-        if self._newest is not None and round_number <= self._newest:
-            return None
-        self._newest = round_number
-        return self.budget.spend()
-
-    @property
-    def recent(self) -> int:
-        """Failed rounds within the current window."""
-        return self.budget.recent

@@ -9,6 +9,19 @@ A worker that was paused reads etcd at its next commit once the pause was longer
 the pause threshold, a quarter of the TTL: no plan can leave it behind in less than the
 TTL, so that order holds by construction.
 
+One ``Timeouts`` is built from elastic-run's options (``AgentConfig.timeouts``), reviewed
+at launch, used by the agent, and reaches every worker: ``WorkerConfig`` carries its
+values through the worker's environment and gives the same object back
+(``WorkerConfig.timeouts``). The defaults are written here once.
+
+The waits that follow from the user's timeouts are derived here too, not kept as
+constants beside the code that waits: a survivor's agent looks for a dead coordinator for
+``succession_patience`` (two TTLs: by then the coordinator's lease has decided). The
+fixed intervals that do not follow from them stay where they are, each saying why: the
+agent's ``_STARTUP_S`` (a script's start, importing torch, is not one of the job's
+waits), ``nccl_abort.ABORT_DEADLINE_S`` (the driver's abort, not the network's),
+``succession.CHECK_EVERY_S`` (etcd's re-election, about a second, sets it).
+
 No strict order is imposed: the tests, and users, have good reasons for a short
 rendezvous timeout (fail fast when the workers do not come) or a short collective
 timeout. ``review`` is a pure function, tested as a table (tests/unit/contract/test_timeouts.py):
@@ -35,13 +48,18 @@ def pause_threshold(ttl: float) -> float:
     return ttl * PAUSE_SHARE
 
 
+# A survivor's agent looks for a dead coordinator this many TTLs after its ring broke
+# (rendezvous/succession.py): by then a dead coordinator's lease has expired anyway.
+PATIENCE_TTLS = 2.0
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """The job's timeouts in seconds, built once from elastic-run's options."""
 
-    ttl: float  # --rdzv-ttl: a silent host is declared lost after this
-    collective: float  # --collective-timeout: a collective blocked this long has failed
-    rendezvous: float  # --rdzv-timeout: a worker waits this long for its round (and the job below --min-np)
+    ttl: float = 10.0  # --rdzv-ttl: a silent host is declared lost after this
+    collective: float = 60.0  # --collective-timeout: a collective blocked this long has failed
+    rendezvous: float = 600.0  # --rdzv-timeout: a worker waits this long for its round (and the job below --min-np)
     settle: float = 0.5  # --rdzv-settle: the members' stillness a round waits for
     hang: Optional[float] = None  # --hang-timeout: None derives it, 0 turns detection off
     nccl: bool = False  # the job's workers use NCCL (the watchdog then judges device work too)
@@ -49,6 +67,11 @@ class Timeouts:
     @property
     def pause(self) -> float:
         return pause_threshold(self.ttl)
+
+    @property
+    def succession_patience(self) -> float:
+        """How long a survivor's agent looks for a dead coordinator after its ring broke."""
+        return PATIENCE_TTLS * self.ttl
 
     @property
     def fixed_hang(self) -> Optional[float]:

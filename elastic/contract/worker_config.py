@@ -12,6 +12,9 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from .devices import uses_nccl
+from .timeouts import Timeouts
+
 PREFIX = "ELASTIC_WORKER_"
 # Never passed on to a worker: the etcd password and the job secret (cli/etcd_secrets.py).
 # A worker reads the password from the 0600 file ``etcd_password_file`` names.
@@ -27,12 +30,17 @@ class WorkerConfig:
     host_id: str
     round: int
     backend: str = "gloo"
-    collective_timeout: float = 60.0
-    rdzv_timeout: float = 600.0
-    rdzv_ttl: float = 10.0  # the agent's lease TTL: no plan can leave us behind in less
+    # The job's Timeouts (timeouts.py), one value each through the environment; read them
+    # together as ``timeouts``. (The names below are read one by one too, for now.)
+    collective_timeout: float = Timeouts.collective
+    rdzv_timeout: float = Timeouts.rendezvous
+    rdzv_ttl: float = Timeouts.ttl  # the agent's lease TTL: no plan can leave us behind in less
+    rdzv_settle: float = Timeouts.settle
+    hang_timeout: Optional[float] = Timeouts.hang
     max_resets: int = 20
     reset_window: float = 3600.0
     events_file: Optional[str] = None
+    agent_channel: Optional[str] = None  # where the worker tells its agent what to act on (agent_channel.py)
     error_file: Optional[str] = None
     marker_file: Optional[str] = None
     final_checkpoint_file: Optional[str] = None  # exists while rank 0 writes the final checkpoint
@@ -54,6 +62,12 @@ class WorkerConfig:
     device_slot: Optional[int] = None  # LOCAL_RANK and CUDA device for the life of the process (device_slots.py)
     shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
 
+    @property
+    def timeouts(self) -> Timeouts:
+        """The job's timeouts, the same object the agent was given (``AgentConfig.timeouts``)."""
+        return Timeouts(ttl=self.rdzv_ttl, collective=self.collective_timeout, rendezvous=self.rdzv_timeout,
+                        settle=self.rdzv_settle, hang=self.hang_timeout, nccl=uses_nccl(self.backend))
+
     def to_env(self) -> dict[str, str]:
         env = {}
         for name, value in self.__dict__.items():
@@ -68,15 +82,16 @@ class WorkerConfig:
         kwargs = {}
         for name, field in cls.__dataclass_fields__.items():
             raw = environ.get(PREFIX + name.upper())
-            if raw is None:
-                continue
-            kind = str(field.type)
-            if kind == "bool":
-                kwargs[name] = raw == "True"  # as to_env writes it
-            elif "int" in kind and name != "checkpoint_interval":
-                kwargs[name] = int(raw)
-            elif "float" in kind:
-                kwargs[name] = float(raw)
-            else:
-                kwargs[name] = raw
+            if raw is not None:
+                kwargs[name] = _PARSE[str(field.type)](raw)
         return cls(**kwargs)
+
+
+# How each field's value is read back from the text ``to_env`` wrote (str(value)); a
+# field of another type fails tests/unit/contract/test_worker_config_flags.py.
+_PARSE = {
+    "str": str, "Optional[str]": str,
+    "int": int, "Optional[int]": int,
+    "float": float, "Optional[float]": float,
+    "bool": lambda raw: raw == "True",
+}

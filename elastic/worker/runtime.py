@@ -42,6 +42,7 @@ from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.faults import NETWORK
 from .failures import classify_init
 from . import device_commit, fault_points, nccl_abort, round_store
+from ..contract.agent_channel import RingBroke, tell_agent
 from ..contract.events import EventLog
 from ..contract.progress import Progress
 from .step_log import StepLog
@@ -230,8 +231,9 @@ class Runtime:
         nudge = None
         if failed:
             self.events.emit("failure_detected", reason=reason, console=False)  # reform_done says it
+            tell_agent(self.config, RingBroke(old_round, reason))  # the agent checks the coordinator
             # Asks for a round at once, and again if etcd refused, while we wait.
-            nudge = ResetNudge(self._control, self._etcd, self.config, old_round, reason).start()
+            nudge = ResetNudge(self._control, self.config, old_round, reason).start()
         try:
             # [graceful-leave] A planned switch to a round without us: our host withdrew
             # us (SIGTERM to its agent); leave with exit 0 instead of waiting for a round.

@@ -45,7 +45,7 @@ noisy figure); every rank then emits
 ``step_times`` with its own figures and its ``straggler_score``
 (own compute_s / median over the ranks). A worker whose score exceeds
 ``--straggler-ratio`` in ``PERSISTENT_WINDOWS`` windows in a row emits
-``straggler_detected`` (about itself, so its own agent sees it) and logs one
+``straggler_detected``, tells its agent (``contract/agent_channel.py``) and logs one
 line naming its host and rank; with ``--evict-stragglers`` that agent leaves
 gracefully (``agent/straggler_eviction.py``).
 """
@@ -64,6 +64,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..contract.agent_channel import Straggler, tell_agent
 from ..contract.devices import capability
 from ..contract.progress import WAITING, classify, main_thread_frames, stdlib_prefixes
 from ..contract.straggler_policy import remaining_after
@@ -288,3 +289,4 @@ class StragglerWatch:
             windows=self._persistence.windows, world_size=rt.world_size,
             remaining=remaining_after(rt.world_size, leaving),
         )
+        tell_agent(rt.config, Straggler(rt.round, rank, round(ratio, 3), remaining_after(rt.world_size, leaving)))

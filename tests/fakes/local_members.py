@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from elastic.rendezvous import Etcd, JobKeys, Member, Participant, RendezvousSettings, RoundPlan
+from elastic.rendezvous.errors import RendezvousClosedError, RendezvousTimeoutError
 from elastic.rendezvous.etcd import Put
 
 
@@ -76,7 +77,15 @@ class LocalMembers:
         return leading[0] if len(leading) == 1 else None
 
     def wait_for_plan(self, member_id: str, accept, timeout: float = 10.0) -> RoundPlan:
-        return self.by_id[member_id].wait_for_plan(accept, timeout)
+        """Block until ``member_id``'s control channel holds a plan that ``accept``s; raise if
+        the job ends first."""
+        control = self.by_id[member_id].control
+        ok = control.wait_for(lambda plan, status: status.over or (plan is not None and accept(plan)), timeout)
+        if control.status.over:
+            raise RendezvousClosedError(f"job {control.status.state}: {control.status.reason}")
+        if not ok:
+            raise RendezvousTimeoutError(f"no round formed within {timeout:g}s")
+        return control.plan
 
     def close(self) -> None:
         # In parallel: a coordinator may take up to half a second to notice its stop.

@@ -257,9 +257,9 @@ def test_joiner_is_appended_after_settle_and_spare_waits_for_a_free_slot(no_leak
 def test_below_min_np_the_job_fails_after_the_timeout_with_a_clear_message(local, etcd, job_id):
     timeout = 1.0
     started = time.monotonic()
-    alone = local.add("alone", RendezvousSettings(2, 4, settle=0.1, timeout=timeout))
+    local.add("alone", RendezvousSettings(2, 4, settle=0.1, timeout=timeout))
     with pytest.raises(RendezvousClosedError, match=r"only 1 of min_np=2"):
-        alone.wait_for_plan(lambda plan: True, timeout=10)
+        local.wait_for_plan("alone", lambda plan: True, timeout=10)
     elapsed = time.monotonic() - started
     assert timeout <= elapsed < timeout + 3, elapsed
     status = json.loads(etcd.get(JobKeys(job_id).status).value)

@@ -1,17 +1,81 @@
-"""Proof of death: only a refused connection counts (liveness.agent_refuses)."""
+"""Is that agent alive? The one probe, what each answer proves, and the one revocation (liveness.py)."""
 
+from __future__ import annotations
+
+import select
 import socket
+import time
 
-from elastic.rendezvous.liveness import agent_refuses
+import pytest
+
+from elastic.rendezvous.keys import JobKeys
+from elastic.rendezvous.liveness import (ACCEPTED, REFUSED, SILENT, Answer, answer_of, evict_dead_members, probe,
+                                         proves_dead, reachable, read_member)
+from elastic.rendezvous.rounds import Member
+from tests.fakes.kv import MemoryKv
+
+pytestmark = pytest.mark.timeout(30)
 
 
-def test_a_listening_agent_is_alive():
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        assert not agent_refuses("127.0.0.1", server.getsockname()[1])
+@pytest.mark.parametrize("answer, dead, reached", [
+    (ACCEPTED, False, True),  # the agent listens
+    (REFUSED, True, True),  # the host answered, the agent is gone: proof of death, and reachable
+    (SILENT, False, False),  # no proof either way; unreachable from here
+])
+def test_what_each_answer_proves(answer, dead, reached):
+    assert (proves_dead(answer), reachable(answer)) == (dead, reached)
+    assert {proves_dead(a) for a in Answer} == {True, False}  # every answer is decided, one way or the other
 
 
-def test_a_closed_port_on_a_live_host_is_proof_of_death():
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
-    assert agent_refuses("127.0.0.1", port)
+def test_one_probe_asks_many_agents_at_once():
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        with socket.create_server(("127.0.0.1", 0)) as closed:
+            closed_port = closed.getsockname()[1]
+        # A listener whose accept queue is full drops further SYNs: no answer at all,
+        # what a peer behind a partition looks like (no RST, no ICMP).
+        full = socket.socket()
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        fillers = []
+        try:
+            for _ in range(8):  # the kernel's queue is a little longer than the backlog
+                filler = socket.socket()
+                filler.setblocking(False)
+                filler.connect_ex(full.getsockname())
+                fillers.append(filler)
+            # Wait for the handshakes the queue takes (their sockets turn writable); the
+            # ones beyond it stay pending, and so will the probe's.
+            assert select.select([], fillers, [], 5.0)[1], "no connection reached the listener"
+            started = time.monotonic()
+            answers = probe({"up": listening.getsockname(), "refusing": ("127.0.0.1", closed_port),
+                             "silent": full.getsockname(), "nameless": ("no-such-host.invalid", 9)}, timeout=0.5)
+            took = time.monotonic() - started
+            assert answer_of(*listening.getsockname()) is ACCEPTED
+        finally:
+            for filler in fillers:
+                filler.close()
+            full.close()
+    assert answers == {"up": ACCEPTED, "refusing": REFUSED, "silent": SILENT, "nameless": SILENT}
+    assert took < 3.0  # all probed at once, each bounded by the timeout
+    assert probe({}, timeout=0.1) == {}
 
+
+def _register(kv: MemoryKv, keys: JobKeys, member_id: str, port: int) -> int:
+    lease = kv.grant_lease(30.0)
+    member = Member(member_id=member_id, host=member_id, addr="127.0.0.1", store_port=port, workers=(f"{member_id}0",),
+                    joined=0.0)
+    kv.put(keys.member(member_id), member.to_json(), lease=lease)
+    return lease
+
+
+def test_only_the_members_proven_dead_are_evicted():
+    kv, keys = MemoryKv(), JobKeys("j")
+    with socket.create_server(("127.0.0.1", 0)) as alive:
+        with socket.create_server(("127.0.0.1", 0)) as gone:
+            closed = gone.getsockname()[1]
+        _register(kv, keys, "a", alive.getsockname()[1])
+        _register(kv, keys, "b", closed)
+        kv.put(keys.member("c"), b"not a member")  # unreadable: no address to prove anything with
+        assert evict_dead_members(kv, keys, ["a", "b", "c", "d", "b"]) == ["b"]
+    assert read_member(kv, keys, "b") is None and read_member(kv, keys, "a")[0].member_id == "a"
+    assert read_member(kv, keys, "c") is None

@@ -14,8 +14,8 @@ from tests.unit.rendezvous.test_coordinator import KEYS, Agent, kv, plan_of, pla
 pytestmark = pytest.mark.timeout(30)
 
 
-def view(failed=4, plan=4, leader="lead", me="me", answer=None, elapsed=0.5, ttl=4.0):
-    return SuccessionView(failed, plan, leader, me, answer, elapsed, ttl)
+def view(failed=4, plan=4, leader="lead", me="me", answer=None, elapsed=0.5, patience=8.0):
+    return SuccessionView(failed, plan, leader, me, answer, elapsed, patience)
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -75,7 +75,7 @@ def test_a_coordinator_whose_agent_refuses_is_replaced_before_its_ttl(kv):
     agents, plan = _three_agents(kv, refusing_port())
     b = agents[1]
     calls = _Deadlines(kv)
-    succession = Succession(calls, KEYS, "b", lambda: b.control.plan.round, ttl=5.0).start()
+    succession = Succession(calls, KEYS, "b", lambda: b.control.plan.round, patience=10.0).start()
     try:
         succession.ring_broke(plan.round)  # b's worker saw the ring break
         after = plan_of(b.control, plan.round + 1)
@@ -96,7 +96,7 @@ def test_a_coordinator_that_answers_or_gives_no_proof_keeps_its_key(kv, answer):
     agents, plan = _three_agents(kv, refusing_port())
     b = agents[1]
     answers = _Answers(answer)
-    succession = Succession(kv, KEYS, "b", lambda: b.control.plan.round, ttl=0.6, answer=answers)
+    succession = Succession(kv, KEYS, "b", lambda: b.control.plan.round, patience=1.2, answer=answers)
     try:
         # Called in this thread: returns once there is nothing left to do (2 TTLs at most).
         assert succession.check(plan.round, since=succession._clock()) == DONE

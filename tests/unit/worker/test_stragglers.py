@@ -8,11 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic.agent.straggler_eviction import on_straggler_event
 from elastic.contract.straggler_policy import StragglerOptions, eviction_allowed
 from elastic.worker.stragglers import Persistence, StragglerWatch, WaitClock, scores
-from elastic.rendezvous import RoundPlan
-from elastic.rendezvous.rounds import Slot
 
 
 def test_scores_are_compute_time_over_the_median():
@@ -59,55 +56,6 @@ def test_eviction_only_while_the_rest_stays_at_or_above_min_np():
     assert not eviction_allowed(world_size=3, leaving=1, min_np=3)
     assert not eviction_allowed(world_size=4, leaving=2, min_np=3)  # a host of two workers
     assert not eviction_allowed(world_size=3, leaving=0, min_np=1)
-
-
-# -- the agent's side -----------------------------------------------------------------
-def _plan(world_by_member: dict[str, int]) -> RoundPlan:
-    slots = tuple(Slot(m, f"{m}.w{i}") for m, n in world_by_member.items() for i in range(n))
-    return RoundPlan(round=4, slots=slots, hosts={m: (m, "127.0.0.1") for m in world_by_member},
-                     store_addr="127.0.0.1:1", created=0.0)
-
-
-def _agent(evict: bool, min_np: int, plan: RoundPlan, member: str = "slow"):
-    left = []
-    agent = SimpleNamespace(
-        config=SimpleNamespace(stragglers=StragglerOptions(evict=evict), settings=SimpleNamespace(min_np=min_np)),
-        _plan=plan, _workers={f"{member}.w0": object()}, _leaving_since=None, member_id=member,
-        events=SimpleNamespace(emit=lambda *a, **k: left.append(("event", a[0]))),
-        _on_signal=lambda signum: left.append(("signal", signum)),
-    )
-    return agent, left
-
-
-def _detected(worker="slow.w0", remaining=2):
-    return {"event": "straggler_detected", "worker": worker, "rank": 2, "ratio": 3.0, "remaining": remaining}
-
-
-def test_the_agent_leaves_gracefully_for_its_straggler():
-    import signal
-
-    agent, done = _agent(True, 2, _plan({"a": 1, "b": 1, "slow": 1}))
-    on_straggler_event(agent, _detected())
-    assert done == [("event", "straggler_evicted"), ("signal", signal.SIGTERM)]
-
-
-@pytest.mark.parametrize("evict, min_np, event", [
-    (False, 2, _detected()),  # only reported without --evict-stragglers
-    (True, 3, _detected()),  # the rest would be below --min-np
-    (True, 2, _detected(remaining=1)),  # another straggler host leaves in the same window
-    (True, 2, _detected(worker="a.w0")),  # another agent's worker (a shared log directory)
-    (True, 2, {"event": "step_times", "worker": "slow.w0"}),
-])
-def test_the_agent_stays(evict, min_np, event):
-    agent, done = _agent(evict, min_np, _plan({"a": 1, "b": 1, "slow": 1}))
-    on_straggler_event(agent, event)
-    assert done == []
-
-
-def test_a_host_with_two_workers_counts_both():
-    agent, done = _agent(True, 2, _plan({"a": 1, "slow": 2}))
-    on_straggler_event(agent, _detected(remaining=2))  # the worker counted its host, the agent knows better
-    assert done == []
 
 
 # -- measuring ------------------------------------------------------------------------
