@@ -11,6 +11,7 @@ import pytest
 from elastic.agent.straggler_eviction import on_straggler_event
 from elastic.contract.straggler_policy import StragglerOptions, eviction_allowed
 from elastic.worker.stragglers import Persistence, StragglerWatch, WaitClock, scores
+from tests.fakes.ring import FakeRing, Recorder
 from elastic.rendezvous import RoundPlan
 from elastic.rendezvous.rounds import Slot
 
@@ -142,15 +143,11 @@ class _FakeClock:
 
 
 def test_a_window_is_every_k_commits_after_the_rounds_first(caplog):
-    emitted = []
-    runtime = SimpleNamespace(
-        round=1, rank=0, world_size=1, backend="gloo", plan=None,
-        config=SimpleNamespace(worker_id="w0"),
-        events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
-    )
+    events = Recorder()
+    emitted = events.emitted
     clock = _FakeClock()
-    watch = StragglerWatch(runtime, ratio=1.5, clock=clock, every=2, windows=1, min_window_s=0.0)
-    watch.begin_round()
+    watch = StragglerWatch(events, "w0", ratio=1.5, clock=clock, every=2, windows=1, min_window_s=0.0)
+    watch.begin_round(FakeRing(round=1))
     watch.on_commit(1)  # the round's first commit starts the window
     clock.waiting_s = 0.01
     watch.on_commit(2)
@@ -175,14 +172,11 @@ class _Counting(StragglerWatch):
 
 
 def _paced_watch(step_s: float, **options):
-    emitted, now = [], [0.0]
-    runtime = SimpleNamespace(
-        round=1, rank=0, world_size=1, backend="gloo", plan=None, config=SimpleNamespace(worker_id="w0"),
-        events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
-    )
-    watch = _Counting(runtime, ratio=1.5, clock=_FakeClock(), windows=1, now=lambda: now[0], **options)
+    events, now = Recorder(), [0.0]
+    emitted = events.emitted
+    watch = _Counting(events, "w0", ratio=1.5, clock=_FakeClock(), windows=1, now=lambda: now[0], **options)
     watch.exchanges = []
-    watch.begin_round()
+    watch.begin_round(FakeRing(round=1))
 
     def commit(number):
         now[0] += step_s
