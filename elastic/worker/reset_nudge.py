@@ -10,7 +10,7 @@ from elastic.rendezvous import ControlChannel, Etcd, JobKeys, RendezvousError, e
 
 from ..contract.worker_config import WorkerConfig
 
-log = logging.getLogger("elastic.worker.runtime")
+log = logging.getLogger(__name__)
 
 # While waiting for the round after a failure: how long before we look for a dead
 # coordinator, and how often we post our reset request again if etcd refused it.

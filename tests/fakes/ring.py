@@ -25,6 +25,7 @@ from elastic.rendezvous.rounds import Slot
 from elastic.worker import lifecycle
 from elastic.worker.commit_gate import Monitors, Verdict
 from elastic.worker.ring import Ring
+from elastic.worker.ring_abort import RingHandle
 from elastic.worker.ring_view import Position
 from elastic.worker.session import WorkerSession
 from elastic.worker.step_log import StepLog
@@ -139,14 +140,17 @@ class DictStore:
         return self.data[key]
 
 
-def real_ring(handle, *, round_plan: Optional[RoundPlan] = None, rank: int = 0, backend: str = "gloo",
-              control: Optional[FakeControl] = None, store=None, events=None) -> Ring:
-    """A ``Ring`` with ``handle`` (a ``RingHandle``) on a fake control channel and store."""
+def real_ring(handle=None, *, round_plan: Optional[RoundPlan] = None, rank: int = 0, backend: str = "gloo",
+              control: Optional[FakeControl] = None, store=None, events=None, config: WorkerConfig = TEST_CONFIG,
+              etcd=None) -> Ring:
+    """A ``Ring`` with ``handle`` (a ``RingHandle``; default: one without connections) on a
+    fake control channel and store (``etcd``: for its publish check)."""
     round_plan = round_plan or plan(1)
     events = events if events is not None else EventLog(None, host="test")
-    steps = StepLog(events, TEST_CONFIG.worker_id)
+    steps = StepLog(events, config.worker_id)
     monitors = Monitors(steps, control=control or FakeControl(round_plan))
     position = Position(round_plan, rank, round_plan.world_size, 0, round_plan.world_size)
     return Ring(plan=round_plan, previous_plan=None, position=position, capability=capability(backend),
-                store=store if store is not None else DictStore(), handle=handle, monitors=monitors,
-                config=TEST_CONFIG, events=events, etcd=None)
+                store=store if store is not None else DictStore(),
+                handle=handle if handle is not None else RingHandle(frozenset()), monitors=monitors,
+                config=config, events=events, etcd=etcd)
