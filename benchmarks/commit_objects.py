@@ -21,15 +21,17 @@ import os
 import statistics
 import sys
 import time
-import types
 
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from benchmarks.harness import write_json_report
-from elastic.worker.commit_gate import commit_alone
+from elastic.contract.events import EventLog
 from elastic.state import TorchState
 from elastic.worker import lifecycle
+from elastic.worker.local_ring import LocalRing
+from elastic.worker.session import WorkerSession
+from elastic.worker.step_log import StepLog
 
 TARGET = 1.4
 LAYERS = 24
@@ -126,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) <= 0 or args.reps < 1:
         parser.exit(2, "--sizes and --reps must be positive\n")
 
-    # A commit outside a job: what it costs besides the copy is a left-behind check and a note that
-    # are no-ops here, as they nearly are in a job between membership changes.
-    stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
-                                     commit=lambda capture: commit_alone(capture, 1))
-    lifecycle.install(stand_in)
+    # A commit in a world of one (no process group needed for it): what it costs besides the
+    # copy is a step record, as a job's ring check and left-behind check nearly are nothing
+    # between membership changes.
+    events = EventLog(None, host="local")
+    lifecycle.install(WorkerSession.serving(LocalRing(events, StepLog(events, "local"))))
     # As benchmarks/checkpoint.py: workers run several per host with 1 intra-op thread.
     thread_settings = sorted({torch.get_num_threads(), 1}, reverse=True)
     previous_threads = torch.get_num_threads()

@@ -85,13 +85,13 @@ def worker(args) -> None:
     width = width_for(args.size_mb)
 
     class MeasuredState(elastic.ShardedState):
-        def sync(self):
+        def sync(self, ring):
             # The benchmark's copy_ buffer is not the state's: drop it before measuring.
             self.__dict__.pop("floor", None)
             held, old_live = held_bytes(self), old_live_bytes()
             before, started = proc_memory_mb(), time.time()
             reset = reset_peak_memory()
-            plan = super().sync()
+            plan = super().sync(ring)
             after = proc_memory_mb()
             # What the process holds besides the state: its RSS now less the slots it holds
             # and the old ring's model and optimizer, if still alive (dropped, not yet collected).

@@ -69,22 +69,28 @@ def shutdown() -> None:
 
 def rank() -> int:
     """This worker's rank in the current ring (it may change at every re-formation)."""
-    return _lifecycle().current().rank
+    return _session().position.rank
 
 
 def size() -> int:
     """The number of workers in the current ring (the world size; it changes as workers come and go)."""
-    return _lifecycle().current().world_size
+    return _session().position.world_size
 
 
 def local_rank() -> int:
     """This worker's device slot on its host (`LOCAL_RANK`): fixed for the process's life, its GPU under CUDA."""
-    return _lifecycle().current().local_rank
+    return _session().position.local_rank
 
 
 def round() -> int:  # noqa: A001 - mirrors the event field name
     """The number of the current round: one more at every re-formation of the ring."""
-    return _lifecycle().current().round
+    return _session().round
+
+
+def _session():
+    """This process's session (``worker/session.py``): where this worker stands, even before
+    its first ring (a joiner's rank is known from ``init()``)."""
+    return _lifecycle().current()
 
 
 def __getattr__(name: str):

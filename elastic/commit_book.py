@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from elastic.checkpoint import CheckpointPolicy
 
+from .contract.worker_config import WorkerConfig
 from .worker.sync_plan import CommitId
 
 UNREADABLE_ADVICE = "run again once the storage reads, or pass --checkpoint-allow-fresh-start to go without them"
@@ -67,15 +68,16 @@ def values_of(state: Any, book: CommitBook) -> dict:
     return {name: getattr(state, name) for name in book.value_names}
 
 
-def checkpoint_policy(config) -> Optional[CheckpointPolicy]:
-    """The durable-checkpoint policy that ``elastic-run --checkpoint-*`` asked for."""
-    if config is None or not getattr(config, "checkpoint_dir", None):
+def checkpoint_policy(config: WorkerConfig) -> Optional[CheckpointPolicy]:
+    """The durable-checkpoint policy that ``elastic-run --checkpoint-*`` asked for (None:
+    no ``--checkpoint-dir``, as in a world of one)."""
+    if not config.checkpoint_dir:
         return None
     return CheckpointPolicy(
         config.checkpoint_dir,
         every_commits=config.checkpoint_every,
         every_seconds=config.checkpoint_interval,
         keep=config.checkpoint_keep,
-        skip_unreadable=bool(getattr(config, "checkpoint_allow_fresh_start", False)),
-        job_id=getattr(config, "job_id", None),
+        skip_unreadable=config.checkpoint_allow_fresh_start,
+        job_id=config.job_id,
     )

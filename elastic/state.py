@@ -1,11 +1,11 @@
 """State: what a worker commits, restores after a failure, and syncs to a new ring.
 
 ``commit()`` copies the state into buffers allocated once (``checkpoint.Snapshot``),
-never a fresh deep copy, then asks the runtime whether the ring changes at this
+never a fresh deep copy, then asks its ring whether the ring changes at this
 commit. Each commit has an identity, (the round it was made in, the commit count):
 see ``elastic/worker/sync_plan.py`` for why the count alone is not enough.
 
-``sync()`` makes every worker of a new ring hold the ring's newest commit:
+``sync(ring)`` makes every worker of a new ring hold the ring's newest commit:
 
 1. The ring agrees on the newest commit and who holds it, with one all_gather of
    three integers per worker (never a hash over the tensors).
@@ -48,9 +48,9 @@ from .live_tree import LiveTree, live_tree
 from .stateful import check_plain, is_stateful, load_state, state_of
 from .worker.state_transfer import (CHUNK_BYTES, claim_bounds, gather_holdings, receive_layout, run_transfers,
                                      send_layout)
-from .worker import device_commit
-from .worker.commit_gate import Ticket, act_on
-from .worker.lifecycle import current as _runtime  # the process-wide runtime, set by elastic.init()
+from .worker import device_commit, lifecycle
+from .worker.commit_gate import act_on
+from .worker.ring_view import RingView
 from .worker.sync_plan import CommitId, SyncPlan, choose_holders, plan_sync
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,10 @@ _COMMIT_ROUND = "commit_round"  # key of the round the commit was made in
 _OBJECTS = "objects"  # key of the state_dicts of a TorchState's stateful objects (elastic/stateful.py)
 
 
-def _durable_wait(runtime) -> float:
-    """How long receivers wait for holders[0]'s durable load (gpu review G11)."""
-    return max(runtime.config.rdzv_timeout, runtime.config.collective_timeout) if runtime.config else 600.0
+def _durable_wait(ring: RingView) -> float:
+    """How long receivers wait for holders[0]'s durable load: it may take as long as a
+    rendezvous or a collective may, whichever is longer."""
+    return max(ring.config.rdzv_timeout, ring.config.collective_timeout)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class StateBook(CommitBook):
     torn: bool = False  # a sync broke while overwriting the snapshot
     rng: Optional[tuple] = None  # this worker's generators at the last commit
     policy: Optional[CheckpointPolicy] = None  # durable checkpoints, if any
-    policy_resolved: bool = False  # the runtime's config looked at
+    policy_resolved: bool = False  # the worker's config looked at
     writer: Optional[DurableWriter] = None  # created when this worker is rank 0
     cuda_paths: frozenset = frozenset()  # while loading: the tree's tensors that were CUDA tensors
     live: Optional[LiveTree] = None  # a TorchState's live tensors, found once (live_tree.py)
@@ -105,7 +106,7 @@ class State:
         A tensor goes back into the live tensor at its place when shapes and dtypes
         match, else to that live tensor's device, else to the device kind the commit
         recorded: a snapshot, a sync and a durable file all hold host copies, and a
-        CUDA value must not come back as a CPU one (gpu review F7)."""
+        CUDA value must not come back as a CPU one."""
         cuda_paths = self._book.cuda_paths
         for name, value in tree["values"].items():
             live = getattr(self, name, None)
@@ -117,11 +118,16 @@ class State:
         return self.state_tree()
 
     def save(self) -> None:
+        """Take the live state as the commit held (its count unchanged)."""
+        self._save(lifecycle.ring)
+
+    def _save(self, ring: Callable[[], RingView]) -> None:
+        """``save``, for a capture made on ``ring()`` (asked only by an overlapped copy)."""
         book = self._book
         tree = self.commit_tree()
         tree[_COMMITS] = book.count
         tree[_COMMIT_ROUND] = book.round
-        device_commit.prepare(book.snapshot, getattr(self, "optimizer", None), _runtime)  # GPU, opt-in (G13)
+        device_commit.prepare(book.snapshot, getattr(self, "optimizer", None), ring)  # GPU, opt-in (docs/gpus.md)
         book.snapshot.capture(tree)
         # RNG state is per worker: restored on this worker, never broadcast.
         book.rng = _rng_states()
@@ -136,21 +142,21 @@ class State:
 
     def commit(self) -> None:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
-        runtime = _runtime()
-        self._resolve_policy(runtime)
+        ring = lifecycle.ring()
+        self._resolve_policy(ring)
         # One call: a worker left behind, or a step made on a broken ring, raises before
         # the capture overwrites the snapshot, the previous commit intact (commit_gate.py).
-        act_on(runtime.commit(self._capture), self._book.count)
+        act_on(ring.commit(self._capture), self._book.count)
 
-    def _capture(self, ticket: Ticket) -> int:
+    def _capture(self, ring: RingView) -> int:
         """The state's part of a commit: count it, copy it, hand rank 0's writer what is due."""
         book = self._book
-        book.next_commit(ticket.round)
-        self.save()
-        if book.policy is not None and ticket.rank == 0:
-            writer = self._rank0_writer()
+        book.next_commit(ring.round)
+        self._save(lambda: ring)
+        if book.policy is not None and ring.rank == 0:
+            writer = self._rank0_writer(ring)
             if writer.due(book.count):
-                self._submit(writer, ticket)
+                self._submit(writer, ring)
         return book.count
 
     def restore(self) -> None:
@@ -171,62 +177,61 @@ class State:
         if book.rng is not None:
             _set_rng_states(book.rng)
 
-    def sync(self) -> SyncPlan:
-        """Make every worker hold the ring's newest commit; returns the plan it followed."""
-        runtime = _runtime()
+    def sync(self, ring: RingView) -> SyncPlan:
+        """Make every worker of ``ring`` hold its newest commit; returns the plan it followed."""
         book = self._book
-        self._resolve_policy(runtime)
+        self._resolve_policy(ring)
         if not book.synced and book.holds_commit:
             # A commit made before the first sync (outside the training function): the
             # live state may have moved since. A holder must send what it will train on.
             self.restore()
-        if runtime.world_size == 1:
+        if ring.world_size == 1:
             if not book.holds_commit:
-                self._take_durable_or_initial_state()
+                self._take_durable_or_initial_state(ring)
             book.synced = True
             return SyncPlan(self.commit_id, (0,), (), ())
         started = time.monotonic()
-        holdings = gather_holdings(runtime.rank, runtime.world_size, self.commit_id, runtime.backend,
-                                   claim_bounds(runtime, self.commit_id))
+        holdings = gather_holdings(ring.rank, ring.world_size, self.commit_id, ring.backend,
+                                   claim_bounds(ring, self.commit_id))
         newest, holders, receivers = choose_holders(holdings)
         if not receivers:  # every worker holds the newest commit: nothing to move
             book.synced = True
             return SyncPlan(newest, holders, (), ())
-        if newest is None and runtime.rank == holders[0]:
-            self._take_durable_or_initial_state()  # nobody holds a commit: a full restart
-        if runtime.rank in holders:
+        if newest is None and ring.rank == holders[0]:
+            self._take_durable_or_initial_state(ring)  # nobody holds a commit: a full restart
+        if ring.rank in holders:
             # Every holder holds the same commit, hence the same layout: only the receivers
             # need the first holder's, and only they get it (a holder receives nothing).
             layout = book.snapshot.layout()
-            if runtime.rank == holders[0]:
-                send_layout(layout, receivers, runtime.backend)
+            if ring.rank == holders[0]:
+                send_layout(layout, receivers, ring.backend)
         else:
             # Nobody holds a commit: holders[0] loads the durable one first (--rdzv-timeout bounds it).
-            wait_s = _durable_wait(runtime) if newest is None else None
-            layout = receive_layout(holders[0], runtime.backend, wait_s=wait_s)
+            wait_s = _durable_wait(ring) if newest is None else None
+            layout = receive_layout(holders[0], ring.backend, wait_s=wait_s)
         plan = plan_sync(holdings, [(n, dtype.itemsize) for dtype, _, n in layout.buffers], CHUNK_BYTES)
-        if runtime.rank in holders:
-            moved = run_transfers(plan, runtime.rank, book.snapshot.buffers(), runtime.backend)
+        if ring.rank in holders:
+            moved = run_transfers(plan, ring.rank, book.snapshot.buffers(), ring.backend)
         else:
-            moved = self._receive(plan, layout, runtime)
+            moved = self._receive(plan, layout, ring)
         # After a re-formation the worker's reform_done line says how the sync went: on the
         # console a failure is that one line per worker, so this one is for the log file.
         # A worker's first sync (the job's start, a joiner's arrival) has no such line.
         extra = FILE_ONLY if book.synced else None
         book.synced = True
         log.info("round %d: sync of commit %s: %s %.3f MB (%d holders, %d receivers) in %.3fs",
-                 runtime.round, (plan.newest.round, plan.newest.count) if plan.newest else "initial",
-                 "sent" if runtime.rank in holders else "received", moved / 1e6, len(holders), len(receivers),
+                 ring.round, (plan.newest.round, plan.newest.count) if plan.newest else "initial",
+                 "sent" if ring.rank in holders else "received", moved / 1e6, len(holders), len(receivers),
                  time.monotonic() - started, extra=extra)
         return plan
 
-    def _receive(self, plan: SyncPlan, layout, runtime) -> int:
+    def _receive(self, plan: SyncPlan, layout, ring: RingView) -> int:
         """Receive the newest commit into the snapshot's buffers, then load it."""
         book = self._book
         # From here the snapshot is no whole commit until every transfer has arrived.
         book.torn = True
         book.snapshot.adopt_layout(layout)
-        moved = run_transfers(plan, runtime.rank, book.snapshot.buffers(), runtime.backend)
+        moved = run_transfers(plan, ring.rank, book.snapshot.buffers(), ring.backend)
         book.torn = False
         self._load(book.snapshot.tree(), book.snapshot.cuda_paths())
         book.holds_commit = True
@@ -238,7 +243,7 @@ class State:
         replacement too), once the state is synced; not when the job starts."""
         self._book.add_reset_callbacks(callbacks)
 
-    def on_reset(self) -> None:
+    def on_reset(self, ring: RingView) -> None:
         self._book.run_reset_callbacks()
 
     # -- durable checkpoints ----------------------------------------------------
@@ -251,59 +256,58 @@ class State:
         book.policy_resolved = True  # an explicit policy wins
         book.writer = None
 
-    def flush_checkpoints(self, final: bool = False) -> None:
+    def flush_checkpoints(self, ring: RingView, final: bool = False) -> None:
         """Wait for the in-flight write; with ``final``, make the last commit durable."""
-        runtime = _runtime()
         book = self._book
-        if book.policy is None or runtime.rank != 0:
+        if book.policy is None or ring.rank != 0:
             return
-        writer = self._rank0_writer()
+        writer = self._rank0_writer(ring)
         # The agent gives a worker that says it is writing the final checkpoint
         # --final-checkpoint-timeout, not the moment it gives the others at the end.
-        marker = getattr(runtime.config, "final_checkpoint_file", None) if final else None
+        marker = ring.config.final_checkpoint_file if final else None
         if marker:
             _touch(marker)
         try:
             writer.flush()
             already_durable = book.durable_step == book.count and writer.last_error is None
             if final and not book.snapshot.empty and not already_durable:
-                self._submit(writer, runtime)
+                self._submit(writer, ring)
                 writer.flush()
         finally:
             if marker:
                 _remove(marker)
 
-    def _resolve_policy(self, runtime) -> None:
+    def _resolve_policy(self, ring: RingView) -> None:
         """Take the policy from the worker's config once (on the first sync or commit)."""
         book = self._book
         if book.policy_resolved:
             return
         book.policy_resolved = True
-        book.policy = checkpoint_policy(runtime.config)
+        book.policy = checkpoint_policy(ring.config)
 
-    def _rank0_writer(self) -> DurableWriter:
+    def _rank0_writer(self, ring: RingView) -> DurableWriter:
         # Created only on rank 0, and only when first needed: a new writer removes
         # stale temporary directories, which must never be a live rank 0's write.
         book = self._book
         if book.writer is None:
             # Each write's outcome becomes an event for the agent's metrics (agent/metrics.py)
             # and the events file; the writer logs the outcome itself, so no second console line.
-            events = _runtime().events
+            events = ring.events
             report = lambda name, **fields: events.emit(name, console=False, **fields)  # noqa: E731
             book.writer = DurableWriter(book.policy, report=report, resumed_from=book.resumed_from)
         return book.writer
 
-    def _submit(self, writer: DurableWriter, runtime) -> None:
-        # ``runtime``: the Runtime, or a commit's Ticket (both have round, world_size, publish_check).
-        """Write the last commit (the snapshot just taken) in the background."""
+    def _submit(self, writer: DurableWriter, ring: RingView) -> None:
+        """Write the last commit (the snapshot just taken) in the background; rank 0's
+        writer publishes it only if ``ring``'s publish check still passes then."""
         book = self._book
         if writer.submit(
             book.snapshot.tree(),
             step=book.count,
             epoch=self._int_value("epoch"),
-            round=runtime.round,
-            world_size=runtime.world_size,
-            still_current=runtime.publish_check(),
+            round=ring.round,
+            world_size=ring.world_size,
+            still_current=ring.publish_check(),
         ):
             book.durable_step = book.count
 
@@ -321,12 +325,12 @@ class State:
         if isinstance(tree.get(_COMMIT_ROUND), int):
             book.round = tree[_COMMIT_ROUND]
 
-    def _take_durable_or_initial_state(self) -> None:
+    def _take_durable_or_initial_state(self, ring: RingView) -> None:
         """The newest durable checkpoint, if any, else the live (initial) state, as the commit."""
-        self._load_durable()
-        self.save()
+        self._load_durable(ring)
+        self._save(lambda: ring)
 
-    def _load_durable(self) -> None:
+    def _load_durable(self, ring: RingView) -> None:
         book = self._book
         if book.policy is None:
             return
@@ -349,7 +353,7 @@ class State:
         # The manifest names the step; the round is the run's that wrote it, unless that is
         # later than ours (a new job id numbers rounds afresh): no commit may claim a round
         # after the current one.
-        book.take(CommitId(min(int(manifest.get("round") or 0), _runtime().round), step))
+        book.take(CommitId(min(int(manifest.get("round") or 0), ring.round), step))
         book.durable_step = step
         log.info("resumed from durable checkpoint step %s (epoch %s) in %s", step, manifest.get("epoch"), directory)
 
@@ -455,9 +459,8 @@ class TorchState(State):
             load_state(getattr(self, name), saved[name],
                        lambda value, live, place=place: copy_into(value, live, place, cuda_paths))
 
-    def on_reset(self) -> None:
+    def on_reset(self, ring: RingView) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_rank"):
-            runtime = _runtime()
-            self.sampler.set_rank(runtime.rank, runtime.world_size)
-            runtime.steps.sampler = self.sampler  # its counts go with the step records (step_log.py)
-        super().on_reset()
+            self.sampler.set_rank(ring.rank, ring.world_size)
+            ring.follow_sampler(self.sampler)  # its counts go with the step records (step_log.py)
+        super().on_reset(ring)

@@ -127,7 +127,7 @@ def parse_address(value: bytes) -> Optional[tuple[str, int]]:
 
 def prune_round_keys(store, current_round: int) -> None:
     """Delete the keys of rounds before the previous one from an agent's round store
-    (``/round/<n>/...``, see runtime.Runtime._enter): a job that re-forms a thousand
+    (``/round/<n>/...``, see worker/ring_entry.py): a job that re-forms a thousand
     times must not keep a thousand rounds of keys. ``store`` is the agent's server
     (its ``list_keys``/``delete_key`` see keys as torch's client lists them); ``None``:
     it is closed, so there is nothing to prune."""

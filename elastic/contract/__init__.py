@@ -12,6 +12,7 @@
     straggler_policy.py the straggler options, and when evicting one is allowed
     timeouts.py         the job's timeouts together: the combinations refused or warned about
     exit_codes.py       the exit statuses of a worker and of elastic-run, and what each means
+    round_keys.py       the keys of a round's store (its namespace, arrival, outcome, switch)
 
 Imported by both sides; imports nothing of ``elastic`` outside this room.
 """

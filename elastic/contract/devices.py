@@ -76,6 +76,16 @@ class Capability:
         device sync, no GPU memory), else the device."""
         return "cpu" if self.host_backend is not None else "cuda"
 
+    @property
+    def nccl(self) -> bool:
+        """Does any part of the process group run on NCCL (``uses_nccl`` of the string)?"""
+        return "nccl" in (self.host_backend, self.device_backend)
+
+    @property
+    def gloo(self) -> bool:
+        """Does any part of the process group run on gloo (its TCP mesh is ours to shut)?"""
+        return "gloo" in (self.host_backend, self.device_backend)
+
 
 # torch's defaults for a backend named without devices (distributed_c10d.Backend).
 _PLAIN = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "mpi": ("cpu", "cuda"), "ucc": ("cpu", "cuda")}

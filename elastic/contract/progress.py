@@ -6,7 +6,7 @@ agent's watchdog, see ``watchdog.py``), no locks: every field is an aligned
 8-byte slot written by one thread only, and a torn ``where`` text is harmless.
 
 * The main thread bumps the *progress* counter at ``state.commit()`` and when
-  the training function is (re-)entered (``Runtime.begin_round``). A commit
+  the training function is (re-)entered on a ring (``Ring.begin``). A commit
   also records the interval since the previous mark of the same round, and the
   slowest such interval: the agent scales its patience to it. The interval
   ending at a round's first commit is not recorded (it holds the re-formation,

@@ -1,7 +1,7 @@
 """Horovod's process queries on this runtime: init, rank, size, local and cross ranks.
 
 ``hvd.init()`` joins the job through ``elastic.init()``; the ranks come from the
-runtime's current round, so they follow the ring after every re-formation
+worker's current position in its round, so they follow the ring after every re-formation
 (Horovod's own ``hvd.rank()`` does the same after an elastic reset).
 """
 
@@ -53,68 +53,66 @@ def require_initialized() -> None:
         raise ValueError(NOT_INITIALIZED)
 
 
-def _runtime():
+def _position():
+    """Where this worker stands (``worker/ring_view.py``): a joiner's rank and its round's
+    plan are known before its ring forms at its first sync (``hvd.rank()`` before it)."""
     require_initialized()
+    return session().position
+
+
+def session():
+    """This process's ``WorkerSession``, once ``elastic.init()`` (or ``hvd.init()``) ran:
+    the Horovod layer's one way to it. ElasticError before."""
     return lifecycle.current()
 
 
 def rank() -> int:
-    return _runtime().rank
+    return _position().rank
 
 
 def size() -> int:
-    return _runtime().world_size
+    return _position().world_size
 
 
 def local_rank() -> int:
-    return _runtime().local_rank
+    return _position().local_rank
 
 
 def local_size() -> int:
-    return _runtime().local_world_size
-
-
-def _plan_of(runtime):
-    """The round this worker has its rank in: None in a world of one; a joiner's
-    round is entered only at its first sync, but its rank is known already."""
-    return getattr(runtime, "position_plan", None)
-
-
-def _plan():
-    return _plan_of(_runtime())
+    return _position().local_world_size
 
 
 def cross_rank() -> int:
     """The index of this worker's host among the hosts of the ring."""
-    runtime = _runtime()
-    plan = _plan_of(runtime)
-    if plan is None:
+    position = _position()
+    plan = position.plan
+    if plan is None:  # a world of one
         return 0
-    return plan.member_order().index(plan.slots[runtime.rank].member_id)
+    return plan.member_order().index(plan.slots[position.rank].member_id)
 
 
 def cross_size() -> int:
     """How many hosts run a worker with this worker's local rank."""
-    runtime = _runtime()
-    plan = _plan_of(runtime)
+    position = _position()
+    plan = position.plan
     if plan is None:
         return 1
-    return sum(1 for member in plan.member_order() if len(plan.local_ranks(member)) > runtime.local_rank)
+    return sum(1 for member in plan.member_order() if len(plan.local_ranks(member)) > position.local_rank)
 
 
 def is_homogeneous() -> bool:
     """Does every host run the same number of workers?"""
-    runtime = _runtime()
-    plan = _plan_of(runtime)
+    plan = _position().plan
     if plan is None:
         return True
     return len({len(plan.local_ranks(member)) for member in plan.member_order()}) == 1
 
 
 def hostname() -> str:
-    plan = _plan()
+    position = _position()
+    plan = position.plan
     if plan is not None:
-        member = plan.slots[_runtime().rank].member_id
+        member = plan.slots[position.rank].member_id
         if member in plan.hosts:
             return str(plan.hosts[member][0])
     return socket.gethostname()

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ..worker import lifecycle
+from . import basics
 from .common import ADASUM_REFUSED, Adasum, Average, Compression, check_process_set, global_process_set
 from .ops import finish_reduction_, start_flat_allreduce, translated_errors
 
@@ -180,7 +180,7 @@ class _DistributedOptimizer:
     @staticmethod
     def _current_round() -> Optional[int]:
         try:
-            return lifecycle.current().round
+            return basics.session().round
         except Exception:  # not initialized yet: nothing in flight either
             return None
 

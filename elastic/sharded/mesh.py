@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from ..contract.devices import capability
 from ..contract.errors import ElasticError
-from ..worker.lifecycle import current as _runtime
+from ..worker import lifecycle
 
 _cached: dict = {}  # {"key": (round, group), "mesh": DeviceMesh}
 
@@ -31,12 +31,12 @@ def device_mesh():
     function, never keep it across one."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    runtime = _runtime()
+    ring = lifecycle.ring()
     if not dist.is_initialized():
         raise ElasticError("elastic.device_mesh() needs a process group: run the script with elastic-run")
     group = dist.group.WORLD
-    key = (runtime.round, id(group), dist.get_world_size())
+    key = (ring.round, id(group), dist.get_world_size())
     if _cached.get("key") != key:
-        _cached["mesh"] = DeviceMesh.from_group(group, device_type(runtime.backend))
+        _cached["mesh"] = DeviceMesh.from_group(group, device_type(ring.backend))
         _cached["key"] = key
     return _cached["mesh"]

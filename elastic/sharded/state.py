@@ -46,8 +46,9 @@ from ..contract.console import FILE_ONLY
 from ..contract.errors import ElasticError
 from ..commit_book import checkpoint_policy, values_of
 from ..worker import fault_points
+from ..worker import lifecycle
 from ..worker.commit_gate import Verdict, act_on
-from ..worker.lifecycle import current as _runtime
+from ..worker.ring_view import RingView
 from ..worker.sync_plan import CommitId, SyncPlan
 from . import durable, meta_wire, modules
 from .book import ShardBook
@@ -90,25 +91,20 @@ class ShardedState:
     def commit(self) -> None:
         """Snapshot this worker's shards and start their replication; raise HostsUpdatedInterrupt
         if the ring changes here (after the copies have arrived: the new ring needs them)."""
-        runtime = _runtime()
-        verdict = runtime.commit(lambda ticket: self._capture(runtime, ticket))
+        verdict = lifecycle.ring().commit(self._capture)
         if verdict is not Verdict.CONTINUE:
             self._finish_replication(None, raise_errors=True)
         act_on(verdict, self._book.count)
 
-    def _capture(self, runtime, ticket) -> int:
+    def _capture(self, ring: RingView) -> int:
         book = self._book
         self._await_copies()
-        book.next_commit(ticket.round)
-        self._snapshot_and_replicate(runtime, wait=False)
-        if book.count >= 5:
-            fault_points.sharded("replicating", runtime.rank)
+        book.next_commit(ring.round)
+        self._snapshot_and_replicate(ring, wait=False)
+        fault_points.sharded("replicating", ring.rank, commit=book.count, round_number=ring.round)
         if book.durable is not None and book.durable.due(book.count):
-            self._write_durable(runtime)
+            self._write_durable(ring)
         return book.count
-
-    def save(self) -> None:
-        self._snapshot_and_replicate(_runtime(), wait=True)
 
     def restore(self) -> None:
         """After a failure: nothing to do until the new ring exists (``sync`` rebuilds the
@@ -128,12 +124,12 @@ class ShardedState:
     def commit_id(self) -> Optional[CommitId]:
         return self._book.own.commit if self._book.own is not None else None
 
-    def _snapshot_and_replicate(self, runtime, wait: bool) -> None:
+    def _snapshot_and_replicate(self, ring: RingView, wait: bool) -> None:
         book = self._book
         commit = CommitId(book.round, book.count)
         live = live_shards(book.live, self.model, self.optimizer)
         book.live = live
-        meta = modules.describe(commit, runtime.world_size, self.model, self.optimizer, live.tensors,
+        meta = modules.describe(commit, ring.world_size, self.model, self.optimizer, live.tensors,
                                 values_of(self, book), self.sampler,
                                 layout=live.layout, names=live.names)
         meta.scheduler = modules.scheduler_state(self.scheduler)
@@ -144,27 +140,27 @@ class ShardedState:
         # earlier could catch the ring, should a rank whose copy is still in flight die,
         # with neither of the two newest commits covered.
         older = book.own_older
-        own = slot_for(older.pop(0) if len(older) == 2 else None, live.layout, runtime.world_size, runtime.rank)
+        own = slot_for(older.pop(0) if len(older) == 2 else None, live.layout, ring.world_size, ring.rank)
         own.copy_from(live)
         own.commit = commit
         if book.own is not None:
             older.append(book.own)
         book.own = own
-        book.metas[(commit, runtime.world_size)] = meta  # one commit, two layouts while a re-shard settles
+        book.metas[(commit, ring.world_size)] = meta  # one commit, two layouts while a re-shard settles
         for old in sorted(book.metas)[:-_KEEP_METAS]:
             del book.metas[old]
-        if runtime.world_size == 1:
+        if ring.world_size == 1:
             return
-        holders = self._placement(runtime)
+        holders = self._placement(ring)
         receive = {}
-        for owner in replicas_of(holders, runtime.rank):
-            receive[owner] = slot_for(book.spares.get(owner), live.layout, runtime.world_size, owner)
+        for owner in replicas_of(holders, ring.rank):
+            receive[owner] = slot_for(book.spares.get(owner), live.layout, ring.world_size, owner)
             book.spares[owner] = receive[owner]
-        board = runtime.progress_board
+        board = ring.progress_board
         if board is not None:  # the agent's replica lag metric (agent/metrics.py)
             board.replica_posted(time.monotonic())
         done = (lambda: board.replica_done(time.monotonic())) if board is not None else None
-        book.replication = Replication(commit, own, holders[runtime.rank], receive, done)
+        book.replication = Replication(commit, own, holders[ring.rank], receive, done)
         if wait:
             self._finish_replication(None, raise_errors=True)
 
@@ -202,10 +198,10 @@ class ShardedState:
         if raise_errors and replication.errors:
             raise replication.errors[0]
 
-    def _placement(self, runtime) -> tuple[tuple[int, ...], ...]:
+    def _placement(self, ring: RingView) -> tuple[tuple[int, ...], ...]:
         """Who keeps copies of whose shards in this ring (the same for every commit of it)."""
         book = self._book
-        plan, count = runtime.plan, self._replica_count(runtime)
+        plan, count = ring.plan, self._replica_count(ring)
         cached = book.holders_for
         if cached is None or cached[0] is not plan or cached[1] != count:
             members = [slot.member_id for slot in plan.slots]
@@ -213,26 +209,24 @@ class ShardedState:
             book.holders_for = (plan, count)
         return book.holders
 
-    def _replica_count(self, runtime) -> int:
-        config = runtime.config
-        return int(getattr(config, "shard_replicas", 1) if config is not None else 1)
+    def _replica_count(self, ring: RingView) -> int:
+        return ring.config.shard_replicas
 
     # -- sync --------------------------------------------------------------------
-    def sync(self) -> SyncPlan:
-        """Make every rank of the new ring hold its shards of the newest commit every shard of
+    def sync(self, ring: RingView) -> SyncPlan:
+        """Make every rank of ``ring`` hold its shards of the newest commit every shard of
         which survived; returns who held and who received."""
         book = self._book
-        runtime = _runtime()
         started = time.monotonic()
         if not dist.is_initialized():
             raise ElasticError("ShardedState needs a process group: run the script with elastic-run")
         mesh = device_mesh()
-        rank, world = runtime.rank, runtime.world_size
-        checkpoints, group = self._checkpoints(runtime), None
+        rank, world = ring.rank, ring.world_size
+        checkpoints, group = self._checkpoints(ring), None
         if checkpoints is not None:
             checkpoints.abandon()  # a write of the broken ring is never waited for
-            group = checkpoints.group(runtime.round)
-        slots, reports, held, worlds, chosen = self._agree_on_commit(runtime)
+            group = checkpoints.group(ring.round)
+        slots, reports, held, worlds, chosen = self._agree_on_commit(ring)
         newest = chosen[0] if chosen is not None else None
         first_start = newest is None and not worlds
         # Only the chosen commit's copies matter from here on: the others go before the new
@@ -243,40 +237,40 @@ class ShardedState:
         self._free_model()  # a planned switch's: the new one is built from the copies
         if newest is None:
             found = meta_wire.broadcast_found(durable.newest_for_resume(checkpoints.policy)
-                                              if checkpoints is not None and rank == 0 else None, rank, runtime.backend)
+                                              if checkpoints is not None and rank == 0 else None, rank, ring.backend)
             if checkpoints is not None:  # the directory's steps above it are an earlier run's
                 checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
             if not first_start:
                 lost = max(worlds)[0]
-                log.info("round %d: shards held (rank: (round, count, world, shard) ...): %s", runtime.round,
+                log.info("round %d: shards held (rank: (round, count, world, shard) ...): %s", ring.round,
                          {r: rep[0] for r, rep in enumerate(reports)}, extra=FILE_ONLY)
                 if found is None:
                     raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (more hosts than "
                                        f"--shard-replicas covers) and there is no durable checkpoint")
                 log.warning("round %d: every copy of a shard of commit %d is lost (more hosts than "
                             "--shard-replicas %d covers): resuming from durable checkpoint step %s in %s",
-                            runtime.round, lost.count, self._replica_count(runtime), found[1]["step"], found[0])
+                            ring.round, lost.count, self._replica_count(ring), found[1]["step"], found[0])
             if found is not None:
-                return self._resume_from_disk(runtime, mesh, group, found, started)
+                return self._resume_from_disk(ring, mesh, group, found, started)
         sources: dict[int, ShardSlot] = {}
         if first_start:
             newest, meta = CommitId(0, 0), None
             if book.init is None and rank == 0:
                 meta, sources[0] = self._whole_model_on_rank0(newest)
             holders = {0: [0]}
-            meta = meta_wire.broadcast_meta(meta, 0, rank, runtime.round, runtime.backend)
+            meta = meta_wire.broadcast_meta(meta, 0, rank, ring.round, ring.backend)
         else:
             wanted = (newest.round, newest.count, chosen[1])
             source_rank = min(r for r, rep in enumerate(reports) if wanted in rep[1])
             meta = meta_wire.broadcast_meta(book.metas.get(chosen) if rank == source_rank else None, source_rank,
-                                            rank, runtime.round, runtime.backend)
+                                            rank, ring.round, ring.backend)
             holders: dict[int, list[int]] = {}
             for r, pairs in held.items():
                 for key, shard in pairs:
                     if key == chosen:
                         holders.setdefault(shard, []).append(r)
             sources = {s.shard: s for s in slots if (s.commit, s.world) == chosen}
-        model = self._build(runtime, mesh)
+        model = self._build(ring, mesh)
         if first_start and book.init is not None:
             book.init(model)
             pieces: list[Piece] = []
@@ -288,7 +282,8 @@ class ShardedState:
         targets = {f"model.{fqn}": p for fqn, p in model.named_parameters()}
         targets.update(states)
         moved = run_pieces(pieces, rank, sources, {k: modules.local(t) for k, t in targets.items()},
-                            lambda: runtime.round > 1 and fault_points.sharded("resharding", runtime.rank))
+                            lambda: fault_points.sharded("resharding", ring.rank, commit=newest.count,
+                                                         round_number=ring.round))
         self._load_meta(model, optimizer, meta, states, first_start)
         modules.load_scheduler(scheduler, meta.scheduler if meta is not None else None)
         self.model = model
@@ -301,21 +296,21 @@ class ShardedState:
         # At the first start there is nothing older to fall back on: the copies are awaited.
         del slots, sources
         book.take(newest)
-        self._snapshot_and_replicate(runtime, wait=first_start)
+        self._snapshot_and_replicate(ring, wait=first_start)
         book.confirm_ring = not first_start  # every rank alike: a collective follows
         book.synced = True
         seconds = time.monotonic() - started
         if meta is None:  # a first start with init=: no commit to re-shard, each rank initialised its own
-            log.info("round %d: initialised the shards with init= (world %d) in %.3fs", runtime.round, world, seconds)
+            log.info("round %d: initialised the shards with init= (world %d) in %.3fs", ring.round, world, seconds)
         else:
             log.info("round %d: re-sharded commit %d (world %d -> %d): received %.3f MB in %.3fs",
-                     runtime.round, newest.count, meta.world, world, moved / 1e6, seconds)
-        self._report_reshard(runtime, "start" if first_start else "memory", newest.count,
+                     ring.round, newest.count, meta.world, world, moved / 1e6, seconds)
+        self._report_reshard(ring, "start" if first_start else "memory", newest.count,
                              meta.world if meta is not None else 1, moved, seconds)
         holding_ranks = tuple(sorted({r for ranks in holders.values() for r in ranks}))
         return SyncPlan(newest, holding_ranks, tuple(r for r in range(world) if r not in holding_ranks), ())
 
-    def _agree_on_commit(self, runtime):
+    def _agree_on_commit(self, ring: RingView):
         """Every rank's holdings, and the newest commit they cover. Copies still in flight when
         the ring broke are waited for (2 s at most, then asked again) only if their arrival
         would cover a newer commit: after a loss mid-step the pending copies are of a commit
@@ -328,7 +323,7 @@ class ShardedState:
                        ] if replication is not None else []
             report = ([(s.commit.round, s.commit.count, s.world, s.shard) for s in slots],
                       [(c.round, c.count, w) for c, w in self._book.metas], pending)
-            reports = meta_wire.gather_reports(report, runtime.world_size, runtime.round, runtime.backend)
+            reports = meta_wire.gather_reports(report, ring.world_size, ring.round, ring.backend)
             held = {r: [((CommitId(a, b), w), s) for a, b, w, s in rep[0]] for r, rep in enumerate(reports)}
             worlds = {(CommitId(a, b), w): w for rep in reports for a, b, w, _ in rep[0]}
             chosen = newest_covered(held, worlds)
@@ -339,11 +334,11 @@ class ShardedState:
                 return slots, reports, held, worlds, chosen
             self._finish_replication(timeout=2.0)
 
-    def _resume_from_disk(self, runtime, mesh, group, found, started: float) -> SyncPlan:
+    def _resume_from_disk(self, ring: RingView, mesh, group, found, started: float) -> SyncPlan:
         """Every rank loads its new shards of a durable checkpoint (any world size reads it)."""
         book = self._book
         path, manifest = found
-        model = self._build(runtime, mesh)
+        model = self._build(ring, mesh)
         optimizer = book.optimizer_factory(model)
         scheduler = book.scheduler_factory(optimizer) if book.scheduler_factory is not None else None
         saved = durable.load_into(path, model, optimizer, group)
@@ -357,14 +352,14 @@ class ShardedState:
         self.optimizer = optimizer
         self._hold_only([])
         book.count = int(saved["commits"])
-        book.round = runtime.round  # newer than any commit a survivor may hold
-        self._snapshot_and_replicate(runtime, wait=True)
+        book.round = ring.round  # newer than any commit a survivor may hold
+        self._snapshot_and_replicate(ring, wait=True)
         book.synced = True
         seconds = time.monotonic() - started
-        log.info("round %d: resumed from durable checkpoint step %s (world %s -> %d) in %.3fs", runtime.round,
-                 manifest["step"], manifest.get("world_size"), runtime.world_size, seconds)
-        self._report_reshard(runtime, "disk", book.count, manifest.get("world_size"), 0, seconds)
-        return SyncPlan(self.commit_id, (), tuple(range(runtime.world_size)), ())
+        log.info("round %d: resumed from durable checkpoint step %s (world %s -> %d) in %.3fs", ring.round,
+                 manifest["step"], manifest.get("world_size"), ring.world_size, seconds)
+        self._report_reshard(ring, "disk", book.count, manifest.get("world_size"), 0, seconds)
+        return SyncPlan(self.commit_id, (), tuple(range(ring.world_size)), ())
 
     def _hold_only(self, slots: list[ShardSlot]) -> None:
         """Keep ``slots`` (as legacy, until the next commit is replicated) and nothing else."""
@@ -376,26 +371,26 @@ class ShardedState:
         book.spares.clear()
         book.legacy = list(slots)
 
-    def _report_reshard(self, runtime, source: str, commit: int, from_world, received: int, seconds: float) -> None:
+    def _report_reshard(self, ring: RingView, source: str, commit: int, from_world, received: int, seconds: float) -> None:
         """One ``resharded`` event per worker and re-shard, for the agent's metrics: what it
         received, and what keeping the new ring covered costs it per commit."""
         book = self._book
-        sends_to = book.holders[runtime.rank] if runtime.world_size > 1 and book.holders else ()
-        worker = runtime.config.worker_id if runtime.config is not None else "local"
+        sends_to = book.holders[ring.rank] if ring.world_size > 1 and book.holders else ()
+        worker = ring.config.worker_id
         shard_bytes = book.own.nbytes if book.own is not None else 0
-        runtime.events.emit("resharded", console=False, worker=worker, source=source, commit=commit,
-                            from_world=from_world, to_world=runtime.world_size, received_bytes=received,
+        ring.events.emit("resharded", console=False, worker=worker, source=source, commit=commit,
+                            from_world=from_world, to_world=ring.world_size, received_bytes=received,
                             seconds=round(seconds, 4), shard_bytes=shard_bytes,
                             replica_bytes_per_commit=shard_bytes * len(sends_to),
                             # per owner its replica, or the slot its copy is arriving in
                             replicas_held_bytes=sum(s.nbytes for s in {**book.replicas, **book.spares}.values()))
 
     # -- durable checkpoints ----------------------------------------------------------
-    def _checkpoints(self, runtime) -> Optional[durable.ShardedCheckpoints]:
+    def _checkpoints(self, ring: RingView) -> Optional[durable.ShardedCheckpoints]:
         book = self._book
         if not book.durable_resolved:
             book.durable_resolved = True
-            policy = checkpoint_policy(runtime.config)
+            policy = checkpoint_policy(ring.config)
             if policy is not None:
                 if book.optimizer_factory is None:
                     raise ElasticError("ShardedState writes durable checkpoints of a model and its optimizer: "
@@ -403,18 +398,18 @@ class ShardedState:
                 book.durable = durable.ShardedCheckpoints(policy)
         return book.durable
 
-    def _write_durable(self, runtime) -> None:
+    def _write_durable(self, ring: RingView) -> None:
         book = self._book
         values = {"values": values_of(self, book),
                   "sampler": self.sampler.state_dict() if self.sampler is not None else None,
                   "scheduler": modules.scheduler_state(self.scheduler), "commits": book.count}
         book.durable.submit(self.model, self.optimizer, values, step=book.count,
-                             round_number=runtime.round, world=runtime.world_size,
-                             still_current=runtime.publish_check())
+                             round_number=ring.round, world=ring.world_size,
+                             still_current=ring.publish_check())
         book.durable_step = book.count
 
-    def _build(self, runtime, mesh):
-        device = torch.device(device_type(runtime.backend))
+    def _build(self, ring: RingView, mesh):
+        device = torch.device(device_type(ring.backend))
         return modules.build_sharded(self._book.model_factory, self._book.shard, mesh, device)
 
     def _held_slots(self) -> list[ShardSlot]:
@@ -459,13 +454,12 @@ class ShardedState:
         state is re-sharded; not when the job starts."""
         self._book.add_reset_callbacks(callbacks)
 
-    def on_reset(self) -> None:
+    def on_reset(self, ring: RingView) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_rank"):
-            runtime = _runtime()
-            self.sampler.set_rank(runtime.rank, runtime.world_size)
+            self.sampler.set_rank(ring.rank, ring.world_size)
         self._book.run_reset_callbacks()
 
-    def flush_checkpoints(self, final: bool = False) -> None:
+    def flush_checkpoints(self, ring: RingView, final: bool = False) -> None:
         """Every rank: wait for the copies and the write in flight; with ``final``, make the
         last commit durable (the live state is the last commit at the end of training)."""
         book = self._book
@@ -474,5 +468,5 @@ class ShardedState:
             return
         book.durable.flush()
         if final and book.durable_step != book.count and self.model is not None:
-            self._write_durable(_runtime())
+            self._write_durable(ring)
             book.durable.flush()

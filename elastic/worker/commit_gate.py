@@ -1,13 +1,14 @@
-"""What a commit asks of the runtime: one call, one verdict (go on, switch, stop).
+"""What a commit asks of its ring: one call, one verdict (go on, switch, stop).
 
-``state.commit()`` makes one call, ``Runtime.commit(capture)``, and gets a ``Verdict``.
-The gate runs the steps in this order, and a reader finds each one here:
+``state.commit()`` makes one call, ``ring.commit(capture)`` (``ring.py``), and gets a
+``Verdict``. The ring's gate runs the steps in this order, and a reader finds each one here:
 
 1. **left behind?**: a worker the job left behind (its host paused or cut off past the TTL)
    makes no commit in a round that is over (``left_behind.py``);
 2. **ring check**: a step made on a broken ring is no commit (``ring_abort.check_ring``);
    both raise before the snapshot is overwritten, so the previous commit stays intact;
-3. **capture**: the state copies itself (``capture(ticket)``, the state's own code);
+3. **capture**: the state copies itself (``capture(ring)``, the state's own code: the one
+   call back up);
 4. **step log**: the timeline's span of commits and the hang watchdog's progress mark;
 5. **pace exchange**: every few commits one small ``all_gather`` of step times
    (``stragglers.py``); its pace spaces the switch points (``switch_points.py``), so it
@@ -16,20 +17,25 @@ The gate runs the steps in this order, and a reader finds each one here:
    ``switch_at`` in the round's store; the others read it at switch points.
 
 Only the ring check and the capture cost anything per commit in a steady round; the
-exchange and the store's look come every few commits.
+exchange and the store's look come every few commits. A gate is built with its ring and
+dies with it: its switch schedule, commit count and look at the joiners are that ring's.
+What outlives a ring (the step log, the control channel, the watchdog's marks, the
+straggler watch) is the session's ``Monitors``, handed to each ring's gate.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from elastic.rendezvous import STOPPING
+from elastic.rendezvous import STOPPING, RoundPlan
 
+from ..contract import round_keys
 from ..contract.errors import HostsUpdatedInterrupt, JobStopping
 from . import device_watch, switch_points
 from .joiners import JoinerWatch
+from .ring_abort import RingHandle, check_ring
 from .switch_points import SwitchPoints
 
 
@@ -49,14 +55,25 @@ class SwitchAt:
     verdict: Verdict
 
 
-@dataclass(frozen=True)
-class Ticket:
-    """What a state's capture needs of the runtime at its commit."""
+@dataclass
+class Monitors:
+    """What watches the worker across its rings (the session's): each ring's gate uses them."""
 
-    round: int
-    rank: int
-    world_size: int
-    publish_check: Callable[[], Optional[Callable[[], bool]]]  # rank 0's checkpoint writer asks it
+    steps: Any  # step_log.StepLog: the timeline's spans of commits
+    control: Any = None  # the job's control channel (plan, status)
+    left_behind: Any = None  # left_behind.LeftBehindCheck
+    progress: Any = None  # contract/progress.Progress: the hang watchdog's marks
+    stragglers: Any = None  # stragglers.StragglerWatch: the pace exchange
+    device_watch: Any = None  # GPU workers: the step's device work (device_watch.py), from commit to commit
+
+    @property
+    def board(self):
+        """The worker's progress board (contract/progress.py), None without a watchdog."""
+        return self.progress.board if self.progress is not None else None
+
+    def close(self) -> None:
+        if self.device_watch is not None:
+            self.device_watch.close()
 
 
 def decide_switch(*, stopping: bool, pending: bool, joiners_ready: Callable[[], bool], commits: int,
@@ -73,105 +90,87 @@ def decide_switch(*, stopping: bool, pending: bool, joiners_ready: Callable[[], 
     return None
 
 
-def commit_alone(capture: Callable[[Ticket], object], round_number: int = 0) -> Verdict:
-    """A commit in a world of one without elastic-run: nothing to check or to agree on."""
-    capture(Ticket(round_number, 0, 1, lambda: None))
-    return Verdict.CONTINUE
-
-
 class CommitGate:
-    """The runtime's side of a commit; ``Runtime`` hands it the parts it runs."""
+    """One ring's side of a commit: built with the ring, it holds that ring's switch schedule."""
 
-    def __init__(self, steps, check_ring: Callable[[], None]):
-        self.steps = steps  # step_log.StepLog
-        self._check_ring = check_ring
-        self.control = None  # the job's control channel (plan, status)
-        self.left_behind = None  # left_behind.LeftBehindCheck
-        self.progress = None  # contract/progress.Progress: the hang watchdog's marks
-        self.stragglers = None  # stragglers.StragglerWatch: the pace exchange
-        self._device_watch = None  # GPU workers: the step's device work (device_watch.py)
+    def __init__(self, monitors: Monitors, store, plan: Optional[RoundPlan], rank: int,
+                 handle: Optional[RingHandle] = None, *, drains: bool = False):
+        self._monitors = monitors
+        self._store = store  # the round's PrefixStore
+        self._plan = plan
+        self._rank = rank
+        self._handle = handle  # the ring's, for the ring check
+        self._drains = drains  # sync the device before the ring check (NCCL: device_commit.py)
         self.points = SwitchPoints()  # the commits where the ring may act
-        self.commits = 0  # commits in the current round
-        self._store = None  # the round's PrefixStore, while in a ring
+        self.commits = 0  # commits in this ring
         self._joiners = JoinerWatch()  # rank 0's look at a pending round's joiners
         self.switch: Optional[SwitchAt] = None
 
-    # -- the round -------------------------------------------------------------
-    def enter(self, store) -> None:
-        """A ring was formed: its store, a fresh schedule of switch points."""
-        self._store, self.switch, self.points = store, None, SwitchPoints()
-
-    def leave(self) -> None:
-        self._store, self.switch = None, None
-        self._joiners.forget()
-
-    def begin(self) -> None:
-        """The training function is (re-)entered on the current ring."""
-        self.commits = 0
-        self.steps.begin()
-        if self.left_behind is not None:
-            self.left_behind.reset()  # in step with the ring: a long re-formation is no gap
-        if self.progress is not None:
-            self.progress.mark(interval=False)  # the re-formation is no step interval
-        if self.stragglers is not None:
-            self.stragglers.begin_round()
+    def begin(self, ring) -> None:
+        """The training function is entered on this ring (``ring``: its facts, for the pace exchange)."""
+        monitors = self._monitors
+        monitors.steps.begin()
+        if monitors.left_behind is not None:
+            monitors.left_behind.reset()  # in step with the ring: a long re-formation is no gap
+        if monitors.progress is not None:
+            monitors.progress.mark(interval=False)  # the re-formation is no step interval
+        if monitors.stragglers is not None:
+            monitors.stragglers.begin_round(ring, on_pace=self.points.agree)
 
     # -- the commit ------------------------------------------------------------
-    def at_commit(self, capture: Callable[[Ticket], Optional[int]], ticket: Ticket, plan) -> Verdict:
-        """Run a commit's steps in order (module docstring); ``capture`` returns the job's
-        commit count (for the timeline) and raises nothing the ring must know of."""
-        if self.left_behind is not None:  # 1. left behind?
-            self.left_behind.check(ticket.round, self.control.plan)
-        if self.progress is not None:  # GPU workers: the step's device work, before the ring check's sync
-            self._device_watch = device_watch.commit_mark(self._device_watch, self.progress.board)
-        self._check_ring()  # 2. broken ring?
-        number = capture(ticket)  # 3. the state's copy
+    def at_commit(self, capture: Callable[[Any], Optional[int]], ring) -> Verdict:
+        """Run a commit's steps in order (module docstring); ``capture(ring)`` returns the
+        job's commit count (for the timeline) and raises nothing the ring must know of."""
+        monitors = self._monitors
+        if monitors.left_behind is not None:  # 1. left behind?
+            monitors.left_behind.check(ring.round, monitors.control.plan)
+        if monitors.progress is not None:  # GPU workers: the step's device work, before the ring check's sync
+            monitors.device_watch = device_watch.commit_mark(monitors.device_watch, monitors.progress.board)
+        check_ring(self._handle, device_sync=self._drains)  # 2. broken ring?
+        number = capture(ring)  # 3. the state's copy
         self.commits += 1  # 4. step log
-        self.steps.commit(number, ticket.world_size)
-        if self.progress is not None:
+        monitors.steps.commit(number, ring.world_size)
+        if monitors.progress is not None:
             # The first commit of a round follows DDP's broadcast and warm-up: not a step.
-            self.progress.mark(interval=self.commits > 1, commit=True)
-        if self.stragglers is not None:  # 5. pace exchange, every few commits
-            self.stragglers.on_commit(self.commits)
-        return self.verdict(ticket.rank, ticket.round, plan)  # 6. switch decision
+            monitors.progress.mark(interval=self.commits > 1, commit=True)
+        if monitors.stragglers is not None:  # 5. pace exchange, every few commits
+            monitors.stragglers.on_commit(self.commits)
+        return self.verdict()  # 6. switch decision
 
-    def verdict(self, rank: int, round_number: int, plan) -> Verdict:
-        """Whether the ring acts at this round's commit ``self.commits``."""
-        commits = self.commits
-        if self._store is None:
-            return Verdict.CONTINUE
+    def verdict(self) -> Verdict:
+        """Whether the ring acts at its commit ``self.commits``."""
+        commits, control = self.commits, self._monitors.control
+        round_number = self._plan.round
         if self.switch is None:
-            if rank == 0:
-                newest = self.control.plan
+            if self._rank == 0:
+                newest = control.plan
                 choice = decide_switch(
-                    stopping=self.control.status.state == STOPPING,
+                    stopping=control.status.state == STOPPING,
                     pending=newest is not None and newest.round > round_number,
-                    joiners_ready=lambda: self._joiners.ready(plan, newest), commits=commits, points=self.points)
+                    joiners_ready=lambda: self._joiners.ready(self._plan, newest), commits=commits,
+                    points=self.points)
                 if choice is not None:
                     # The verdict travels with the commit number: every worker does what
                     # rank 0 decided, never what its own copy of the status says.
                     self.switch = choice
-                    self._store.set("switch_at", f"{choice.commit} {choice.verdict.value}")
-            elif self.points.is_point(commits) and self._store.check(["switch_at"]):
-                at, action = switch_points.parse_switch_at(self._store.get("switch_at"), commits)
+                    self._store.set(round_keys.SWITCH_AT, f"{choice.commit} {choice.verdict.value}")
+            elif self.points.is_point(commits) and self._store.check([round_keys.SWITCH_AT]):
+                at, action = switch_points.parse_switch_at(self._store.get(round_keys.SWITCH_AT), commits)
                 # The store is not the job: act once our own view of etcd shows why.
-                switch_points.confirm(action, lambda: switch_points.has_grounds(action, self.control, round_number))
+                switch_points.confirm(action, lambda: switch_points.has_grounds(action, control, round_number))
                 self.switch = SwitchAt(at, Verdict(action))
         if self.switch is not None and commits >= self.switch.commit:
             return self.switch.verdict
         return Verdict.CONTINUE
 
-    def ring_change_ready(self, rank_plan, round_number: int) -> bool:
+    def ring_change_ready(self) -> bool:
         """Rank 0's view between commits (``hvd.elastic``'s ``check_host_updates``): would
         the ring switch to a newer round at a commit now (its joiners have arrived)?"""
-        if self._store is None or self.control.status.state == STOPPING:
+        control = self._monitors.control
+        if control.status.state == STOPPING:
             return False
-        newest = self.control.plan
-        return newest is not None and newest.round > round_number and self._joiners.ready(rank_plan, newest)
-
-    def close(self) -> None:
-        if self._device_watch is not None:
-            self._device_watch.close()
+        newest = control.plan
+        return newest is not None and newest.round > self._plan.round and self._joiners.ready(self._plan, newest)
 
 
 def act_on(verdict: Verdict, commits: int) -> None:

@@ -4,13 +4,16 @@
 and the Horovod states (``elastic/horovod/elastic/state.py``) through these members
 only: the identity of the commit it holds, a commit, a rollback, a sync to the ring's
 newest commit, the reset callbacks, and the final durable write. A new kind of state
-implements them; recovery reads nothing else (no private attribute of a state).
+implements them; recovery reads nothing else (no private attribute of a state). The
+ring is handed in (a ``RingView``: ``ring_view.py``); only ``commit()``, which the
+user's loop calls, asks the process for it.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Protocol, runtime_checkable
 
+from .ring_view import RingView
 from .sync_plan import CommitId, SyncPlan
 
 
@@ -21,17 +24,17 @@ class Committable(Protocol):
         """(round, count) of the commit this worker holds, or None."""
 
     def commit(self) -> None:
-        """Copy the state (the runtime's one call: ``Runtime.commit``); raise
+        """Copy the state (its one call to the ring: ``ring.commit(capture)``); raise
         HostsUpdatedInterrupt or JobStopping when the ring acts at this commit."""
 
     def restore(self) -> None:
         """Roll the live state back to the last commit (after a failure)."""
 
-    def sync(self) -> SyncPlan:
-        """Make every worker of the new ring hold its newest commit."""
+    def sync(self, ring: RingView) -> SyncPlan:
+        """Make every worker of ``ring`` (a new ring) hold its newest commit."""
 
-    def on_reset(self) -> None:
-        """The ring changed: the user's reset callbacks run."""
+    def on_reset(self, ring: RingView) -> None:
+        """The ring changed to ``ring``: the user's reset callbacks run."""
 
-    def flush_checkpoints(self, final: bool = False) -> None:
+    def flush_checkpoints(self, ring: RingView, final: bool = False) -> None:
         """Wait for the durable write in flight; with ``final``, make the last commit durable."""

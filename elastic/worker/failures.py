@@ -2,7 +2,7 @@
 one line a failure is logged as.
 
 ``classify`` turns an exception into a ``Fault`` (``contract/faults.py``); every catch
-site of the worker (``recovery.py``, ``lifecycle.py``'s excepthook, ``runtime.py``
+site of the worker (``recovery.py``, ``lifecycle.py``'s excepthook, ``ring_entry.py``
 around ``init_process_group``, the Horovod ops) asks it and adds no rule of its own.
 The kinds:
 
@@ -111,7 +111,7 @@ def classify_in_window(exc: BaseException, ring_broken: Optional[str]) -> Fault:
     the next collective user code runs on corrupted weights (the queued optimizer step
     applied partial gradients): a NaN guard or an assert that raises there is no bug of
     the user's. The rollback discards those weights anyway, so such an error re-forms
-    the ring (gpu review G12). A broken process stays one: its device is gone too."""
+    the ring. A broken process stays one: its device is gone too."""
     fault = classify(exc)
     if ring_broken is None or fault.kind != USER:
         return fault

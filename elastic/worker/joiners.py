@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from elastic.rendezvous import RoundPlan
 
+from ..contract import round_keys
 from . import round_store
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,6 @@ class JoinerWatch:
         self._since = 0.0  # when we began to wait for its joiners
         self._retry_at = 0.0
         self._report_after = FIRST_REPORT_S
-
-    def forget(self) -> None:
-        """The ring changed: whatever round was pending is someone else's business now."""
-        self._round, self._store = None, None
 
     def ready(self, current: RoundPlan, pending: RoundPlan) -> bool:
         """Have all the workers that ``pending`` adds to ``current`` arrived at its store?"""
@@ -87,9 +84,9 @@ class JoinerWatch:
                           RETRY_S)
                 self._retry_at = now + RETRY_S
                 return None
-            self._store = dist.PrefixStore(f"/round/{pending.round}/", base)
+            self._store = dist.PrefixStore(round_keys.prefix(pending.round), base)
         try:
-            return self._store.add("arrived", 0)
+            return self._store.add(round_keys.ARRIVED, 0)
         except RuntimeError as exc:
             log.debug("round %d: arrival counter unreadable (%s); asking again in %gs", pending.round, exc, RETRY_S)
             self._store, self._retry_at = None, now + RETRY_S

@@ -1,8 +1,10 @@
-"""This process's runtime: started by ``elastic.init()``, found by the rest of the worker.
+"""This process's session: started by ``elastic.init()``, found by the user API.
 
 The one process-wide object of the worker side lives here, below the user API that
 reads it (``elastic.rank()``, ``State.commit()``, ``@elastic.run``), so nothing in
-the worker room has to reach up into ``elastic/__init__.py`` for it.
+the worker room has to reach up into ``elastic/__init__.py`` for it. It is a
+``WorkerSession`` (``session.py``): the recovery loop takes it once and hands each ring
+to the states; ``State.commit()``, called from the user's loop, asks ``ring()``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from ..contract.faults import NETWORK, PROCESS, STORAGE, Fault
 from ..contract.worker_config import WorkerConfig
 from .failures import classify
 from . import exit_record, pre_train, step_signals
-from .runtime import Runtime
+from .ring_view import RingView
+from .session import WorkerSession
 
-_current: Optional[Runtime] = None
+_current: Optional[WorkerSession] = None
 
 
 def start() -> None:
@@ -34,35 +37,42 @@ def start() -> None:
     if _current is not None:
         return
     config = WorkerConfig.from_env()
-    _configure_logging(marks=config is not None)
-    if config is not None and config.error_file:
-        _report_errors_to(config.error_file)
-        atexit.register(exit_record.at_exit)  # runs after shutdown (atexit is last in, first out)
-    if config is not None:
+    if config is None:  # not started by an agent: a world of one
+        _configure_logging(marks=False)
+        session = WorkerSession.alone()
+    else:
+        _configure_logging(marks=True)
+        if config.error_file:
+            _report_errors_to(config.error_file)
+            atexit.register(exit_record.at_exit)  # runs after shutdown (atexit is last in, first out)
         step_signals.leave_sigterm_to_the_agent()  # Slurm signals the agent and its workers alike
-    runtime = Runtime(config)
-    try:
-        runtime.start()
-    except LeftJob as exc:
-        print(f"elastic: {exc}; nothing to do", file=sys.stderr)
-        raise SystemExit(0)
-    except RendezvousError as exc:
-        print(f"elastic: {exc}", file=sys.stderr)
-        raise SystemExit(1)
-    _current = runtime
+        try:
+            session = WorkerSession.join(config)
+        except LeftJob as exc:
+            print(f"elastic: {exc}; nothing to do", file=sys.stderr)
+            raise SystemExit(0)
+        except RendezvousError as exc:
+            print(f"elastic: {exc}", file=sys.stderr)
+            raise SystemExit(1)
+    _current = session
     atexit.register(shutdown)
 
 
-def install(runtime) -> None:
-    """Make ``runtime`` this process's (tests drive State with a stand-in)."""
+def install(session: Optional[WorkerSession]) -> None:
+    """Make ``session`` this process's (tests: ``WorkerSession.serving(FakeRing(...))``)."""
     global _current
-    _current = runtime
+    _current = session
 
 
-def current() -> Runtime:
+def current() -> WorkerSession:
     if _current is None:
         raise ElasticError("elastic.init() has not been called")
     return _current
+
+
+def ring() -> RingView:
+    """The ring this worker trains on now (``State.commit()`` asks it, once per commit)."""
+    return current().ring
 
 
 def shutdown() -> None:
@@ -111,7 +121,7 @@ def _report_errors_to(path: str) -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        explained = pre_train.explain(value, _current)
+        explained = pre_train.explain(value, _current.joining_round if _current is not None else None)
         if explained is not value:
             # A joiner's collective before @elastic.run: the user's error, in the one line
             # that says where it is and what to do (pre_train.py); torch's frames add nothing.

@@ -3,7 +3,7 @@
 ``ProcessGroupNCCL::abort()`` is a real abort (pending kernels exit, later
 collectives raise), but it blocks: it waits for ``ncclCommAbort``, which can take
 as long as the group's timeout when a peer is gone. The plan-driven abort runs
-on the etcd watch thread (``Runtime._on_control``), which must go on delivering
+on the etcd watch thread (``RingCell.on_control``, ring_entry.py), which must go on delivering
 plans meanwhile (gpu review F4c). So the abort runs on a thread of its own, and a
 second thread waits for it with a deadline: past the deadline the process is
 broken (a driver call that does not return) and exits with ``WORKER_BROKEN``, so

@@ -24,7 +24,6 @@ from typing import Any, Callable, Optional, Union
 from ..contract.console import FILE_ONLY
 from ..contract.errors import HostsUpdatedInterrupt, JobStopping, LeftJob, PeerDataInvalid, PeersUnreachable
 from ..contract.faults import NETWORK, Fault
-from . import lifecycle
 from .failures import classify_in_window
 
 log = logging.getLogger(__name__)
@@ -68,8 +67,9 @@ class Broken:
 Outcome = Union[Finished, Switch, Stop, Leave, Broken]
 
 
-def outcome_of(body: Callable[..., Any], *args) -> Outcome:
-    """Call ``body(*args)``; its value, or the interruption that ended it, as an ``Outcome``."""
+def outcome_of(ring_broken: Callable[[], Optional[str]], body: Callable[..., Any], *args) -> Outcome:
+    """Call ``body(*args)``; its value, or the interruption that ended it, as an ``Outcome``.
+    ``ring_broken()``: why the ring ``body`` ran on is broken, or None (``Ring.broken_reason``)."""
     try:
         return Finished(body(*args))
     except JobStopping as exc:
@@ -79,7 +79,7 @@ def outcome_of(body: Callable[..., Any], *args) -> Outcome:
     except LeftJob as exc:
         return Leave(str(exc))
     except Exception as exc:
-        broken = broken_by(exc, _ring_broken())
+        broken = broken_by(exc, ring_broken())
         if broken is None:
             raise  # this worker fails (a bug in user code, a broken process): lifecycle.py reports it
         # The whole text (gloo's spans lines) for the log file; reform_done is the console's line.
@@ -96,13 +96,3 @@ def broken_by(exc: BaseException, ring_broken: Optional[str] = None) -> Optional
         return None
     return Broken(fault, unreachable=exc.detached() if isinstance(exc, PeersUnreachable) else None,
                   alone=isinstance(exc, PeerDataInvalid))
-
-
-def _ring_broken() -> Optional[str]:
-    """Why the current ring is broken (aborted, or an error NCCL reported), or None."""
-    try:
-        runtime = lifecycle.current()
-    except Exception:  # noqa: BLE001 - not under elastic.init(): no ring to ask
-        return None
-    probe = getattr(runtime, "ring_broken", None)
-    return probe() if probe is not None else None

@@ -8,7 +8,7 @@ train with are past it for good (mid-training in their ring, or waiting in the n
 round for this worker to arrive) and will not run it again. So no ring can serve it:
 
 * the new round's ring forms when this worker arrives, at its first sync
-  (``Runtime.ensure_joined``, called by ``@elastic.run``). Entering it earlier, at the
+  (``recovery.py``'s first ring, in ``@elastic.run``). Entering it earlier, at the
   script's first collective, would pair that barrier with the others' first collective
   of the sync (the gather of what each holds): a mismatch that hangs or corrupts the
   sync of every survivor, for a barrier that has nobody to meet;
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from typing import Optional
 
 import torch
 
@@ -46,10 +47,10 @@ class NoRingBeforeRun(ElasticError):
     job under way: it has no ring until its first sync (see the module doc)."""
 
 
-def explain(exc: BaseException, runtime) -> BaseException:
+def explain(exc: BaseException, joining: Optional[int]) -> BaseException:
     """``exc``, or, when it is torch's "no process group" met by a worker that has not entered
-    its ring yet, the one-line ``NoRingBeforeRun`` that says what to do instead."""
-    joining = _joining_round(runtime)
+    its ring yet (``joining``: the round it will enter at its first sync, else None), the
+    one-line ``NoRingBeforeRun`` that says what to do instead."""
     if joining is None or not isinstance(exc, (ValueError, RuntimeError)) or _NO_GROUP not in str(exc).lower():
         return exc
     site = call_site(exc.__traceback__)
@@ -57,12 +58,6 @@ def explain(exc: BaseException, runtime) -> BaseException:
         f"a collective before @elastic.run{f' ({site})' if site else ''} cannot run on a worker joining the "
         f"job under way (round {joining}): the running workers never run that code again; move it into the "
         f"@elastic.run function (elastic.rank() and elastic.size() work before it)")
-
-
-def _joining_round(runtime):
-    """The round ``runtime`` enters at its first sync, None once it is in a ring (or none
-    runs): ``Runtime.joining_round``."""
-    return getattr(runtime, "joining_round", None)
 
 
 def call_site(tb) -> str:

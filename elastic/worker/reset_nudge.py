@@ -9,7 +9,7 @@ from elastic.rendezvous import ControlChannel, RendezvousError
 
 from ..contract.worker_config import WorkerConfig
 
-log = logging.getLogger("elastic.worker.runtime")
+log = logging.getLogger(__name__)
 
 # While waiting for the round after a failure: how soon we post our reset request again
 # when etcd refused it (a new etcd leader is elected within about a second).

@@ -218,11 +218,6 @@ class RingHandle:
         """True for a ring whose backend has a real abort (NCCL), run off-thread."""
         return self._uses_backend_abort
 
-    @property
-    def connections(self) -> int:
-        """How many gloo TCP connections abort() would shut down."""
-        return len(self._current_connections())
-
     def _current_connections(self) -> FrozenSet[Tuple[int, int]]:
         # A forming ring's are found at the time of asking: its mesh grows meanwhile.
         if self._connections is not None:
@@ -297,8 +292,8 @@ def leave_ring(ring: Optional[RingHandle], *, failed: bool, round_number: int) -
     is aborted, never destroyed, after a failure and at a planned switch alike:
     ``destroy_process_group`` finalizes its communicators, which waits for pending work
     and for the peers (up to TORCH_NCCL_NONBLOCKING_TIMEOUT), so a peer dying meanwhile
-    would leave a ring that nothing can abort, the handle being gone already (gpu review
-    F5, G8; TorchFT leaves by abort too). The abort runs under its deadline whatever the
+    would leave a ring that nothing can abort, the handle being gone already (TorchFT
+    leaves by abort too; docs/gpus.md). The abort runs under its deadline whatever the
     peers do. A planned switch shuts no connection: its peers leave at the same commit,
     with nothing in flight. After a failure every ring, gloo's too, is aborted with its
     connections shut: peers still blocked in it on our connections fail at once (freeing
@@ -376,7 +371,7 @@ def peer_lost(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
 def ring_breaks(newer: Optional[RoundPlan], plan: RoundPlan) -> bool:
     """Does ``newer`` say that ``plan``'s ring is broken: a worker of it lost, or a round
     formed to recover from a failure (a reset request names no one lost)? On NCCL nothing
-    else wakes the others' kernels: a peer's own abort does not (gpu review G4)."""
+    else wakes the others' kernels: a peer's own abort does not."""
     if newer is None or newer.round <= plan.round:
         return False
     return newer.recovers or bool(set(newer.lost) & set(plan.worker_ids()))

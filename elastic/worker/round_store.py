@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from elastic.rendezvous.errors import RendezvousTimeoutError
 
+from ..contract import round_keys
 from ..contract.console import FILE_ONLY
 from .ring_abort import shutdown_connections_to, socket_snapshot
 
@@ -102,11 +103,11 @@ def arrive(store, plan, *, timeout_s: float, superseded: Callable[[], bool]) -> 
     at once by the round that admits a replacement), and a round that some join
     while others leave would block its joiners until the collective timeout.
     """
-    store.add("arrived", 1)
+    store.add(round_keys.ARRIVED, 1)
     started = time.monotonic()
     deadline, report_after = started + timeout_s, _ARRIVAL_REPORT_S
     while True:
-        arrived = store.add("arrived", 0)
+        arrived = store.add(round_keys.ARRIVED, 0)
         if arrived >= plan.world_size:
             return _settle_round(store, "formed") == "formed"
         if superseded():
@@ -123,14 +124,11 @@ def arrive(store, plan, *, timeout_s: float, superseded: Callable[[], bool]) -> 
 
 def _settle_round(store, outcome: str) -> str:
     """The round's outcome: ours if nobody settled it yet, else the one already set."""
-    value = store.compare_set("outcome", "", outcome)
+    value = store.compare_set(round_keys.OUTCOME, "", outcome)
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-# torch's NCCL watchdog writes this key into the job-wide store (the store below every
-# prefix: ProcessGroupNCCL's globalStore_) on any timeout or asynchronous error, and
-# never deletes it (torch 2.13, ProcessGroupNCCL.hpp kStoreDumpKey).
-DUMP_SIGNAL_KEY = "exception_dump"
+DUMP_SIGNAL_KEY = round_keys.DUMP_SIGNAL
 
 
 def clear_dump_signal(base, round_number: int) -> bool:
@@ -139,7 +137,7 @@ def clear_dump_signal(base, round_number: int) -> bool:
 
     With dumps on (a user's TORCH_NCCL_DUMP_ON_TIMEOUT=1), the first NCCL group of every
     later process (a replacement, a joiner) polls the key, sees it within a second,
-    dumps, sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC and SIGABRTs itself (gpu review G2).
+    dumps, sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC and SIGABRTs itself (docs/gpus.md).
     The key was written about a ring that is gone: this round starts clean. Every worker
     clears it before its own init, so no process's first group can read an old one;
     a timeout seen in this round writes it afresh. A store that refuses is no reason to

@@ -53,10 +53,9 @@ def wire_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def claim_bounds(runtime, mine: Optional[CommitId]) -> ClaimBounds:
-    """What ``runtime`` knows of the commits its ring may claim (sync_plan.ClaimBounds)."""
-    plan, previous = getattr(runtime, "plan", None), getattr(runtime, "previous_plan", None)
-    current = getattr(runtime, "round", 0)
+def claim_bounds(ring, mine: Optional[CommitId]) -> ClaimBounds:
+    """What ``ring`` (a ``RingView``) knows of the commits it may claim (sync_plan.ClaimBounds)."""
+    plan, previous, current = ring.plan, ring.previous_plan, ring.round
     if mine is None or plan is None or previous is None or mine.round != previous.round:
         return ClaimBounds(current, mine=mine)
     before = set(previous.worker_ids())
@@ -97,7 +96,7 @@ def receive_layout(src: int, backend: str, wait_s: Optional[float] = None):
     PeerDataInvalid, a ring failure, if it is not one. ``wait_s``: how long ``src`` may
     take before it sends (it loads a durable checkpoint first), instead of the group's
     timeout (--collective-timeout): a load of tens of GB from network storage outlasts
-    it, and every attempt would time out and load again (gpu review G11). Honoured on a
+    it, and every attempt would time out and load again. Honoured on a
     ring with a part for host tensors (gloo); pure NCCL's watchdog keeps its own."""
     data = wire.recv_bytes(src, wire_device(backend), _LAYOUT_TAG, f"state layout from rank {src}", MAX_LAYOUT_BYTES,
                            wait_s=wait_s)

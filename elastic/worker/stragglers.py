@@ -64,8 +64,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..contract.agent_channel import Straggler, tell_agent
-from ..contract.devices import capability
+from ..contract.agent_channel import Straggler
 from ..contract.progress import WAITING, classify, main_thread_frames, stdlib_prefixes
 from ..contract.straggler_policy import remaining_after
 
@@ -189,19 +188,23 @@ class WaitClock:
 class StragglerWatch:
     """The worker's side: windows of commits, the exchange, the events."""
 
-    def __init__(self, runtime, ratio: float, clock: Optional[WaitClock] = None,
+    def __init__(self, events, worker_id: str, ratio: float, clock: Optional[WaitClock] = None,
                  every: int = WINDOW_COMMITS, windows: int = PERSISTENT_WINDOWS,
                  min_window_s: float = MIN_WINDOW_S, target_window_s: float = TARGET_WINDOW_S,
-                 now=time.monotonic, on_pace=None):
-        self._runtime = runtime
+                 now=time.monotonic, tell_agent=None):
+        self._events = events
+        # The typed message its agent acts on (contract/agent_channel.py); the event is for people.
+        self._tell_agent = tell_agent if tell_agent is not None else (lambda message: None)
+        self._worker = worker_id
+        self._ring = None  # the facts of the ring it watches (rank, world, plan, backend), from begin_round
         self._clock = clock if clock is not None else WaitClock().start()
         self._every = every
         self._min_window_s = min_window_s
         self._target_window_s = target_window_s
         self._now = now
-        # (commit, seconds per commit), alike on every rank -> the spacing of the switch
-        # points (switch_points.py); each exchange comes at one of those points.
-        self._on_pace = on_pace
+        # (commit, seconds per commit), alike on every rank -> the spacing of the ring's
+        # switch points (switch_points.py); each exchange comes at one of those points.
+        self._on_pace = None
         self._persistence = Persistence(ratio, windows)
         self._start: Optional[tuple[float, float, int]] = None  # (time, waiting_s, commit) at the window's start
         self._next = 0  # the round's commit of the next exchange
@@ -210,11 +213,14 @@ class StragglerWatch:
     def close(self) -> None:
         self._clock.stop()
 
-    def begin_round(self) -> None:
-        """The training function is (re-)entered: the next commit starts a window."""
+    def begin_round(self, ring, on_pace=None) -> None:
+        """The training function is entered on ``ring`` (its rank, world, plan, round and
+        backend, a ``RingView``): the next commit starts a window. ``on_pace(commit,
+        seconds_per_commit)`` spaces that ring's switch points and says by how much."""
+        self._ring, self._on_pace = ring, on_pace
         self._start = None
-        if self._runtime.round != self._round:
-            self._round = self._runtime.round
+        if ring.round != self._round:
+            self._round = ring.round
             self._persistence.reset()
 
     def on_commit(self, commits: int) -> None:
@@ -245,24 +251,24 @@ class StragglerWatch:
 
     def _gather(self, elapsed: float, blocked: float) -> list[tuple[float, float]]:
         """One all_gather of (seconds, seconds waiting) since the window began, per rank."""
-        rt = self._runtime
+        rt = self._ring
         if rt.world_size == 1:
             return [(elapsed, blocked)]
         mine = torch.tensor([elapsed, blocked], dtype=torch.float64)
-        if capability(rt.backend).wire_device == "cuda":
+        if rt.capability.wire_device == "cuda":
             mine = mine.cuda()
         every = [torch.zeros_like(mine) for _ in range(rt.world_size)]
         dist.all_gather(every, mine)  # a broken ring raises here, like any collective
         return [(float(t[0]), float(t[1])) for t in every]
 
     def _close_window(self, steps: int, figures: list[tuple[float, float]]) -> None:
-        rt = self._runtime
+        rt = self._ring
         computes = [max(0.0, e - b) / steps for e, b in figures]
         step_s, compute_s = figures[rt.rank][0] / steps, computes[rt.rank]
         window_scores = scores(computes)
         rank = rt.rank
-        worker = rt.config.worker_id
-        rt.events.emit(
+        worker = self._worker
+        self._events.emit(
             "step_times", console=False, worker=worker, steps=steps,
             step_s=round(step_s, 5), compute_s=round(compute_s, 5), straggler_score=round(window_scores[rank], 3),
         )
@@ -284,9 +290,9 @@ class StragglerWatch:
         )
         # The record's own host and rank name the straggler (it reports itself); the
         # line above is the one shown on the console.
-        rt.events.emit(
+        self._events.emit(
             "straggler_detected", console=False, worker=worker, ratio=round(ratio, 3),
             windows=self._persistence.windows, world_size=rt.world_size,
             remaining=remaining_after(rt.world_size, leaving),
         )
-        tell_agent(rt.config, Straggler(rt.round, rank, round(ratio, 3), remaining_after(rt.world_size, leaving)))
+        self._tell_agent(Straggler(rt.round, rank, round(ratio, 3), remaining_after(rt.world_size, leaving)))

@@ -25,15 +25,14 @@ import argparse
 import datetime
 import json
 import os
-import types
-
 import torch
 import torch.distributed as dist
 
-from elastic.worker.commit_gate import commit_alone
 import elastic
 from elastic import state as state_module
 from elastic.worker import lifecycle, state_transfer
+from elastic.worker.session import WorkerSession
+from tests.fakes.ring import FakeRing
 
 p = argparse.ArgumentParser()
 p.add_argument("rank", type=int)
@@ -50,10 +49,9 @@ if args.backend == "nccl":
 store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=30))
 dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world,
                         timeout=datetime.timedelta(seconds=15))
-# The runtime as State sees it: rank, world, round, backend; no checkpoint policy.
-runtime = types.SimpleNamespace(rank=args.rank, world_size=args.world, backend=args.backend, config=None, round=1,
-                                commit=lambda capture: commit_alone(capture, runtime.round))
-lifecycle.install(runtime)
+# The ring as State sees it: rank, world, round, backend; no checkpoint policy.
+ring = FakeRing(rank=args.rank, world_size=args.world, backend=args.backend, round=1)
+lifecycle.install(WorkerSession.serving(ring))
 # Two dtypes: two flat buffers. Small chunks: a sync of 4 MB is many transfers.
 state_transfer.CHUNK_BYTES = state_module.CHUNK_BYTES = 256 << 10
 state = elastic.State(weights=torch.zeros(1 << 20, device=device), counts=torch.zeros(10, dtype=torch.int64, device=device),
@@ -61,7 +59,7 @@ state = elastic.State(weights=torch.zeros(1 << 20, device=device), counts=torch.
 
 
 def commit_values(round_number: int, values) -> None:
-    runtime.round = round_number
+    ring.round = round_number
     for value in values:
         state.weights = torch.full((1 << 20,), float(value), device=device)
         state.counts = torch.full((10,), value, dtype=torch.int64, device=device)
@@ -96,7 +94,7 @@ else:
             os._exit(0)  # the only holder is lost in the middle of the sync
 
         state_module.run_transfers = send_some_then_die
-    runtime.round = 2
+    ring.round = 2
 
 received: dict = {}
 
@@ -131,10 +129,10 @@ for _name in ("broadcast", "broadcast_object_list", "recv", "irecv", "all_gather
 
 # Every rank syncs in the same round, after every round its commits were made in (a
 # commit of a later round than the current one is a claim the sync refuses).
-runtime.round = 3 if args.scenario == "mixed" else 2
+ring.round = 3 if args.scenario == "mixed" else 2
 outcome = "synced"
 try:
-    plan = state.sync()
+    plan = state.sync(ring)
     outcome = f"synced: holders {list(plan.holders)} receivers {list(plan.receivers)}"
 except Exception as exc:  # noqa: BLE001 - a broken ring: what @elastic.run does next is restore()
     outcome = f"failed: {type(exc).__name__}"

@@ -367,7 +367,7 @@ def train(state):
         if state.step % args.commit_every == 0:
             state.commit()
             if args.break_ring_every and state.step % args.break_ring_every == 0 and rank == world - 1:
-                lifecycle.current()._ring.abort()  # the next all-reduce fails on every rank
+                lifecycle.ring().abort()  # the next all-reduce fails on every rank
 
 
 if args.setup_barrier == "before":

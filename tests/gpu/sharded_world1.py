@@ -61,7 +61,7 @@ def train(state):
         state.step += 1
         state.commit()
         if state.step == args.break_at and len(rounds) == 1:
-            lifecycle.current()._ring.abort()  # the next collective fails: recovery restores the commit
+            lifecycle.ring().abort()  # the next collective fails: recovery restores the commit
             torch.distributed.barrier()
     return str(device), None if loss is None else float(loss)
 

@@ -1,17 +1,15 @@
 """T1: CUDA snapshots: stream ordering, pinned exact-size buffers, the double buffer,
-devices and the CUDA generator through commit and restore (gpu review F6, F7)."""
+devices and the CUDA generator through commit and restore (docs/gpus.md)."""
 
 from __future__ import annotations
-
-import types
 
 import pytest
 import torch
 
-from elastic.worker.commit_gate import commit_alone
 from elastic.checkpoint import Snapshot
 from elastic.state import State, TorchState
-from elastic.worker import lifecycle
+from elastic.worker.ring_abort import RingHandle
+from tests.fakes.ring import installed, real_ring
 from tests.gpu.conftest import NEEDS_CUDA
 
 pytestmark = [NEEDS_CUDA, pytest.mark.timeout(300)]
@@ -20,12 +18,9 @@ CYCLES_PER_S = int(1e9)  # torch.cuda._sleep spins cycles; about a second on a 1
 
 @pytest.fixture
 def runtime():
-    stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="nccl",
-                                     commit=lambda capture: commit_alone(
-                                         lambda t: (torch.cuda.current_stream().synchronize(), capture(t)), 1))
-    lifecycle.install(stand_in)
-    yield stand_in
-    lifecycle.install(None)
+    """A ring of one on NCCL: its commit syncs the current stream before the capture (the ring check)."""
+    with installed(real_ring(RingHandle(frozenset()), backend="nccl")) as ring:
+        yield ring
 
 
 def test_a_capture_sees_the_work_queued_before_it():

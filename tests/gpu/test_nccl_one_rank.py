@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from elastic.state import State
-from elastic.worker import lifecycle, ring_abort
+from elastic.worker import ring_abort
 from elastic.contract.faults import RING
 from elastic.worker.failures import classify
-from elastic.worker.runtime import Runtime
 from tests.fakes.jobs import REPO
+from tests.fakes.ring import installed, real_ring
 from tests.gpu.conftest import NEEDS_CUDA, NEEDS_TWO_GPUS
 
 pytestmark = [NEEDS_CUDA, pytest.mark.timeout(300)]
@@ -90,30 +90,24 @@ def test_an_abort_ends_a_pending_operation_and_the_ring_can_form_again():
     ring_abort.leave_ring(ring, failed=False, round_number=3)
 
 
-class _NcclRuntime(Runtime):
-    backend = "nccl"  # a stand-in runtime on the test's ring (no etcd, no agent)
-
-
 def test_a_commit_after_an_abort_raises_and_keeps_the_previous_commit():
-    runtime = _NcclRuntime(None)
-    runtime._ring = _init(4, eager=True)
-    lifecycle.install(runtime)
+    ring = real_ring(_init(4, eager=True), backend="nccl")  # a Ring on the test's process group
     try:
-        state = State(weights=torch.zeros(1024, device="cuda"))
-        state.commit()
-        before = state.commit_id
-        torch.cuda._sleep(2 * CYCLES_PER_S)
-        dist.all_reduce(state.weights)
-        state.weights.add_(1.0)  # the optimizer step after the collective
-        runtime._ring.abort()
-        with pytest.raises(ring_abort.RingBroken):
+        with installed(ring):
+            state = State(weights=torch.zeros(1024, device="cuda"))
             state.commit()
+            before = state.commit_id
+            torch.cuda._sleep(2 * CYCLES_PER_S)
+            dist.all_reduce(state.weights)
+            state.weights.add_(1.0)  # the optimizer step after the collective
+            ring.abort()
+            with pytest.raises(ring_abort.RingBroken):
+                state.commit()
         assert state.commit_id == before
         state.restore()
         assert torch.all(state.weights == 0.0) and state.weights.is_cuda
     finally:
-        lifecycle.install(None)
-        ring_abort.leave_ring(runtime._ring, failed=True, round_number=4)
+        ring_abort.leave_ring(ring.handle, failed=True, round_number=4)
 
 
 _MODE_CHILD = textwrap.dedent("""

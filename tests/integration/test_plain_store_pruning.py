@@ -54,7 +54,7 @@ def test_an_agents_round_store_keeps_only_the_current_and_previous_rounds_keys()
         client.set("job/not-a-round", "stays")  # keys outside /round/ are not the pruner's
         for number in range(1, ROUNDS + 1):
             prune_round_keys(store, number)  # the agent, on the new plan (agent._follow_control)
-            # The round's workers, as runtime.Runtime does: a PrefixStore per round, with the
+            # The round's workers, as a worker's RingEntry does: a PrefixStore per round, with the
             # process group's own keys under a further prefix.
             round_store = dist.PrefixStore(f"/round/{number}/", client)
             round_store.set("joined/0", "x")

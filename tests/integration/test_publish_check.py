@@ -1,4 +1,4 @@
-"""The publish check of durable checkpoints (``Runtime.publish_check``), against a real etcd.
+"""The publish check of durable checkpoints (``Ring.publish_check``), against a real etcd.
 
 A write carries the round it was made in; right before publishing, the writer asks
 the check whether the job has moved on without this worker. The plans are written
@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import socket
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from elastic.checkpoint import CheckpointPolicy, DurableWriter, PublishRefusal, list_checkpoints
-from elastic.worker.runtime import Runtime
+from elastic.contract.worker_config import WorkerConfig
 from elastic.rendezvous import Etcd, EtcdConfig, JobKeys, JobStatus, RoundPlan
 from elastic.rendezvous.control import FAILED, SUCCEEDED
 from elastic.rendezvous.etcd import Delete, Put
 from elastic.rendezvous.keys import KEEP_ROUNDS
 from elastic.rendezvous.rounds import Slot
+from tests.fakes.ring import real_ring
 
 ME = "hostA-1-aaaaaa.w0"  # the writing worker
 OTHERS = ("hostB-2-bbbbbb.w0", "hostC-3-cccccc.w0")
@@ -52,19 +52,18 @@ class Job:
         self.etcd.put(self.keys.status, JobStatus(state, "test").to_json())
 
 
-def _runtime_check(etcd: Etcd, job_id: str, round_number: int):
-    """What ``Runtime.publish_check`` hands the writer in ``round_number`` (the rank 0 is ME)."""
-    runtime = Runtime(None)
-    runtime.config = SimpleNamespace(job_id=job_id, worker_id=ME)
-    runtime._etcd = etcd
-    runtime.round = round_number
-    return runtime.publish_check()
+def _ring_check(etcd: Etcd, job_id: str, round_number: int):
+    """What ``Ring.publish_check`` hands the writer in ``round_number`` (the rank 0 is ME)."""
+    config = WorkerConfig(job_id=job_id, endpoints="", worker_id=ME, member_id=ME.split(".")[0], host_id="hostA",
+                          round=round_number)
+    ring = real_ring(round_plan=_plan(round_number, (ME, *OTHERS)), config=config, etcd=etcd)
+    return ring.publish_check()
 
 
 def _check(etcd: Etcd, job_id: str, round_number: int):
     """The publish check a rank 0 in ``round_number`` hands to its checkpoint writer, as a
     function returning None (publish) or the reason the writer would log."""
-    still_current = _runtime_check(etcd, job_id, round_number)
+    still_current = _ring_check(etcd, job_id, round_number)
 
     def refusal():
         try:
@@ -164,12 +163,12 @@ def test_a_write_is_refused_when_etcd_cannot_be_reached(job_id):
 def test_the_writer_refuses_a_stale_write_and_says_why_in_one_line(etcd, job_id, job, tmp_path, caplog):
     job.form(3, (ME, *OTHERS))
     writer = DurableWriter(CheckpointPolicy(str(tmp_path)))
-    assert writer.submit({"w": torch.zeros(4)}, step=7, round=3, still_current=_runtime_check(etcd, job_id, 3))
+    assert writer.submit({"w": torch.zeros(4)}, step=7, round=3, still_current=_ring_check(etcd, job_id, 3))
     assert writer.flush(30) and writer.last_error is None  # round 3 is current: published
     job.form(4, OTHERS, lost=(ME,))
     job.form(5, (*OTHERS, ME))
     with caplog.at_level("WARNING"):
-        assert writer.submit({"w": torch.ones(4)}, step=8, round=3, still_current=_runtime_check(etcd, job_id, 3))
+        assert writer.submit({"w": torch.ones(4)}, step=8, round=3, still_current=_ring_check(etcd, job_id, 3))
         assert writer.flush(30)
     assert [i.step for i in list_checkpoints(str(tmp_path)) if i.valid] == [7]
     lines = [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]

@@ -102,7 +102,7 @@ def test_a_script_with_its_own_checkpoint_and_rendezvous_modules_runs(tmp_path, 
 def test_the_runtime_imports_its_rooms_under_the_elastic_namespace_only():
     # The launcher's own imports, in a fresh interpreter: no top-level rendezvous or
     # checkpoint module is ever loaded (a user's would be, from the script's folder).
-    probe = ("import sys, elastic.cli, elastic.agent, elastic.checkpoint, elastic.rendezvous, elastic.worker.runtime;"
+    probe = ("import sys, elastic.cli, elastic.agent, elastic.checkpoint, elastic.rendezvous, elastic.worker.session;"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('rendezvous', 'checkpoint')))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", probe], cwd="/", env=env, capture_output=True, text=True, timeout=60)

@@ -129,7 +129,7 @@ def test_the_guides_cite_only_paths_that_exist(path):
 
 
 def test_the_checks_catch_a_stale_name_and_a_moved_module():
-    text = ("`rounds.decide` in `rendezvous/rounds.py`; `note_commit` in `elastic/worker/runtime.py`; "
+    text = ("`rounds.decide` in `rendezvous/rounds.py`; `note_commit` in `elastic/worker/ring.py`; "
             "`Runtime.no_such_method`, `elastic/worker/gone.py`, `rendezvous/keys.py:12`, `Agent._carry_out`")
     assert missing_names(text) == ["note_commit", "Runtime.no_such_method"]
     assert missing_paths(text) == ["elastic/worker/gone.py"]

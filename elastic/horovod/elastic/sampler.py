@@ -48,7 +48,7 @@ from typing import Iterator
 
 from ...contract.errors import ElasticError
 from ...sampler import ElasticSampler as _ExactlyOnceSampler
-from ...worker import lifecycle
+from .. import basics
 
 
 class ElasticSampler(_ExactlyOnceSampler):
@@ -60,10 +60,10 @@ class ElasticSampler(_ExactlyOnceSampler):
         self._recorded_pass = None  # the pass that _recorded counts positions of
         self._recorded = 0  # positions of that pass recorded so far
         try:  # Horovod partitions at construction (hvd.init() came first)
-            runtime = lifecycle.current()
+            position = basics.session().position
         except ElasticError:
             return  # a world of one until a TorchState's re-formation partitions it
-        self.set_rank(runtime.rank, runtime.world_size)
+        self.set_rank(position.rank, position.world_size)
 
     # -- Horovod's names -------------------------------------------------------------
     @property

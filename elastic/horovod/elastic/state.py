@@ -33,13 +33,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ...contract.devices import capability
 from ...contract.errors import HostsUpdatedInterrupt
 from elastic.checkpoint import copy_into
 from ...commit_book import put
 from ...state import State, StateBook
 from ...stateful import is_stateful, load_state
 from ...worker import lifecycle
+from ...worker.ring_view import RingView
 from .sampler import ElasticSampler
 
 MODEL, OPTIMIZER, SAMPLER, OBJECT = "model", "optimizer", "sampler", "object with state_dict()"
@@ -81,28 +81,37 @@ class ObjectState(State):
     def check_host_updates(self) -> None:
         """Take a pending membership change here: commit, then raise HostsUpdatedInterrupt
         on every worker at this same call. Nothing happens when none is pending."""
-        runtime = lifecycle.current()
-        if not _ring_change_ready(runtime):
+        if not _ring_change_ready(_ring_now()):
             return
         self.commit()  # raises HostsUpdatedInterrupt itself when this commit is a switch point
         raise HostsUpdatedInterrupt(f"ring changes at check_host_updates (commit {self._book.count})")
 
-    def on_reset(self) -> None:
+    def sync(self, ring: Optional[RingView] = None):
+        """Make every worker hold the ring's newest commit. Horovod scripts may call it
+        themselves (``state.sync()``): then on the ring this worker trains on now."""
+        return super().sync(ring if ring is not None else _ring_now())
+
+    def on_reset(self, ring: RingView) -> None:
         """After the sync of every (re-)entry: user callbacks, except at the job's start."""
         first_entry = not self._book.entered
         self._book.entered = True
-        if first_entry and lifecycle.current().round <= 1:
+        if first_entry and ring.round <= 1:
             return  # the job's first ring: no reset happened (Horovod runs none either)
-        super().on_reset()
+        super().on_reset(ring)
 
 
-def _ring_change_ready(runtime) -> bool:
+def _ring_now() -> RingView:
+    """The ring this worker trains on now: Horovod's calls (``state.sync()``,
+    ``check_host_updates()``) take no ring, the script calls them in its loop."""
+    return lifecycle.ring()
+
+
+def _ring_change_ready(ring: RingView) -> bool:
     """Rank 0's answer, the same on every worker: does the ring switch now?"""
-    ask = getattr(runtime, "ring_change_ready", None)  # a world of one without a launcher has none
-    mine = bool(ask()) if ask is not None and runtime.rank == 0 else False
-    if runtime.world_size <= 1:
+    mine = ring.ring_change_ready() if ring.rank == 0 else False
+    if ring.world_size <= 1:
         return mine
-    on_device = capability(runtime.backend).wire_device == "cuda"
+    on_device = ring.capability.wire_device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_device else torch.device("cpu")
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
     dist.broadcast(flag, src=0)
@@ -165,20 +174,20 @@ class TorchState(ObjectState):
             load_state(getattr(self, name), saved,
                        lambda value, live, place=place: copy_into(value, live, place, cuda_paths))
 
-    def sync(self):
+    def sync(self, ring: Optional[RingView] = None):
         """Horovod's sync ends with a reset of every sampler: its pass is made afresh from the
         synced progress (a loader iterated after ``state.sync()`` yields what is left)."""
-        plan = super().sync()
-        self._partition_samplers()
+        ring = ring if ring is not None else _ring_now()
+        plan = super().sync(ring)
+        self._partition_samplers(ring)
         return plan
 
-    def on_reset(self) -> None:
+    def on_reset(self, ring: RingView) -> None:
         # Every sampler is partitioned among the ring it will iterate on, before any callback.
-        self._partition_samplers()
-        super().on_reset()
+        self._partition_samplers(ring)
+        super().on_reset(ring)
 
-    def _partition_samplers(self) -> None:
-        runtime = lifecycle.current()
+    def _partition_samplers(self, ring: RingView) -> None:
         for name, kind in self._book.handled.items():
             if kind == SAMPLER:
-                getattr(self, name).set_rank(runtime.rank, runtime.world_size)
+                getattr(self, name).set_rank(ring.rank, ring.world_size)

@@ -47,7 +47,12 @@ def _install() -> None:
                                  and _die_once(marker))
         if sharded:
             point, rank, marker = sharded.split(":", 2)
-            fault_points.install("sharded", lambda at, r: at == point and r == int(rank) and _die_once(marker))
+            # replicating: from commit 5 on (copies of earlier commits exist); resharding: after
+            # the first round (a re-shard of survivors' copies, not the first start's)
+            when = {"replicating": lambda commit, round_number: commit >= 5,
+                    "resharding": lambda commit, round_number: round_number > 1}[point]
+            fault_points.install("sharded", lambda at, r, commit, round_number: at == point and r == int(rank)
+                                 and when(commit, round_number) and _die_once(marker))
     if gate:
         from elastic.checkpoint import durable
 

@@ -1,18 +1,11 @@
-"""The world-of-one runtime the state tests commit through (no ring, no agent)."""
-
-import types
+"""The ring the state tests commit and sync on: a world of one (no agent), as a test's ``FakeRing``."""
 
 import pytest
 
-from elastic.worker import lifecycle
-from elastic.worker.commit_gate import commit_alone
+from tests.fakes.ring import FakeRing, installed
 
 
 @pytest.fixture
-def runtime():
-    stand_in = types.SimpleNamespace(round=1, rank=0, world_size=1, config=None, backend="gloo",
-                                     commit=lambda capture: commit_alone(capture, 1),
-                                     events=types.SimpleNamespace(emit=lambda *a, **k: None))
-    lifecycle.install(stand_in)
-    yield stand_in
-    lifecycle.install(None)
+def ring():
+    with installed(FakeRing(round=1)) as fake:
+        yield fake

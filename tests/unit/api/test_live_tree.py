@@ -11,7 +11,7 @@ from elastic.live_tree import LiveTree, live_tree
 from elastic.state import TorchState
 
 
-pytestmark = pytest.mark.usefixtures("runtime")  # tests/unit/api/conftest.py
+pytestmark = pytest.mark.usefixtures("ring")  # tests/unit/api/conftest.py
 
 
 def _job(momentum=0.9):

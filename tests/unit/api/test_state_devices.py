@@ -1,5 +1,5 @@
 """Tensors keep their device through a rollback, a sync and a durable resume, and the
-CUDA generator rolls back with the commit (gpu review F7). On the CPU, the "meta" device
+CUDA generator rolls back with the commit. On the CPU, the "meta" device
 stands in for a CUDA device: the rules follow the live tensor's device, or the device
 kind the commit recorded."""
 
@@ -17,7 +17,7 @@ from elastic.state import State
 
 
 
-def test_a_value_of_the_same_shape_is_overwritten_in_place(runtime):
+def test_a_value_of_the_same_shape_is_overwritten_in_place(ring):
     state = State(ema=torch.zeros(3))
     live = state.ema
     state.commit()
@@ -49,7 +49,7 @@ def test_the_snapshot_names_the_paths_captured_from_cuda():
     assert snapshot.cuda_paths() == frozenset()
 
 
-def test_the_cuda_generator_rolls_back_with_the_commit(runtime, monkeypatch):
+def test_the_cuda_generator_rolls_back_with_the_commit(ring, monkeypatch):
     generator = {"state": torch.tensor([1], dtype=torch.uint8)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

@@ -82,7 +82,7 @@ def assert_same(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
-def test_a_rollback_restores_the_scheduler_scaler_ema_and_a_users_object(runtime):
+def test_a_rollback_restores_the_scheduler_scaler_ema_and_a_users_object(ring):
     state = training_state()
     train(state, 3)
     state.commit()
@@ -98,7 +98,7 @@ def test_a_rollback_restores_the_scheduler_scaler_ema_and_a_users_object(runtime
     assert_same(observed(state), moved)
 
 
-def test_a_restored_object_never_holds_the_snapshots_buffers(runtime):
+def test_a_restored_object_never_holds_the_snapshots_buffers(ring):
     state = training_state()
     train(state, 1)
     state.commit()
@@ -110,7 +110,7 @@ def test_a_restored_object_never_holds_the_snapshots_buffers(runtime):
     assert not any(low <= own.data_ptr() < high for low, high in buffers)
 
 
-def test_the_objects_tensors_share_the_models_reused_buffers(runtime):
+def test_the_objects_tensors_share_the_models_reused_buffers(ring):
     state = training_state()
     train(state, 1)
     state.commit()
@@ -125,7 +125,7 @@ def test_the_objects_tensors_share_the_models_reused_buffers(runtime):
     assert [b.dtype for b in state._book.snapshot.buffers()] == [torch.float64, torch.int64]
 
 
-def test_a_joiner_receives_the_objects_with_the_commit(runtime):
+def test_a_joiner_receives_the_objects_with_the_commit(ring):
     holder = training_state(seed=0)
     train(holder, 4)
     holder.commit()
@@ -141,15 +141,15 @@ def test_a_joiner_receives_the_objects_with_the_commit(runtime):
     assert_same(observed(joiner), observed(holder))
 
 
-def test_a_durable_checkpoint_holds_the_objects(runtime, tmp_path):
+def test_a_durable_checkpoint_holds_the_objects(ring, tmp_path):
     state = training_state(seed=0)
     state.enable_checkpoints(CheckpointPolicy(str(tmp_path), every_commits=1))
     train(state, 5)
     state.commit()
-    state.flush_checkpoints()
+    state.flush_checkpoints(ring)
     resumed = training_state(seed=1)
     resumed.enable_checkpoints(CheckpointPolicy(str(tmp_path), every_commits=1))
-    resumed.sync()  # nobody holds a commit: the newest durable checkpoint is the commit
+    resumed.sync(ring)  # nobody holds a commit: the newest durable checkpoint is the commit
     assert_same(observed(resumed), observed(state))
 
 
@@ -172,7 +172,7 @@ def test_a_value_without_state_dict_is_refused_at_construction_in_one_line():
         TorchState(history=[1, {2}])
 
 
-def test_a_state_dict_a_commit_cannot_hold_is_refused_at_the_first_commit(runtime):
+def test_a_state_dict_a_commit_cannot_hold_is_refused_at_the_first_commit(ring):
     state = TorchState(bag=Bag())
     with pytest.raises(TypeError) as refused:
         state.commit()

@@ -16,6 +16,8 @@ from elastic.checkpoint.device_snapshot import DISCARD, PROMOTE, WAIT, Overlappe
 from elastic.checkpoint.snapshot import Snapshot
 from elastic.worker import device_commit
 from elastic.worker.ring_abort import RingBroken, RingHandle, failed_reason
+from elastic.contract.devices import capability
+from tests.fakes.ring import FakeRing
 
 
 class FakeStream:
@@ -185,40 +187,37 @@ def test_a_ring_left_by_plan_did_not_fail_a_ring_aborted_for_a_failure_did():
 ])
 def test_a_commit_drains_the_device_unless_overlapped(monkeypatch, backend, env, drains):
     monkeypatch.setenv(device_snapshot.ENV, env)
-    assert device_commit.drains_at_commit(backend) == drains
+    assert device_commit.drains_at_commit(capability(backend)) == drains
 
 
-class _Runtime:
-    backend = "cpu:gloo,cuda:nccl"
-
-    def __init__(self, ring):
-        self._ring = ring
+def _ring(handle):
+    return FakeRing(backend="cpu:gloo,cuda:nccl", handle=handle)
 
 
 def test_a_planned_leave_checks_the_ring_first_when_commits_are_overlapped(monkeypatch):
     broken = RingHandle(frozenset(), other_backend=_Backend())
     broken.abort()
-    device_commit.before_planned_leave(_Runtime(broken))  # off: the commit's own check did it
+    device_commit.before_planned_leave(_ring(broken))  # off: the commit's own check did it
     monkeypatch.setenv(device_snapshot.ENV, "1")
     with pytest.raises(RingBroken):
-        device_commit.before_planned_leave(_Runtime(broken))
-    device_commit.before_planned_leave(_Runtime(RingHandle(frozenset(), other_backend=_Backend())))
+        device_commit.before_planned_leave(_ring(broken))
+    device_commit.before_planned_leave(_ring(RingHandle(frozenset(), other_backend=_Backend())))
 
 
 def test_prepare_is_a_no_op_without_cuda_and_wires_the_capture_to_its_ring_with_it(monkeypatch):
     snap, model = Snapshot(), torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     monkeypatch.setenv(device_snapshot.ENV, "1")
-    device_commit.prepare(snap, optimizer, lambda: pytest.fail("no runtime is needed without CUDA"))
+    device_commit.prepare(snap, optimizer, lambda: pytest.fail("no ring is needed without CUDA"))
     assert snap.overlap is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     ring = RingHandle(frozenset(), other_backend=_Backend())
-    device_commit.prepare(snap, optimizer, lambda: _Runtime(ring))
+    device_commit.prepare(snap, optimizer, lambda: _ring(ring))
     assert snap.overlap is not None and model.weight.data_ptr() in snap.overlap.guarded
     state = snap.overlap.ring_of_capture()
     assert state() is None
     ring.abort()
     assert state() == "aborted"
     monkeypatch.setenv(device_snapshot.ENV, "0")
-    device_commit.prepare(snap, optimizer, lambda: _Runtime(ring))
+    device_commit.prepare(snap, optimizer, lambda: _ring(ring))
     assert snap.overlap is None

@@ -80,3 +80,11 @@ def test_a_backend_string_torch_would_refuse_is_one_line(backend):
     with pytest.raises(ValueError, match="is not <backend> or cpu:/cuda:<backend>") as caught:
         capability(backend)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo", "mpi", "ucc",
+                                     "cpu:gloo", "cuda:nccl"])
+def test_the_capabilitys_nccl_and_gloo_say_what_the_strings_tests_said(backend):
+    # The worker's ring asks its capability where it used to test the backend string.
+    assert capability(backend).nccl == uses_nccl(backend)
+    assert capability(backend).gloo == ("gloo" in backend)

@@ -78,7 +78,7 @@ def test_check_host_updates_commits_then_raises_when_the_ring_is_about_to_change
     state.check_host_updates()  # nothing pending: nothing happens
     assert state.commit_id.count == 0
 
-    monkeypatch.setattr(lifecycle.current(), "ring_change_ready", lambda: True, raising=False)
+    monkeypatch.setattr(lifecycle.ring(), "ring_change_ready", lambda: True)
     state.batch = 7
     with torch.no_grad():
         model.weight.add_(1.0)
@@ -95,10 +95,10 @@ def test_reset_callbacks_run_after_a_reset_not_at_the_jobs_start(hvd):
     state = hvd.elastic.ObjectState(epoch=0)
     state.register_reset_callbacks([lambda: calls.append(state.epoch)])
     state.sync()
-    state.on_reset()  # the first entry of the job's first ring: no reset happened
+    state.on_reset(lifecycle.ring())  # the first entry of the job's first ring: no reset happened
     assert calls == []
     state.epoch = 4
-    state.on_reset()  # every later entry follows a re-formation (elastic.run calls it after the sync)
+    state.on_reset(lifecycle.ring())  # every later entry follows a re-formation (elastic.run calls it after the sync)
     assert calls == [4]
 
 

@@ -1,5 +1,6 @@
-"""No commit on a broken ring (gpu review F3): a commit that finds its ring aborted or
-in error raises a ring failure and leaves the previous commit as it was."""
+"""No commit on a broken ring: a commit that finds its ring aborted or in error raises a
+ring failure and leaves the previous commit as it was (a real ``Ring`` and its gate; only
+its control channel and round store are stand-ins)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from elastic.state import State
-from elastic.worker import lifecycle, ring_abort
+from elastic.worker import ring_abort
 from elastic.contract.faults import RING
 from elastic.worker.failures import classify
 from elastic.worker.ring_abort import RingBroken, RingHandle
-from elastic.worker.runtime import Runtime
+from tests.fakes.ring import installed, real_ring
 
 
 class _FakeNccl:
@@ -31,18 +31,7 @@ class _FakeNccl:
         self.aborts += 1
 
 
-@pytest.fixture
-def runtime():
-    rt = Runtime(None)  # a world of one on gloo, as a script run without elastic-run
-    rt.start()
-    lifecycle.install(rt)
-    yield rt
-    lifecycle.install(None)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _committed(runtime):
+def _committed():
     state = State(weights=torch.arange(4.0), epoch=1)
     state.commit()
     state.weights.add_(100.0)  # the step that follows: partial gradients on a broken ring
@@ -50,37 +39,38 @@ def _committed(runtime):
     return state
 
 
-def test_commit_after_an_abort_raises_and_keeps_the_previous_commit(runtime):
-    runtime._ring = RingHandle(frozenset())  # a gloo ring without connections
-    state = _committed(runtime)
-    before = state.commit_id
-    runtime._ring.abort()
-    with pytest.raises(RingBroken, match="aborted") as raised:
-        state.commit()
+def test_commit_after_an_abort_raises_and_keeps_the_previous_commit():
+    handle = RingHandle(frozenset())  # a gloo ring without connections
+    with installed(real_ring(handle)):
+        state = _committed()
+        before = state.commit_id
+        handle.abort()
+        with pytest.raises(RingBroken, match="aborted") as raised:
+            state.commit()
     assert classify(raised.value).kind == RING  # recovery re-forms; no user error
     assert state.commit_id == before
     state.restore()
     assert torch.equal(state.weights, torch.arange(4.0)) and state.epoch == 1
 
 
-def test_commit_on_a_backend_that_reports_an_error_raises(runtime):
+def test_commit_on_a_backend_that_reports_an_error_raises():
     backend = _FakeNccl()
-    runtime._ring = RingHandle(frozenset(), other_backend=backend)
-    state = _committed(runtime)
-    before = state.commit_id
-    backend.kind = types.SimpleNamespace(name="REMOTE_ERROR")
-    with pytest.raises(RingBroken, match="REMOTE_ERROR"):
-        state.commit()
+    with installed(real_ring(RingHandle(frozenset(), other_backend=backend))):
+        state = _committed()
+        before = state.commit_id
+        backend.kind = types.SimpleNamespace(name="REMOTE_ERROR")
+        with pytest.raises(RingBroken, match="REMOTE_ERROR"):
+            state.commit()
     assert state.commit_id == before
     state.restore()
     assert torch.equal(state.weights, torch.arange(4.0))
 
 
-def test_a_healthy_ring_commits(runtime):
+def test_a_healthy_ring_commits():
     backend = _FakeNccl()
-    runtime._ring = RingHandle(frozenset(), other_backend=backend)
-    state = _committed(runtime)
-    state.commit()
+    with installed(real_ring(RingHandle(frozenset(), other_backend=backend))):
+        state = _committed()
+        state.commit()
     assert state.commit_id.count == 2 and backend.aborts == 0
 
 

@@ -1,14 +1,14 @@
-"""Which newer plans make the control thread abort the current ring (Runtime._on_control),
-as a table: a loss of one of its workers, and any round formed to recover from a failure
-(gpu review G4: a reset request names no one lost, and on NCCL nothing else wakes the
-other workers' kernels)."""
+"""Which newer plans make the control thread abort the current ring (``RingCell.on_control``,
+deciding with ``abort_reason``), as a table: a loss of one of its workers, and any round
+formed to recover from a failure (a reset request names no one lost, and on NCCL nothing
+else wakes the other workers' kernels)."""
 
 from __future__ import annotations
 
 import pytest
 
 from elastic.worker.ring_abort import peer_lost
-from elastic.worker.runtime import Runtime
+from elastic.worker.ring_entry import Forming, RingCell
 from elastic.rendezvous import JobStatus, RoundPlan
 from elastic.rendezvous.rounds import Slot
 
@@ -38,10 +38,14 @@ class FakeRing:
     (plan(2), JobStatus(state="failed", reason="user error"), 1),  # the job failed
 ])
 def test_which_plans_abort_the_ring(newer, status, aborts):
-    runtime = Runtime(None)
-    runtime.plan, runtime._ring = plan(2), FakeRing()
-    runtime._on_control(newer, status)
-    assert runtime._ring.aborts == aborts
+    cell, handle = RingCell(), FakeRing()
+    cell.hold_forming(Forming(plan(2), handle), None, JobStatus())  # nothing announced yet
+    cell.on_control(newer, status)  # the control thread's delivery
+    assert handle.aborts == aborts
+    # Held while the plan was known already: the same decision, at once.
+    held_late = FakeRing()
+    RingCell().hold_forming(Forming(plan(2), held_late), newer, status)
+    assert held_late.aborts == aborts
 
 
 @pytest.mark.parametrize("newer, lost", [
@@ -52,6 +56,6 @@ def test_which_plans_abort_the_ring(newer, status, aborts):
     (None, False),
 ])
 def test_only_a_named_loss_makes_a_failed_init_a_ring_failure_rather_than_the_network(newer, lost):
-    # Since reset rounds abort the ring (G4), ring_breaks is true for them; a failed init
+    # Since reset rounds abort the ring, ring_breaks is true for them; a failed init
     # of the same round must still read as the network (tests/hosts/test_addressing_hosts.py).
     assert peer_lost(newer, plan(2)) is lost

@@ -1,4 +1,4 @@
-"""gpu review G12: between an NCCL abort and the next collective, user code runs on
+"""Between an NCCL abort and the next collective, user code runs on
 weights the queued optimizer step corrupted; an exception it raises there (a NaN guard,
 an assert) re-forms the ring instead of failing the job as the user's bug."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from elastic.contract.faults import PROCESS, RING, USER
-from elastic.worker import lifecycle
 from elastic.worker.outcome import Broken, outcome_of
 from elastic.worker.failures import classify_in_window
 from elastic.worker.ring_abort import RingHandle, broken_reason
+from tests.fakes.ring import FakeRing
 
 
 @pytest.mark.parametrize("exc, broken, kind", [
@@ -48,24 +48,16 @@ def test_broken_reason_of_a_ring():
     assert broken_reason(healthy) == "aborted"
 
 
-class _Runtime:
-    def __init__(self, broken):
-        self.broken = broken
-
-    def ring_broken(self):
-        return self.broken
-
-
 @pytest.mark.parametrize("broken, interrupted", [("aborted", True), (None, False)])
-def test_the_training_functions_error_after_an_abort_is_a_ring_interruption(monkeypatch, broken, interrupted):
-    monkeypatch.setattr(lifecycle, "_current", _Runtime(broken))
+def test_the_training_functions_error_after_an_abort_is_a_ring_interruption(broken, interrupted):
+    ring = FakeRing(broken=broken)
 
     def body():
         raise ValueError("loss is not finite")
 
     if not interrupted:
         with pytest.raises(ValueError):
-            outcome_of(body)
+            outcome_of(ring.broken_reason, body)
         return
-    outcome = outcome_of(body)
+    outcome = outcome_of(ring.broken_reason, body)
     assert isinstance(outcome, Broken) and outcome.failed and "after the ring broke" in outcome.reason

@@ -12,6 +12,7 @@ from elastic.contract.errors import BrokenProcess
 from elastic.worker.device_health import bounded, check_device
 from elastic.contract.faults import PROCESS
 from elastic.worker.failures import classify
+from tests.fakes.ring import FakeRing, real_ring
 
 
 def test_a_sync_that_returns_in_time_passes():
@@ -68,7 +69,7 @@ def _cuda_like_current_device(main_thread_device: int):
 
 @pytest.mark.parametrize("slot, expected", [(3, 3), (None, 5)])
 def test_the_check_syncs_this_workers_own_device_from_its_thread(monkeypatch, slot, expected):
-    # gpu review G1: torch.cuda.synchronize() with no device, in a fresh thread, syncs cuda:0.
+    # torch.cuda.synchronize() with no device, in a fresh thread, syncs cuda:0.
     monkeypatch.setattr(torch.cuda, "current_device", _cuda_like_current_device(5))
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(
@@ -90,16 +91,11 @@ class _Ring:
 
 
 @pytest.mark.parametrize("backend_abort, expected", [(True, ["abort", "wait_aborted"]), (False, [])])
-def test_the_runtime_aborts_only_a_ring_with_an_nccl_part_before_the_check(backend_abort, expected):
-    from elastic.worker.runtime import Runtime
-
+def test_the_ring_aborts_only_its_nccl_part_before_the_check(backend_abort, expected):
     calls = []
-    runtime = Runtime(None)
-    runtime._ring = _Ring(calls, backend_abort)
-    runtime.abort_device_ring()
-    assert calls == expected and runtime._ring is not None  # released later, by reform
-    runtime._ring = None
-    runtime.abort_device_ring()  # no ring: nothing to do
+    ring = real_ring(_Ring(calls, backend_abort))
+    ring.abort_device()
+    assert calls == expected  # left later, by Ring.leave
 
 
 def test_recovery_aborts_the_old_ring_before_checking_the_device_then_restores(monkeypatch):
@@ -107,16 +103,12 @@ def test_recovery_aborts_the_old_ring_before_checking_the_device_then_restores(m
 
     calls = []
 
-    class FakeRuntime:
-        backend, config, local_rank = "cpu:gloo,cuda:nccl", None, 3
-
-        def abort_device_ring(self):
-            calls.append("abort")
-
     class FakeState:
         def restore(self):
             calls.append("restore")
 
+    ring = FakeRing(backend="cpu:gloo,cuda:nccl")
+    ring.local_rank, ring.calls = 3, calls
     monkeypatch.setattr(recovery, "check_device", lambda backend, timeout_s, slot: calls.append(("check", slot)))
-    recovery._check_and_restore(FakeRuntime(), FakeState())
-    assert calls == ["abort", ("check", 3), "restore"]
+    recovery._check_and_restore(ring, FakeState(), 60.0)
+    assert calls == ["abort_device", ("check", 3), "restore"]

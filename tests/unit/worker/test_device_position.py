@@ -12,9 +12,11 @@ import time
 import pytest
 import torch
 
+from elastic.contract.devices import capability
 from elastic.contract.errors import ElasticError
+from elastic.contract.events import EventLog
 from elastic.contract.worker_config import WorkerConfig
-from elastic.worker.runtime import Runtime
+from elastic.worker.ring_entry import RingEntry
 from elastic.rendezvous import RoundPlan
 from elastic.rendezvous.rounds import Slot
 
@@ -40,31 +42,32 @@ def fake_cuda(monkeypatch):
     os.environ.update(saved)
 
 
-def _runtime(backend, slot):
-    rt = Runtime(WorkerConfig(job_id="j", endpoints="127.0.0.1:1", worker_id="m.w2", member_id="m", host_id="h",
-                              round=1, backend=backend, device_slot=slot))
-    rt.local_rank = slot  # what start() pins, with set_device, before any group
-    return rt
+def _entry(backend, slot):
+    config = WorkerConfig(job_id="j", endpoints="127.0.0.1:1", worker_id="m.w2", member_id="m", host_id="h",
+                          round=1, backend=backend, device_slot=slot)
+    # The slot the session pinned, with set_device, before any group.
+    return RingEntry(config, None, None, EventLog(None, host="h"), None, capability(backend), local_rank=slot)
 
 
 @pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl", "gloo"])
 def test_a_survivor_keeps_its_slot_when_the_plan_order_shifts(fake_cuda, backend):
     fake_cuda["current"] = 2
-    rt = _runtime(backend, 2)
-    rt._take_position(_plan(1, ["m.w0", "m.w1", "m.w2", "m.w3"]))
-    assert (rt.rank, rt.local_rank, os.environ["LOCAL_RANK"]) == (2, 2, "2")
+    entry = _entry(backend, 2)
+    at = entry._take_position(_plan(1, ["m.w0", "m.w1", "m.w2", "m.w3"]))
+    assert (at.rank, at.local_rank, os.environ["LOCAL_RANK"]) == (2, 2, "2")
     # w0 lost: w2 is now second of its host in the plan, and third once w4 joins.
-    rt._take_position(_plan(2, ["m.w1", "m.w2", "m.w3"]))
-    assert (rt.rank, rt.local_rank, rt.local_world_size) == (1, 2, 3)
+    at = entry._take_position(_plan(2, ["m.w1", "m.w2", "m.w3"]))
+    assert (at.rank, at.local_rank, at.local_world_size) == (1, 2, 3)
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("2", "3")
-    rt._take_position(_plan(3, ["m.w1", "m.w2", "m.w3", "m.w4"]))
-    assert (rt.rank, rt.local_rank, os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == (1, 2, "2", "4")
-    assert fake_cuda["set"] == []  # no round sets the device: start did, once
+    at = entry._take_position(_plan(3, ["m.w1", "m.w2", "m.w3", "m.w4"]))
+    assert (at.rank, at.local_rank, os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == (1, 2, "2", "4")
+    assert entry.position == at  # what elastic.rank() and hvd.rank() answer with
+    assert fake_cuda["set"] == []  # no round sets the device: the session did, once
     assert fake_cuda["current"] == 2
 
 
 def test_a_worker_whose_device_moved_raises_instead_of_driving_two_gpus(fake_cuda):
     fake_cuda["current"] = 0  # something moved it off its slot
-    rt = _runtime("nccl", 2)
+    entry = _entry("nccl", 2)
     with pytest.raises(ElasticError, match="would move from cuda:2 to cuda:0"):
-        rt._take_position(_plan(2, ["m.w1", "m.w2"]))
+        entry._take_position(_plan(2, ["m.w1", "m.w2"]))

@@ -1,4 +1,4 @@
-"""GPU hangs are seen (gpu review F12): device work pending since a commit's event, as
+"""GPU hangs are seen: device work pending since a commit's event, as
 the worker's watch thread writes it and as the agent's watchdog judges it."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_the_watchdog_judges_device_work_pending_past_the_bound():
     assert not judge(_marks(now, progress=0, device_since=now - 60.0), policy, now).hung
 
 
-# gpu review G3: on NCCL, a rank waiting in a collective for a slow but healthy peer (rank 0
+# On NCCL, a rank waiting in a collective for a slow but healthy peer (rank 0
 # evaluating alone) has device work pending as long as the peer is away.
 # (backend, --hang-timeout, device pending s, slowest commit interval s, hung?)
 @pytest.mark.parametrize("backend, timeout, pending, slowest, hung", [

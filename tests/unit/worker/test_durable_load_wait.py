@@ -1,4 +1,4 @@
-"""gpu review G11: after a total loss, holders[0] loads the durable checkpoint before it
+"""After a total loss, holders[0] loads the durable checkpoint before it
 sends the layout; the receivers' wait for it is bounded by --rdzv-timeout, not by the
 group's timeout (--collective-timeout), which a load of tens of GB outlasts.
 

@@ -1,4 +1,4 @@
-"""Leaving and aborting an NCCL ring (gpu review F4, F5), on the CPU with a stand-in
+"""Leaving and aborting an NCCL ring, on the CPU with a stand-in
 backend: the abort never blocks its caller, a blocked abort past its deadline ends the
 worker, a failed ring is aborted instead of destroyed, and gloo's path is unchanged."""
 
@@ -124,7 +124,7 @@ def test_nonblocking_communicators_are_asked_for_unless_the_user_chose():
 
 
 def test_every_groups_abort_starts_before_any_of_them_ends():
-    # gpu review G9: an abort that frees its communicator can wait on another one's kernel
+    # An abort that frees its communicator can wait on another one's kernel
     # until that one is aborted too; one after the other, the first never returns.
     groups = 3
     all_started = threading.Barrier(groups, timeout=10)
@@ -152,7 +152,7 @@ def test_one_abort_that_raises_does_not_stop_the_others():
 
 
 def test_a_planned_switch_leaves_an_nccl_ring_by_its_abort_and_shuts_no_connection(world_of_one, monkeypatch):
-    # gpu review G8: destroy_process_group finalizes the communicators and waits for the
+    # destroy_process_group finalizes the communicators and waits for the
     # peers while the runtime's handle is gone already; a peer dying then left a ring that
     # nothing could abort. Leaving by the (deadline-bounded) abort needs no peer.
     destroyed = []

@@ -3,8 +3,6 @@ to move it, instead of torch's "call init_process_group" (the script did call el
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch.distributed as dist
 
@@ -33,8 +31,7 @@ def torchs_own_error():
     (RuntimeError("Connection closed by peer"), 4, False),
 ])
 def test_only_torchs_no_group_error_on_a_worker_not_yet_in_its_ring_is_explained(error, joining, explained):
-    runtime = SimpleNamespace(joining_round=joining or None)
-    result = pre_train.explain(error, runtime)
+    result = pre_train.explain(error, joining)
     assert (result is not error) == explained
     if explained:
         line = failures.summarize(result)
@@ -46,10 +43,10 @@ def test_only_torchs_no_group_error_on_a_worker_not_yet_in_its_ring_is_explained
 
 def test_torchs_real_message_is_the_one_recognised_and_the_line_names_the_users_call():
     error = torchs_own_error()  # raised in torch, called from here: this file is "the script"
-    line = str(pre_train.explain(error, SimpleNamespace(joining_round=3)))
+    line = str(pre_train.explain(error, 3))
     assert line.startswith("a collective before @elastic.run (test_pre_train.py:")
     assert len(failures.summarize(pre_train.NoRingBeforeRun(line))) < 300  # never cut
 
 
-def test_no_runtime_yet_leaves_the_error_alone():
+def test_no_session_yet_leaves_the_error_alone():
     assert pre_train.explain(NO_GROUP, None) is NO_GROUP

@@ -1,4 +1,4 @@
-"""The NCCL state sync's staging (gpu review F8): two buffers per peer used in turn, one
+"""The NCCL state sync's staging: two buffers per peer used in turn, one
 batch of every peer's next chunk at a time, bytes on the wire (complex dtypes too).
 On the CPU the same code runs over gloo with the device set to the CPU: two holders
 send stripes of three buffers to one receiver in chunks smaller than a stripe."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from elastic.contract.straggler_policy import StragglerOptions, eviction_allowed
 from elastic.worker.stragglers import Persistence, StragglerWatch, WaitClock, scores
+from tests.fakes.ring import FakeRing, Recorder
 
 
 def test_scores_are_compute_time_over_the_median():
@@ -58,7 +58,7 @@ def test_eviction_only_while_the_rest_stays_at_or_above_min_np():
     assert not eviction_allowed(world_size=3, leaving=0, min_np=1)
 
 
-# -- measuring ------------------------------------------------------------------------
+
 def test_the_wait_clock_counts_idle_waits_in_collectives_not_sleeps_in_user_code():
     import torch.distributed.distributed_c10d as c10d_module  # a module whose frames are collectives
 
@@ -90,15 +90,11 @@ class _FakeClock:
 
 
 def test_a_window_is_every_k_commits_after_the_rounds_first(caplog):
-    emitted = []
-    runtime = SimpleNamespace(
-        round=1, rank=0, world_size=1, backend="gloo", plan=None,
-        config=SimpleNamespace(worker_id="w0"),
-        events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
-    )
+    events = Recorder()
+    emitted = events.emitted
     clock = _FakeClock()
-    watch = StragglerWatch(runtime, ratio=1.5, clock=clock, every=2, windows=1, min_window_s=0.0)
-    watch.begin_round()
+    watch = StragglerWatch(events, "w0", ratio=1.5, clock=clock, every=2, windows=1, min_window_s=0.0)
+    watch.begin_round(FakeRing(round=1))
     watch.on_commit(1)  # the round's first commit starts the window
     clock.waiting_s = 0.01
     watch.on_commit(2)
@@ -123,14 +119,11 @@ class _Counting(StragglerWatch):
 
 
 def _paced_watch(step_s: float, **options):
-    emitted, now = [], [0.0]
-    runtime = SimpleNamespace(
-        round=1, rank=0, world_size=1, backend="gloo", plan=None, config=SimpleNamespace(worker_id="w0"),
-        events=SimpleNamespace(emit=lambda name, **fields: emitted.append((name, fields))),
-    )
-    watch = _Counting(runtime, ratio=1.5, clock=_FakeClock(), windows=1, now=lambda: now[0], **options)
+    events, now = Recorder(), [0.0]
+    emitted = events.emitted
+    watch = _Counting(events, "w0", ratio=1.5, clock=_FakeClock(), windows=1, now=lambda: now[0], **options)
     watch.exchanges = []
-    watch.begin_round()
+    watch.begin_round(FakeRing(round=1))
 
     def commit(number):
         now[0] += step_s

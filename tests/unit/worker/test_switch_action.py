@@ -16,26 +16,11 @@ import pytest
 from elastic.contract.errors import PeerDataInvalid
 from elastic.worker import switch_points
 from elastic.worker.failures import RING, classify
-from elastic.worker.commit_gate import CommitGate, SwitchAt, Verdict, decide_switch
+from elastic.worker.commit_gate import CommitGate, Monitors, SwitchAt, Verdict, decide_switch
 from elastic.worker.switch_points import SwitchPoints
 from elastic.rendezvous import STOPPING, JobStatus, RoundPlan
 from elastic.rendezvous.rounds import Slot
-
-
-class DictStore:
-    """The calls ``CommitGate.verdict`` makes on the round's PrefixStore."""
-
-    def __init__(self):
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def get(self, key):
-        return self.data[key]
+from tests.fakes.ring import DictStore
 
 
 class Control:
@@ -49,20 +34,18 @@ def plan(round_number, workers):
 
 
 class Ring:
-    """One rank's gate in the ring ``current``."""
+    """One rank's gate in the ring ``current`` (a ring's gate is built with it: ``ring.py``)."""
 
     def __init__(self, rank, store, control, current):
-        self.gate = CommitGate(steps=None, check_ring=lambda: None)
-        self.gate.control = control
-        self.gate.enter(store)
-        self.rank, self.current = rank, current
+        self.gate = CommitGate(Monitors(steps=None, control=control), store, current, rank)
+        self.control = control
 
     def acts(self, commits) -> Verdict:
         self.gate.commits = commits
-        return self.gate.verdict(self.rank, self.current.round, self.current)
+        return self.gate.verdict()
 
 
-def runtime(rank, store, control, current):
+def gate_of(rank, store, control, current):
     return Ring(rank, store, control, current)
 
 
@@ -83,8 +66,8 @@ def test_the_other_ranks_do_what_rank_0_published_not_what_their_own_status_says
     store = DictStore()
     # A pending round with no joiners (a graceful leave): rank 0 switches to it, unless it sees a stop.
     pending = plan(4, ["m.w0"])
-    rank0 = runtime(0, store, Control(pending, JobStatus(STOPPING if rank0_sees_stop else "running")), CURRENT)
-    other = runtime(1, store, Control(pending, JobStatus(STOPPING if other_sees_stop else "running")), CURRENT)
+    rank0 = gate_of(0, store, Control(pending, JobStatus(STOPPING if rank0_sees_stop else "running")), CURRENT)
+    other = gate_of(1, store, Control(pending, JobStatus(STOPPING if other_sees_stop else "running")), CURRENT)
 
     at, action = commit_until_acting(rank0)
     expected = "stop" if rank0_sees_stop else "switch"
@@ -94,14 +77,14 @@ def test_the_other_ranks_do_what_rank_0_published_not_what_their_own_status_says
     # The other rank's status lags (its watch delivers the stop a moment later): it waits
     # for its own view of etcd to show the reason, then acts as rank 0 published.
     if rank0_sees_stop:
-        threading.Timer(0.2, lambda: setattr(other.gate.control, "status", JobStatus(STOPPING))).start()
+        threading.Timer(0.2, lambda: setattr(other.control, "status", JobStatus(STOPPING))).start()
     assert commit_until_acting(other) == (2, expected)
 
 
 def test_nothing_is_published_while_rank_0_sees_neither_a_stop_nor_a_round():
     store = DictStore()
-    rank0 = runtime(0, store, Control(CURRENT), CURRENT)
-    other = runtime(1, store, Control(CURRENT, JobStatus(STOPPING)), CURRENT)  # ahead of rank 0's view
+    rank0 = gate_of(0, store, Control(CURRENT), CURRENT)
+    other = gate_of(1, store, Control(CURRENT, JobStatus(STOPPING)), CURRENT)  # ahead of rank 0's view
     assert commit_until_acting(rank0, limit=5) == (None, None)
     assert commit_until_acting(other, limit=5) == (None, None), "a rank stopped on its own status"
     assert "switch_at" not in store.data
@@ -113,7 +96,7 @@ def test_nothing_is_published_while_rank_0_sees_neither_a_stop_nor_a_round():
 def test_a_malformed_or_past_switch_at_is_a_ring_failure_not_a_stop(value):
     store = DictStore()
     store.set("switch_at", value)
-    other = runtime(1, store, Control(CURRENT), CURRENT)
+    other = gate_of(1, store, Control(CURRENT), CURRENT)
     with pytest.raises(PeerDataInvalid) as raised:
         other.acts(1)  # every commit of a fresh round is a point: it reads the value
     assert classify(raised.value).kind == RING
@@ -125,7 +108,7 @@ def test_a_well_formed_switch_at_that_etcd_gives_no_reason_for_is_a_ring_failure
     monkeypatch.setattr(switch_points, "CONFIRM_S", 0.2)
     store = DictStore()
     store.set("switch_at", f"3 {action}")  # a stranger's: rank 0 saw neither a stop nor a newer plan
-    other = runtime(1, store, Control(CURRENT), CURRENT)
+    other = gate_of(1, store, Control(CURRENT), CURRENT)
     started = time.monotonic()
     with pytest.raises(PeerDataInvalid, match="etcd shows no reason"):
         commit_until_acting(other, limit=3)

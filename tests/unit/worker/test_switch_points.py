@@ -1,10 +1,9 @@
 """Switch points: every commit until the ranks agree on a pace, then spaced by it; a
 change of spacing never skips a switch rank 0 scheduled."""
 
-from types import SimpleNamespace
-
 from elastic.worker.stragglers import StragglerWatch
 from elastic.worker.switch_points import SwitchPoints
+from tests.fakes.ring import FakeRing, Recorder
 
 
 def test_before_a_pace_is_agreed_every_commit_is_a_point():
@@ -23,12 +22,6 @@ def test_points_are_spaced_by_the_agreed_pace():
     assert [points.next_point(c) for c in (11, 12, 16, 17)] == [17, 17, 17, 23]
 
 
-class _Runtime(SimpleNamespace):
-    def __init__(self):
-        super().__init__(round=1, rank=0, world_size=1, backend="gloo", plan=None,
-                         config=SimpleNamespace(worker_id="w0"), events=SimpleNamespace(emit=lambda *a, **k: None))
-
-
 class _Still:
     waiting_s = 0.0
 
@@ -44,9 +37,8 @@ def test_a_switch_scheduled_before_a_change_of_spacing_is_still_a_point_after_it
         for pace_change_at in (30, 77, 140):
             now = [0.0]
             points = SwitchPoints()
-            watch = StragglerWatch(_Runtime(), ratio=1.5, clock=_Still(), now=lambda: now[0],
-                                   on_pace=lambda *pace: points.agree(*pace))
-            watch.begin_round()
+            watch = StragglerWatch(Recorder(), "w0", ratio=1.5, clock=_Still(), now=lambda: now[0])
+            watch.begin_round(FakeRing(round=1), on_pace=points.agree)
             scheduled: dict[int, int] = {}  # decided at -> switch point, as rank 0 would
             for c in range(1, 400):
                 now[0] += step_s if c < pace_change_at else step_s * 3

@@ -1,0 +1,36 @@
+"""The keys of a round's store: the one namespace per round in the TCPStore that rank 0's agent serves.
+
+Every round builds its process group on a fresh namespace, ``/round/<n>/``: re-using one
+hangs (gloo's init keys of the old ring are still there). Inside it the workers count
+their arrival, settle whether the round formed, rank 0 publishes the commit at which the
+ring switches, and the process group keeps its own keys under ``pg/``. The agent prunes
+old rounds' namespaces (``round_of``); torch's NCCL watchdog writes one key outside every
+namespace (``DUMP_SIGNAL``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+ARRIVED = "arrived"  # counter: workers of the round at its store
+OUTCOME = "outcome"  # "formed" or "abandoned", settled once by compare-and-set
+SWITCH_AT = "switch_at"  # "<commit> <switch|stop>": rank 0's choice of where the ring acts
+GROUP = "pg/"  # the process group's own keys (init_process_group's store prefix)
+
+# torch's NCCL watchdog writes this key into the job-wide store (the store below every
+# prefix: ProcessGroupNCCL's globalStore_) on any timeout or asynchronous error, and
+# never deletes it (torch 2.13, ProcessGroupNCCL.hpp kStoreDumpKey).
+DUMP_SIGNAL = "exception_dump"
+
+
+def prefix(round_number: int) -> str:
+    """The namespace of round ``round_number``'s keys."""
+    return f"/round/{round_number}/"
+
+
+def round_of(key: str) -> Optional[int]:
+    """The round whose namespace holds ``key`` (as the store lists it), or None."""
+    parts = key.split("/", 3)
+    if len(parts) > 2 and parts[1] == "round" and parts[2].isdigit():
+        return int(parts[2])
+    return None
