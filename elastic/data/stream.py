@@ -86,6 +86,7 @@ class StatefulStream:
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator:
+        """Checks and loads now (a refusal comes at ``iter()``, not at the first batch)."""
         rank, world = world_now()
         committed = self._to_load if self._to_load is not None else (
             self._latest if self.built_for not in (None, (rank, world)) else None)
@@ -99,7 +100,11 @@ class StatefulStream:
             elif self._to_load is not None:  # the commit is the stream's start
                 self.stream = self.make(rank, world)
         self._to_load = None
+        return self._batches(world)
+
+    def _batches(self, world: int) -> Iterator:
         for batch in self.stream:
+            # Before the batch is handed out: a commit after its step counts it as trained.
             self._latest = self._gather(self.stream.state_dict(), world)
             yield batch
 
