@@ -59,15 +59,16 @@ class TokenReader(_PerProcess):
         tokens = self._open.get(shard)
         if tokens is None:
             length = self.count(shard) * self.seq_len
-            tokens = np.memmap(shard, dtype=self.dtype, mode="r", offset=self.header_bytes, shape=(length,)) \
-                if length else np.zeros(0, dtype=self.dtype)
+            # A plain ndarray over the map: slicing a np.memmap costs a subclass view per sample.
+            tokens = np.memmap(shard, dtype=self.dtype, mode="r", offset=self.header_bytes,
+                               shape=(length,)).view(np.ndarray) if length else np.zeros(0, dtype=self.dtype)
             self._open[shard] = tokens
         return tokens
 
     def read(self, shard: str, offsets: Sequence[int]) -> list:
-        tokens = self.tokens(shard)
-        length = self.seq_len
-        return [torch.from_numpy(tokens[o * length:(o + 1) * length].astype(np.int64)) for o in offsets]
+        rows = self.tokens(shard).reshape(-1, self.seq_len)
+        # One gather and one conversion for the shard's part of the batch; the rows are views of it.
+        return list(torch.from_numpy(rows[np.asarray(offsets, dtype=np.int64)].astype(np.int64)))
 
 
 @dataclass(eq=False)
