@@ -14,6 +14,8 @@ The index's ``digest`` (the shards' names and counts) is committed with a
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -76,6 +78,11 @@ class ShardIndex:
     def build(cls, shards: Sequence[Any], reader, cache_dir: Optional[str] = None) -> "ShardIndex":
         """Count each shard with ``reader.count``, reusing the cached counts of unchanged files."""
         path = cache_path(shards, reader.key, cache_dir)
+        with _counting(path):
+            return cls._build(shards, reader, path)
+
+    @classmethod
+    def _build(cls, shards: Sequence[Any], reader, path: Optional[Path]) -> "ShardIndex":
         cached = _read_cache(path, reader.key) if path is not None else {}
         entries, recounted = [], 0
         for shard in shards:
@@ -98,6 +105,24 @@ class ShardIndex:
         if path is not None and recounted:
             _write_cache(path, reader.key, entries)
         return index
+
+
+@contextlib.contextmanager
+def _counting(path: Optional[Path]):
+    """One process of a host counts, the others wait and read its cache: every rank of a
+    job builds the index at its start, and counting a JSON-lines shard reads all of it."""
+    if path is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(f"{path}.lock", "a")
+    except OSError:  # a read-only folder: each process counts (and says why it cannot cache)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _read_cache(path: Path, reader_key: str) -> dict[str, ShardEntry]:

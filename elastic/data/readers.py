@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,12 +24,33 @@ import numpy as np
 import torch
 
 
+class OpenShards(OrderedDict):
+    """The shards a process has open, the least recently used dropped past ``limit``: a
+    line-offset index or a row group is memory, and a window reads a few shards at a time."""
+
+    def __init__(self, limit: int = 8):
+        super().__init__()
+        self.limit = limit
+
+    def get(self, key, default=None):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
 class _PerProcess:
     """Open handles kept per process; never pickled (a loader worker opens its own)."""
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_open"] = {}
+        state["_open"] = OpenShards(self._open.limit)
         return state
 
 
@@ -41,7 +63,7 @@ class TokenReader(_PerProcess):
     seq_len: int
     dtype: str = "uint16"
     header_bytes: int = 0
-    _open: dict = field(default_factory=dict, repr=False)
+    _open: dict = field(default_factory=lambda: OpenShards(256), repr=False)
 
     def __post_init__(self):
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
@@ -77,7 +99,7 @@ class JsonLinesReader(_PerProcess):
     is built once per process, on its first read, from one pass over the memory-mapped
     file; empty lines are not samples."""
 
-    _open: dict = field(default_factory=dict, repr=False)
+    _open: dict = field(default_factory=OpenShards, repr=False)
 
     key = "jsonl"
 
@@ -110,7 +132,7 @@ class ParquetReader(_PerProcess):
     window's reads seldom load a group twice) and gives each row as a dict."""
 
     columns: Optional[tuple[str, ...]] = None
-    _open: dict = field(default_factory=dict, repr=False)
+    _open: dict = field(default_factory=OpenShards, repr=False)
 
     @property
     def key(self) -> str:

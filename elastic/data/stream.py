@@ -28,9 +28,10 @@ a step count, not by one rank's split running dry.
 
 from __future__ import annotations
 
-import pickle
+import io
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -48,8 +49,26 @@ def refusal(committed_world: int, world: int) -> str:
             f"which resumes at any world size")
 
 
+def encode(position: Any) -> bytes:
+    """A position as bytes that ``decode`` reads back with ``torch.load(weights_only=True)``:
+    a durable checkpoint never unpickles arbitrary objects (checkpoint/restore.py), and
+    neither does a resume from one."""
+    buffer = io.BytesIO()
+    torch.save(position, buffer)
+    return buffer.getvalue()
+
+
+def decode(data: bytes) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - the unpickler's refusal, said in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"StatefulStream: a position holds more than tensors and plain values, which a "
+                         f"resume does not unpickle: {first}") from None
+
+
 def position_to_take(committed: Optional[dict], rank: int, world: int) -> Optional[bytes]:
-    """Rank ``rank``'s committed position (pickled), None for the stream's start; a
+    """Rank ``rank``'s committed position (encoded), None for the stream's start; a
     commit made at another world size raises the one-line refusal."""
     if committed is None or not committed.get("states"):
         return None
@@ -69,11 +88,12 @@ class StatefulStream:
         self.stream: Any = None
         self.built_for: Optional[tuple[int, int]] = None
         self._latest: Optional[dict] = None  # every rank's position after the last batch taken
+        self._checked = False  # this rank's position decodes (checked once per stream built)
         self._to_load: Optional[dict] = None  # a commit to resume from (load_state_dict)
 
     # -- committed state --------------------------------------------------------------
     def state_dict(self) -> dict:
-        """``{"world_size", "states"}``: every rank's pickled position (empty: the start)."""
+        """``{"world_size", "states"}``: every rank's encoded position (empty: the start)."""
         return dict(self._latest) if self._latest is not None else {"world_size": 0, "states": []}
 
     def load_state_dict(self, state: dict) -> None:
@@ -93,10 +113,10 @@ class StatefulStream:
         position = position_to_take(committed, rank, world)  # refused here, before a batch is read
         if self.built_for != (rank, world) or self.stream is None:
             self.stream = self.make(rank, world)
-            self.built_for = (rank, world)
+            self.built_for, self._checked = (rank, world), False
         if committed is not None:
             if position is not None:
-                self.stream.load_state_dict(pickle.loads(position))
+                self.stream.load_state_dict(decode(position))
             elif self._to_load is not None:  # the commit is the stream's start
                 self.stream = self.make(rank, world)
         self._to_load = None
@@ -108,9 +128,11 @@ class StatefulStream:
             self._latest = self._gather(self.stream.state_dict(), world)
             yield batch
 
-    @staticmethod
-    def _gather(position: Any, world: int) -> dict:
-        mine = pickle.dumps(position)
+    def _gather(self, position: Any, world: int) -> dict:
+        mine = encode(position)
+        if not self._checked:  # refused at the first batch, not at a resume long after
+            decode(mine)
+            self._checked = True
         if world == 1:
             return {"world_size": 1, "states": [mine]}
         everyone: list = [None] * world

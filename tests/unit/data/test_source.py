@@ -147,3 +147,49 @@ def test_loader_workers_prefetch_without_consuming_and_keep_running_through_a_re
     assert ids.tolist() == order[36:48][0::2]  # the next global batch, rank 0 of 2
     assert seen == [i for start in (0, 12, 24) for i in order[start:start + 12][1::3]]
     del loader
+
+
+class SlowCounter:
+    """A reader that records how many processes (here threads) count at once."""
+
+    key = "slow"
+
+    def __init__(self):
+        self.counting, self.most, self.counted = 0, 0, 0
+        self.lock = __import__("threading").Lock()
+
+    def count(self, shard):
+        with self.lock:
+            self.counting += 1
+            self.most = max(self.most, self.counting)
+        __import__("time").sleep(0.02)
+        with self.lock:
+            self.counting -= 1
+            self.counted += 1
+        return 3
+
+    def read(self, shard, offsets):
+        return list(offsets)
+
+
+def test_one_process_counts_the_others_read_its_cache(tmp_path):
+    import threading
+
+    paths = token_shards(tmp_path, [1] * 4)
+    reader = SlowCounter()
+    builds = [threading.Thread(target=ShardedSource, args=(paths, reader)) for _ in range(3)]
+    for build in builds:
+        build.start()
+    for build in builds:
+        build.join(30)
+    assert reader.most == 1 and reader.counted == 4  # the first counted; the others found its cache
+
+
+def test_a_reader_keeps_a_few_shards_open():
+    from elastic.data.readers import OpenShards
+
+    open_shards = OpenShards(limit=2)
+    open_shards["a"], open_shards["b"] = 1, 2
+    open_shards.get("a")  # used: "b" is now the least recently used
+    open_shards["c"] = 3
+    assert list(open_shards) == ["a", "c"]

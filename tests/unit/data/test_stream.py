@@ -93,3 +93,26 @@ def test_a_bare_loader_in_a_state_is_refused_at_the_first_commit(runtime):
     with pytest.raises(TypeError, match="keyword 'loader' holds a StatefulDataLoader, whose state_dict.. is one "
                                         "rank's position: commit it as elastic.StatefulStream"):
         state.commit()
+
+
+class Opaque:
+    """A position that is not plain values: a resume would have to unpickle it."""
+
+
+class StreamOfOpaquePositions:
+    def __iter__(self):
+        return iter([1, 2])
+
+    def state_dict(self):
+        return {"where": Opaque()}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_position_that_is_not_plain_values_is_refused_at_the_first_batch():
+    stream = StatefulStream(lambda rank, world: StreamOfOpaquePositions())
+    with pytest.raises(ValueError, match="StatefulStream: a position holds more than tensors and plain values") \
+            as refused:
+        next(iter(stream))
+    assert "\n" not in str(refused.value)
