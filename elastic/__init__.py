@@ -17,8 +17,9 @@ The rooms of this package (each ``__init__.py`` says what it holds and may impor
     elastic/timeline/   what a job did, as a model and a picture
     elastic/horovod/    Horovod's PyTorch API on this runtime (``import elastic.horovod as hvd``)
     elastic/sharded/    ShardedState: FSDP2 models re-sharded in-process, shards kept on peers
+    elastic/data/       sharded data sources and streams: the order, the cursor, the readers
 
-Imports run one way: the API -> worker -> contract; agent -> contract; cli -> agent;
+Imports run one way: the API -> worker -> contract; the API -> data; agent -> contract; cli -> agent;
 all of them may use ``elastic.rendezvous`` and ``elastic.checkpoint`` (the repository's
 top-level ``rendezvous/`` and ``checkpoint/`` folders), which import nothing else of
 ``elastic`` (checked by tests/test_layout.py).
@@ -37,6 +38,7 @@ _LAZY = {
     "ResetLimitExceeded": ".contract.errors",
     "accumulate": ".global_batch",
     "ElasticSampler": ".sampler",
+    "ShardedSource": ".data", "SourceSampler": ".data", "StatefulStream": ".data",
     "ObjectState": ".state", "State": ".state", "TorchState": ".state",
     "run": ".worker.recovery",
     "report": ".worker.step_log",
@@ -46,7 +48,7 @@ _LAZY = {
 
 __all__ = [
     "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "ResetLimitExceeded",
-    "ShardedState", "State", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "report",
+    "ShardedSource", "ShardedState", "SourceSampler", "State", "StatefulStream", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "report",
     "round", "run", "shutdown", "size",
 ]
 

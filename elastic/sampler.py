@@ -55,8 +55,9 @@ kept as a prefix of the permutation they make, so a resume with other values (a
 changed default in the script) would mark other samples processed than those that
 were trained. ``load_state_dict`` refuses it in one line naming the field; a state
 committed before these fields existed still loads. A data set without a length (an
-``IterableDataset``) has no indices to sample: such a stream is sharded by the script
-and its position kept in the state (see ``_length_of``).
+``IterableDataset``) has no indices to sample: shards go through ``elastic.ShardedSource``
+and its ``SourceSampler``, an opaque stream through ``elastic.StatefulStream``
+(``elastic/data/``).
 
 Constant global batch
 ---------------------
@@ -327,8 +328,9 @@ def _length_of(dataset_or_len) -> int:
             not isinstance(dataset_or_len, int) and not hasattr(dataset_or_len, "__len__")):
         raise TypeError(
             f"ElasticSampler needs a data set with a length (a map-style Dataset), got "
-            f"{type(dataset_or_len).__name__}: shard a stream yourself by elastic.rank() and elastic.size() and "
-            f"keep its position in the state (a plain value, or an object with state_dict())")
+            f"{type(dataset_or_len).__name__}: read shards through elastic.ShardedSource (resumes at any world "
+            f"size), or shard a stream yourself by elastic.rank() and elastic.size() and commit it as "
+            f"elastic.StatefulStream (resumes at the same world size)")
     length = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
     if isinstance(length, bool) or not isinstance(length, int) or length < 0:
         raise ValueError(f"ElasticSampler needs a dataset or a length >= 0, got {dataset_or_len!r}")

@@ -1,7 +1,7 @@
 """Objects with ``state_dict()``/``load_state_dict()`` in a state: schedulers, scalers, EMA weights.
 
 A state keyword whose value has both methods (an LR scheduler, ``torch.amp.GradScaler``,
-``torch.optim.swa_utils.AveragedModel``, a stateful data loader, a class of the user's)
+``torch.optim.swa_utils.AveragedModel``, a ``StatefulStream`` of loaders, a class of the user's)
 is committed as its ``state_dict()`` and given back through ``load_state_dict()``. The
 state_dict is part of the commit's tree, so its tensors go into the same reusable
 snapshot buffers as the model's (a commit is a ``copy_``, never a fresh allocation),
@@ -23,7 +23,7 @@ import torch
 from elastic.checkpoint import Snapshot
 
 ACCEPTED = ("an object with state_dict() and load_state_dict() (an LR scheduler, a GradScaler, an AveragedModel, "
-            "a stateful loader), or a plain value: tensors and int/float/str/bool/None/bytes in dicts, lists, tuples")
+            "an elastic.StatefulStream), or a plain value: tensors and int/float/str/bool/None/bytes in dicts, lists, tuples")
 
 
 def is_stateful(value: Any) -> bool:
@@ -53,9 +53,26 @@ def _is_leaf_refusal(value: Any) -> bool:
     return not isinstance(value, (dict, list, tuple))
 
 
+def is_per_rank_stream(obj: Any) -> bool:
+    """A loader or an iterable data set: its state_dict() is one rank's position in its split."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    return isinstance(obj, (DataLoader, IterableDataset))
+
+
 def state_of(owner: str, name: str, obj: Any) -> Any:
     """``obj.state_dict()``, refused in one line if a commit cannot hold what it returns
-    (the first commit is where a user's class shows what its state_dict holds)."""
+    (the first commit is where a user's class shows what its state_dict holds).
+
+    A loader or a stream is refused too: committed as one keyword it would hold one
+    rank's position, and a joiner or a renumbered rank would take another rank's, or a
+    resume at another world size would go on from positions of another split, repeating
+    and skipping samples silently (``elastic/data/stream.py``)."""
+    if is_per_rank_stream(obj):
+        raise TypeError(f"{owner}: keyword {name!r} holds a {type(obj).__qualname__}, whose state_dict() is one "
+                        f"rank's position: commit it as elastic.StatefulStream(make) with make(rank, world) "
+                        f"building the loader (the same world size resumes it), or read the data through "
+                        f"elastic.ShardedSource (any world size)")
     saved = obj.state_dict()
     try:
         Snapshot.check_tree(saved, (name,))

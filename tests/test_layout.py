@@ -18,18 +18,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # Folder -> the package it installs as (pyproject.toml's package-dir): rendezvous/ and
 # checkpoint/ keep their folders but live under the elastic namespace.
 PACKAGES = {"elastic": "elastic", "rendezvous": "elastic.rendezvous", "checkpoint": "elastic.checkpoint"}
-ROOMS = ("worker", "contract", "agent", "cli", "timeline", "rendezvous", "checkpoint")
+ROOMS = ("worker", "contract", "agent", "cli", "timeline", "data", "rendezvous", "checkpoint")
 
 # Which rooms each room may import (besides itself).
 MAY_IMPORT = {
     "rendezvous": set(),
     "checkpoint": set(),
     "contract": set(),
+    "data": set(),
     "timeline": {"contract"},
     "worker": {"contract", "rendezvous", "checkpoint"},
     "agent": {"contract", "timeline", "rendezvous", "checkpoint"},
     "cli": {"agent", "contract", "timeline", "rendezvous", "checkpoint"},
-    "api": {"worker", "contract", "rendezvous", "checkpoint"},
+    "api": {"worker", "contract", "data", "rendezvous", "checkpoint"},
 }
 
 
@@ -161,7 +162,7 @@ def test_nothing_imports_the_rooms_by_their_folder_names():
 
 
 def test_every_room_has_a_docstring_saying_what_it_holds_and_may_import():
-    for room in ("worker", "contract", "agent", "cli", "timeline"):
+    for room in ("worker", "contract", "agent", "cli", "timeline", "data"):
         doc = ast.get_docstring(ast.parse((ROOT / "elastic" / room / "__init__.py").read_text())) or ""
         assert "import" in doc.lower(), f"elastic/{room}/__init__.py does not say what it may import"
 
