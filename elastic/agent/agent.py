@@ -138,7 +138,8 @@ class Agent:
         # The store that rounds use when one of our workers is rank 0. It lives as
         # long as the agent, so a worker crash never takes the store down with it. It
         # serves at once, without torch (store_server.py).
-        self._store = StoreServer(cfg.host_addr, "round-store")
+        self._store = StoreServer(cfg.host_addr, "round-store",  # stopped for good (it says why): leave the job
+                                  on_failure=lambda why: self._inbox.put(_Signal(signal.SIGTERM)))
         if cfg.health_port is not None:
             self._health_server = HealthServer(cfg.health_port, self.health.probe, host=cfg.health_addr or cfg.host_addr,
                                                metrics=self.metrics.exposition).start()
