@@ -67,8 +67,9 @@ def check_secret(secret: str, where: str = "the job secret") -> str:
     return secret
 
 
-def write_private_file(path: str, data: bytes) -> str:
-    """Write ``data`` to ``path`` as a 0600 file, atomically (a reader never sees half of it)."""
+def write_private_file(path: str, data: bytes, *, exclusive: bool = False) -> str:
+    """Write ``data`` to ``path`` as a 0600 file, atomically (a reader never sees half of it).
+    ``exclusive``: refuse (ConfigError, one line) when ``path`` exists already."""
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
@@ -77,12 +78,21 @@ def write_private_file(path: str, data: bytes) -> str:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    if not exclusive:
+        os.replace(tmp, path)
+        return path
+    try:
+        os.link(tmp, path)  # fails if path exists, whoever made it
+    except FileExistsError:
+        raise ConfigError(f"{path} exists already: another launcher of this job wrote it "
+                          f"(remove it if none runs)") from None
+    finally:
+        os.unlink(tmp)
     return path
 
 
-def write_secret_file(path: str, secret: str) -> str:
-    return write_private_file(path, (check_secret(secret) + "\n").encode())
+def write_secret_file(path: str, secret: str, *, exclusive: bool = False) -> str:
+    return write_private_file(path, (check_secret(secret) + "\n").encode(), exclusive=exclusive)
 
 
 def read_private_file(path: str, what: str) -> str:
