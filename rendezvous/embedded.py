@@ -10,9 +10,11 @@ SIGKILL when the owner dies (Linux PR_SET_PDEATHSIG), and atexit stops it.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,7 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import grpc
 from etcd3 import etcdrpc
@@ -60,6 +62,40 @@ def find_etcd_binary(environ: Mapping[str, str] | None = None) -> str:
             if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
                 return candidate
     raise RendezvousError(_NOT_FOUND)
+
+
+# Releases that fixed the last etcd CVEs this project knows of (CVE-2023-32082,
+# LeaseTimeToLive's key names): an older binary still runs, with a warning (review 2, L7).
+FIXED_RELEASES = ((3, 4, 26), (3, 5, 9))
+
+
+def outdated(version: tuple[int, int, int]) -> Optional[str]:
+    """Why an etcd of ``version`` should be replaced, or None."""
+    same_minor = [fixed for fixed in FIXED_RELEASES if fixed[:2] == version[:2]]
+    if version[:2] > FIXED_RELEASES[-1][:2] or (same_minor and version >= same_minor[0]):
+        return None
+    wanted = " or ".join(".".join(map(str, fixed)) + "+" for fixed in FIXED_RELEASES)
+    return f"etcd {'.'.join(map(str, version))} predates security fixes (CVE-2023-32082); use {wanted}"
+
+
+@functools.lru_cache(maxsize=None)
+def binary_version(binary: str) -> Optional[tuple[int, int, int]]:
+    """``etcd --version``'s release, or None when it says none."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"etcd Version:\s*(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(n) for n in found.groups()) if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def warn_if_outdated(binary: str) -> None:
+    """Say once per binary that it is older than the fixed releases."""
+    version = binary_version(binary)
+    why = outdated(version) if version is not None else None
+    if why:
+        log.warning("%s (%s)", why, binary)
 
 
 def _free_ports(host: str, count: int) -> list[int]:
@@ -199,6 +235,7 @@ class EmbeddedEtcd:
         if self.running:
             raise RendezvousError(f"embedded etcd already running at {self.endpoint}")
         self.binary = self.binary or find_etcd_binary()
+        warn_if_outdated(self.binary)
         if self._work_dir is None and (self._data_dir is None or self._log_path is None or self.security):
             # 0700, in the process's private directory, which goes even when the process is
             # SIGKILLed: the keys, the CA and the password with security, and the data and log
@@ -212,7 +249,8 @@ class EmbeddedEtcd:
             self._secure(self._work_dir)
         # Two tries: another process may grab a port between our probe and etcd's bind.
         for last_try in (False, True):
-            self.client_port, self.peer_port = _free_ports(self.host, 2)
+            self.client_port = _free_ports(self.host, 1)[0]
+            self.peer_port = _free_ports("127.0.0.1" if self._initial_cluster is None else self.host, 1)[0]
             self.client_port = self._fixed_port or self.client_port
             try:
                 self._launch(timeout)
@@ -229,7 +267,11 @@ class EmbeddedEtcd:
         # bcrypt's default cost (10) makes every log-in cost etcd ~0.1 s of CPU, and under
         # load clients that time out and log in again pile up; the passwords are 256-bit
         # derivations of the secret, which no slower hash could make harder to guess.
-        self._tls_args = ("--cert-file", server.cert, "--key-file", server.key, "--bcrypt-cost", "4")
+        self._tls_args = ("--cert-file", server.cert, "--key-file", server.key, "--bcrypt-cost", "4",
+                          # Peers too (as a served member's, served.py): raft in plaintext took one
+                          # forged heartbeat to panic etcd (security review 2, H1).
+                          "--peer-cert-file", server.cert, "--peer-key-file", server.key,
+                          "--peer-client-cert-auth", "--peer-trusted-ca-file", files.ca_cert)
         self.client_options.update(ca_cert=files.ca_cert, user=files.user, password=self.security.password)
 
     def restart(self, timeout: float = 20.0) -> None:
@@ -288,7 +330,10 @@ class EmbeddedEtcd:
 
     def _command(self) -> list[str]:
         client_url = f"{self.scheme}://{self.host}:{self.client_port}"
-        peer_url = f"http://{self.host}:{self.peer_port}"
+        # A lone member never talks to peers: its peer port stays on loopback whatever its
+        # client address (on the node's routable address strangers reached raft: review 2, H1).
+        peer_host = "127.0.0.1" if self._initial_cluster is None else self.host
+        peer_url = f"{'https' if self.security is not None else 'http'}://{peer_host}:{self.peer_port}"
         return [
             self.binary,
             "--name", self._name,
