@@ -143,7 +143,7 @@ class ServedMember(EmbeddedEtcd):
 
 
 def _binary() -> str:
-    from .embedded import find_etcd_binary, warn_if_outdated
+    from .etcd_binary import find_etcd_binary, warn_if_outdated
 
     binary = find_etcd_binary()
     warn_if_outdated(binary)

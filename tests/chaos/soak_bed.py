@@ -339,21 +339,19 @@ def run_soak(hosts, cluster: EmbeddedEtcdCluster, tmp: Path, faults: int, seed: 
     soak.t_start = first["t"]
     startup_s = time.monotonic() - began
     outcomes: list[Outcome] = []
-    early: dict[int, tuple[int, int]] = {}
-    late: dict[int, tuple[int, int]] = {}
-    # Descriptors and threads of the agents that live throughout, after a quarter of the run
-    # and at its end: a leak per fault shows over hundreds of faults. What an agent holds
-    # also depends on its role (rank 0's agent serves every worker's store connection), so
-    # the bound is +16 descriptors, +4 threads; runs under 20 faults compare nothing.
-    sample_at = faults // 4 if faults >= 20 else None
+    # Descriptors and threads of every agent after each fault: an agent that lived through
+    # 30 faults or more must hold no more at its end than 10 faults into its life. What an
+    # agent holds also depends on its role (rank 0's agent serves every worker's store
+    # connection), hence +16 descriptors, +4 threads; a leak per fault shows past that.
+    samples: dict[int, list[tuple[int, tuple[int, int]]]] = {}
     try:
         for number, kind in enumerate(kinds, 1):
             outcomes.append(soak.apply(kind))
             say(outcomes[-1].line(number))
-            if sample_at is not None and number in (sample_at, faults):  # the long-lived agents
-                soak.train_a_little()
-                seen = {a.pid: _counts(a.pid) for a in fleet.agents.values() if a.job.proc.poll() is None}
-                (early if number == sample_at else late).update({p: c for p, c in seen.items() if c})
+            for agent in fleet.agents.values():
+                counts = _counts(agent.pid) if agent.job.proc.poll() is None else None
+                if counts is not None:
+                    samples.setdefault(agent.pid, []).append((number, counts))
     finally:
         fleet.stop_file.touch()  # also after a failed wait: the agents then end on their own
     faults_s = time.monotonic() - began - startup_s
@@ -397,10 +395,14 @@ def run_soak(hosts, cluster: EmbeddedEtcdCluster, tmp: Path, faults: int, seed: 
     leaks = {"processes": _processes_of(str(fleet.out)), "keys": len(_job_keys(cluster, job_id))}
     poll(lambda: not any(fleet.private.glob("*/*")), 30, 0.2)
     leaks["private_dirs"] = sorted(p.name for p in fleet.private.glob("*/*"))
-    grown = {p: (early[p], late[p]) for p in early if p in late
-             and (late[p][0] > early[p][0] + 16 or late[p][1] > early[p][1] + 4)}
+    compared = {}
+    for pid, seen in samples.items():
+        if seen[-1][0] - seen[0][0] >= 30:
+            settled = next(c for n, c in seen if n >= seen[0][0] + 10)
+            compared[pid] = (settled, seen[-1][1])
+    grown = {p: v for p, v in compared.items() if v[1][0] > v[0][0] + 16 or v[1][1] > v[0][1] + 4}
     leaks["agents_grown"] = {str(p): v for p, v in grown.items()}
-    leaks["agents_compared"] = len([p for p in early if p in late])
+    leaks["agents_compared"] = {str(p): v for p, v in compared.items()}
     if leaks["processes"] or leaks["private_dirs"] or grown or leaks["keys"] > 64:
         problems.append(f"leaks: {leaks}")
 

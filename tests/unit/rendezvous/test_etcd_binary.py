@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from elastic.rendezvous import embedded
+from elastic.rendezvous import etcd_binary as embedded
 
 
 @pytest.mark.parametrize("version, warned", [
