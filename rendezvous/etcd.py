@@ -278,7 +278,11 @@ class Etcd:
             token = etcdrpc.AuthStub(channel).Authenticate(request, timeout=timeout).token
         except grpc.RpcError as exc:
             if "authentication is not enabled" in (exc.details() or ""):
-                log.info("etcd at %s has auth disabled; ignoring the configured user", self.config.describe())
+                if self.config.require_auth:
+                    raise RendezvousAuthError(
+                        f"etcd at {self.config.describe()} has auth disabled although a user is configured: "
+                        f"its keys are open to anyone (enable auth, or pass --allow-insecure)") from None
+                log.warning("etcd at %s has auth disabled; ignoring the configured user", self.config.describe())
                 self._auth_enabled = False
                 return None
             raise

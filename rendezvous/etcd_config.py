@@ -29,6 +29,9 @@ class EtcdConfig:
     # (member_sync.py); 0: never. For an etcd whose members come and go with the job's
     # hosts (the rendezvous a bare-metal job serves itself, served.py).
     member_sync: float = 0.0
+    # With a user: refuse an etcd whose auth is off instead of ignoring the user (a half-done
+    # auth set-up left every key open while the job ran "secured": review 2, M1).
+    require_auth: bool = False
 
     def __post_init__(self) -> None:
         if not self.endpoints:

@@ -67,8 +67,9 @@ def check_secret(secret: str, where: str = "the job secret") -> str:
     return secret
 
 
-def write_private_file(path: str, data: bytes) -> str:
-    """Write ``data`` to ``path`` as a 0600 file, atomically (a reader never sees half of it)."""
+def write_private_file(path: str, data: bytes, *, exclusive: bool = False) -> str:
+    """Write ``data`` to ``path`` as a 0600 file, atomically (a reader never sees half of it).
+    ``exclusive``: refuse (ConfigError, one line) when ``path`` exists already."""
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
@@ -77,12 +78,21 @@ def write_private_file(path: str, data: bytes) -> str:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    if not exclusive:
+        os.replace(tmp, path)
+        return path
+    try:
+        os.link(tmp, path)  # fails if path exists, whoever made it
+    except FileExistsError:
+        raise ConfigError(f"{path} exists already: another launcher of this job wrote it "
+                          f"(remove it if none runs)") from None
+    finally:
+        os.unlink(tmp)
     return path
 
 
-def write_secret_file(path: str, secret: str) -> str:
-    return write_private_file(path, (check_secret(secret) + "\n").encode())
+def write_secret_file(path: str, secret: str, *, exclusive: bool = False) -> str:
+    return write_private_file(path, (check_secret(secret) + "\n").encode(), exclusive=exclusive)
 
 
 def read_private_file(path: str, what: str) -> str:
@@ -249,7 +259,10 @@ def enable_auth(endpoint: str, js: Optional[JobSecret], ca_pem: bytes, *, root_p
     """Create ``root`` and the job ``user`` (read/write on ``prefix`` only) and enable auth,
     over TLS, on an etcd nobody else can have reached yet (the embedded one: on loopback;
     Kubernetes' etcd: behind its NetworkPolicy). The passwords are ``js``'s, or given.
-    An etcd whose auth is on already is left as it is (False)."""
+    An etcd whose auth is on already is left as it is (False). Whether it is on is asked of
+    etcd (an anonymous read), never guessed from ``root`` existing: a first attempt that
+    died after adding root once made every retry report "on already" while every key
+    stayed open (security review 2, M1). Each step accepts what an earlier attempt did."""
     root_password = root_password or js.root_password
     password = password or js.password
     import grpc
@@ -257,24 +270,44 @@ def enable_auth(endpoint: str, js: Optional[JobSecret], ca_pem: bytes, *, root_p
     from etcd3.etcdrpc import auth_pb2
     from etcd3.utils import prefix_range_end
 
+    def done_before(call, request) -> None:
+        try:
+            call(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            if "already" not in (exc.details() or ""):  # "user name already exists", "role ...", ...
+                raise
+
     credentials = grpc.ssl_channel_credentials(root_certificates=ca_pem)
     with grpc.secure_channel(endpoint, credentials) as channel:
-        auth = etcdrpc.AuthStub(channel)
         try:
-            auth.UserAdd(etcdrpc.AuthUserAddRequest(name=ROOT_USER, password=root_password), timeout=timeout)
+            etcdrpc.KVStub(channel).Range(etcdrpc.RangeRequest(key=b"\0", limit=1), timeout=timeout)
         except grpc.RpcError as exc:
-            if "already exists" in (exc.details() or "") or exc.code() in (
-                    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
-                return False  # set up before (a restart on the same data dir): auth is on
+            details = (exc.details() or "").lower()
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) or \
+                    "user name is empty" in details or "token" in details:
+                return False  # auth is on (a restart on the same data dir, a Job run before)
             raise
-        auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=ROOT_USER), timeout=timeout)
-        auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=ROOT_USER, role=ROOT_USER), timeout=timeout)
-        auth.UserAdd(etcdrpc.AuthUserAddRequest(name=user, password=password), timeout=timeout)
-        auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=JOB_ROLE), timeout=timeout)
+        auth = etcdrpc.AuthStub(channel)
+
+        def our_user(name: str, secret: str) -> None:
+            """Add it, or set our password on the one there: whoever added it before knows its own."""
+            try:
+                auth.UserAdd(etcdrpc.AuthUserAddRequest(name=name, password=secret), timeout=timeout)
+            except grpc.RpcError as exc:
+                if "already" not in (exc.details() or ""):
+                    raise
+                auth.UserChangePassword(etcdrpc.AuthUserChangePasswordRequest(name=name, password=secret),
+                                        timeout=timeout)
+
+        our_user(ROOT_USER, root_password)
+        done_before(auth.RoleAdd, etcdrpc.AuthRoleAddRequest(name=ROOT_USER))
+        done_before(auth.UserGrantRole, etcdrpc.AuthUserGrantRoleRequest(user=ROOT_USER, role=ROOT_USER))
+        our_user(user, password)
+        done_before(auth.RoleAdd, etcdrpc.AuthRoleAddRequest(name=JOB_ROLE))
         permission = auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=prefix.encode(),
                                                range_end=prefix_range_end(prefix.encode()))
         auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name=JOB_ROLE, perm=permission),
                                  timeout=timeout)
-        auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=user, role=JOB_ROLE), timeout=timeout)
+        done_before(auth.UserGrantRole, etcdrpc.AuthUserGrantRoleRequest(user=user, role=JOB_ROLE))
         auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=timeout)
     return True

@@ -143,9 +143,11 @@ class ServedMember(EmbeddedEtcd):
 
 
 def _binary() -> str:
-    from .embedded import find_etcd_binary
+    from .etcd_binary import find_etcd_binary, warn_if_outdated
 
-    return find_etcd_binary()
+    binary = find_etcd_binary()
+    warn_if_outdated(binary)
+    return binary
 
 
 def first_member(host: str, port: int, host_id: str, log_dir: Optional[str] = None,

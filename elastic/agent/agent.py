@@ -197,7 +197,8 @@ class Agent:
         # The store that rounds use when one of our workers is rank 0. It lives as
         # long as the agent, so a worker crash never takes the store down with it. It
         # serves at once, without torch (store_server.py).
-        store = StoreServer(cfg.host_addr, "round-store")
+        store = StoreServer(cfg.host_addr, "round-store",  # stopped for good (it says why): leave the job
+                            on_failure=lambda why: self._inbox.put(_Signal(signal.SIGTERM)))
         health_server = None
         if cfg.health_port is not None:
             health_server = HealthServer(cfg.health_port, self.telemetry.health.probe,

@@ -18,6 +18,7 @@ included, which has not seen a worker of its own yet.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Callable, Optional
 
@@ -30,6 +31,14 @@ from .store_server import StoreServer
 log = logging.getLogger(__name__)
 
 _KEEP_ROUNDS = 2  # the current round's store, and the previous one while it drains
+_ROUND_NUMBER = re.compile(r"[0-9]{1,12}")  # a round number as the runtime writes it: int() of it is cheap and safe
+
+
+def round_number(text: str) -> Optional[int]:
+    """The round number ``text`` names, or None when it is not one (anyone who reaches a
+    store can write a key: 5,000 digits made ``int()`` raise and ended the agent,
+    security review 2, H2)."""
+    return int(text) if _ROUND_NUMBER.fullmatch(text) else None
 
 
 class PlainStores:
@@ -67,8 +76,8 @@ class PlainStores:
         """
         kvs, _ = self._etcd.get_prefix(self._keys.prefix + "plainstores/")
         for kv in kvs:
-            number = kv.key.rsplit("/", 1)[1]
-            if number.isdigit() and int(number) <= current - _KEEP_ROUNDS:
+            number = round_number(kv.key.rsplit("/", 1)[1])
+            if number is not None and number <= current - _KEEP_ROUNDS:
                 self._etcd.delete(kv.key)
 
     def job_is_elastic(self) -> bool:
@@ -130,10 +139,16 @@ def prune_round_keys(store, current_round: int) -> None:
     (``/round/<n>/...``, see worker/ring_entry.py): a job that re-forms a thousand
     times must not keep a thousand rounds of keys. ``store`` is the agent's server
     (its ``list_keys``/``delete_key`` see keys as torch's client lists them); ``None``:
-    it is closed, so there is nothing to prune."""
+    it is closed, so there is nothing to prune. Housekeeping never ends the agent: a
+    failure here is logged and the keys wait for the next round."""
     if store is None:
         return
-    for key in store.list_keys():
-        parts = key.split("/", 3)
-        if len(parts) > 2 and parts[1] == "round" and parts[2].isdigit() and int(parts[2]) < current_round - 1:
-            store.delete_key(key)
+    try:
+        for key in store.list_keys():
+            parts = key.split("/", 3)
+            number = round_number(parts[2]) if len(parts) > 2 and parts[1] == "round" else None
+            if number is not None and number < current_round - 1:
+                store.delete_key(key)
+    except Exception as exc:  # noqa: BLE001 - pruning is housekeeping: the job goes on without it
+        log.error("round %d: pruning the round store failed (%s: %s); the job goes on",
+                  current_round, type(exc).__name__, exc)

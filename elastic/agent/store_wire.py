@@ -137,52 +137,95 @@ def _count(buf, pos: int, end: int) -> int:
     return count
 
 
+MAX_REQUEST_LEN = 4 * MAX_VALUE_LEN  # one request, announced or whole (torch's largest: a CAS of two values)
+
+
 def parse_request(buf, start: int = 0, validated: bool = True) -> Union[tuple[Request, int], Need]:
     """The request at ``buf[start:]`` and where it ends, or ``Need`` when it is not all
     there yet; ``WireError`` when it is not one torch's client sends. Before a
     connection is ``validated``, only VALIDATE with the magic number is one."""
-    end = len(buf)
-    if start >= end:
-        return Need(1)
-    code = buf[start]
-    try:
-        query, fields = _BY_CODE[code]
-    except KeyError:
-        raise WireError(f"unknown query type {code}") from None
-    if validated == (query is Query.VALIDATE):
-        raise WireError("a request before validation" if not validated else "a second validation")
-    pos = start + 1
-    keys: list[bytes] = []
-    values: list[bytes] = []
-    number = 0
-    try:
-        for field in fields:
-            if field == "k":
-                key, pos = _sized(buf, pos, end, MAX_KEY_LEN, "a key")
-                keys.append(key)
-            elif field == "v":
-                value, pos = _sized(buf, pos, end, MAX_VALUE_LEN, "a value")
-                values.append(value)
-            elif field == "q":
-                number = _number(buf, pos, end, _I64)
-                pos += 8
-            elif field == "u":
-                number = _number(buf, pos, end, _U32)
-                pos += 4
-            else:  # "K", "S": a count, then that many keys (or key-value pairs)
-                count = _count(buf, pos, end)
-                pos += 8
-                for _ in range(count):
-                    key, pos = _sized(buf, pos, end, MAX_KEY_LEN, "a key")
-                    keys.append(key)
-                    if field == "S":
-                        value, pos = _sized(buf, pos, end, MAX_VALUE_LEN, "a value")
-                        values.append(value)
-    except _Short as short:
-        return Need(short.size - start)
-    if query is Query.VALIDATE and number != VALIDATION_MAGIC:
-        raise WireError(f"validation with the wrong magic number {number:#x}")
-    return Request(query, tuple(keys), tuple(values), number), pos
+    return RequestParser(validated).feed(buf, start)
+
+
+class RequestParser:
+    """One request read as its bytes arrive: what was parsed is kept between pieces, so
+    a request that comes in many pieces costs its length once, not once per piece (a
+    128 Ki-key MULTI_SET streamed in 64 KiB pieces cost seconds of the server's single
+    thread, security review 2, M5). A request longer than ``MAX_REQUEST_LEN`` (more than
+    one value and one key of torch's caps can need) is refused as soon as that is known."""
+
+    __slots__ = ("validated", "_start", "_query", "_fields", "_field", "_pos", "_keys", "_values", "_number",
+                 "_count")
+
+    def __init__(self, validated: bool = True):
+        self.validated = validated
+        self._start = -1  # no request under way
+
+    def feed(self, buf, start: int) -> Union[tuple[Request, int], Need]:
+        """Go on with the request at ``buf[start:]`` (the same start until it is whole)."""
+        if self._start != start:
+            self._begin(buf, start)
+            if self._start != start:
+                return Need(1)
+        end = len(buf)
+        try:
+            while self._field < len(self._fields):
+                self._parse_field(buf, end, self._fields[self._field])
+        except _Short as short:
+            size = short.size - start
+            if size > MAX_REQUEST_LEN:
+                raise WireError(f"a request of at least {size} bytes (at most {MAX_REQUEST_LEN})") from None
+            return Need(size)
+        query, number = self._query, self._number
+        if query is Query.VALIDATE and number != VALIDATION_MAGIC:
+            raise WireError(f"validation with the wrong magic number {number:#x}")
+        self.validated = True
+        self._start = -1
+        return Request(query, tuple(self._keys), tuple(self._values), number), self._pos
+
+    def _begin(self, buf, start: int) -> None:
+        if start >= len(buf):
+            return
+        code = buf[start]
+        try:
+            self._query, self._fields = _BY_CODE[code]
+        except KeyError:
+            raise WireError(f"unknown query type {code}") from None
+        if self.validated == (self._query is Query.VALIDATE):
+            raise WireError("a request before validation" if not self.validated else "a second validation")
+        self._start, self._field, self._pos = start, 0, start + 1
+        self._keys, self._values, self._number, self._count = [], [], 0, None
+
+    def _parse_field(self, buf, end: int, field: str) -> None:
+        """Parse one field (or one key of a counted list) at ``self._pos``; _Short when the
+        buffer ends first (nothing is consumed then: the next piece retries it)."""
+        pos = self._pos
+        if field == "k":
+            key, self._pos = _sized(buf, pos, end, MAX_KEY_LEN, "a key")
+            self._keys.append(key)
+        elif field == "v":
+            value, self._pos = _sized(buf, pos, end, MAX_VALUE_LEN, "a value")
+            self._values.append(value)
+        elif field == "q":
+            self._number = _number(buf, pos, end, _I64)
+            self._pos = pos + 8
+        elif field == "u":
+            self._number = _number(buf, pos, end, _U32)
+            self._pos = pos + 4
+        else:  # "K", "S": a count, then that many keys (or key-value pairs), one per call
+            if self._count is None:
+                self._count = _count(buf, pos, end)
+                self._pos = pos + 8
+            elif field == "S" and len(self._values) < len(self._keys):
+                value, self._pos = _sized(buf, pos, end, MAX_VALUE_LEN, "a value")
+                self._values.append(value)
+            elif len(self._keys) < self._count:
+                key, self._pos = _sized(buf, pos, end, MAX_KEY_LEN, "a key")
+                self._keys.append(key)
+            else:
+                self._field += 1
+            return
+        self._field += 1
 
 
 # -- answers ---------------------------------------------------------------------------

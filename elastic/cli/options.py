@@ -164,6 +164,7 @@ def etcd_config(args: argparse.Namespace) -> EtcdConfig:
         args.rdzv_endpoint,
         ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
         user=args.etcd_user, password=args.etcd_password,
+        require_auth=bool(args.etcd_user) and not getattr(args, "allow_insecure", False),
         # Only the launcher has this option (`elastic-run status` keeps the default).
         retry_deadline=getattr(args, "etcd_retry_deadline", None),
     )

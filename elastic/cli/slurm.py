@@ -29,6 +29,7 @@ back from ``--checkpoint-dir``, not from etcd.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import re
@@ -145,9 +146,16 @@ def apply(args: argparse.Namespace, env: Mapping[str, str]) -> None:
 
 
 def default_secret_file(env: Mapping[str, str], job_id: str) -> str:
-    """Where the first node leaves a generated job secret for the others (shared home)."""
+    """Where the first node leaves a generated job secret for the others (shared home).
+    The name holds the allocation and its restart count whatever ``--job-id`` says: two
+    allocations resuming one job id once shared the file, and the first to end deleted
+    the other's secret (security review 2, L1)."""
     directory = env.get("ELASTIC_JOB_SECRET_DIR") or os.path.join(os.path.expanduser("~"), ".elastic-run", "secrets")
-    return os.path.join(directory, f"{job_id}.secret")
+    allocation = env.get("SLURM_JOB_ID", "")
+    restart = env.get("SLURM_RESTART_COUNT", "0")
+    run = f"{allocation}-r{restart}" if restart not in ("", "0") else allocation
+    own = not allocation or job_id in (f"slurm-{allocation}", f"slurm-{run}")  # Slurm's own job ids name it
+    return os.path.join(directory, f"{job_id}.secret" if own else f"{job_id}@{run}.secret")
 
 
 def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
@@ -171,7 +179,7 @@ def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
                 secret = new_secret()
                 try:
                     os.makedirs(os.path.dirname(args.slurm_secret_file), mode=0o700, exist_ok=True)
-                    write_secret_file(args.slurm_secret_file, secret)
+                    write_secret_file(args.slurm_secret_file, secret, exclusive=True)
                     register(args.slurm_secret_file)  # gone with this process, even a SIGKILLed one
                 except OSError as exc:
                     raise RendezvousError(f"cannot write the job secret {args.slurm_secret_file}: "
@@ -181,7 +189,8 @@ def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
             joins = f" and {SECRET_FILE_ENV}={args.slurm_secret_file}" if args.slurm_secret is None else \
                 " and the same ELASTIC_JOB_SECRET"
         etcd = _StepEtcd(host=address, port=int(port), security=security, server_names=(host,))
-        etcd.generated_secret = args.slurm_secret_file if secured and args.slurm_secret is None else None
+        if secured and args.slurm_secret is None:  # removed at stop only while it is still the one written here
+            etcd.generated_secret = (args.slurm_secret_file, _digest(args.slurm_secret_file))
         etcd.start()
         etcd.keep_up()
         log.info("embedded etcd for the Slurm job at %s (%s%s); another allocation joins with "
@@ -199,6 +208,18 @@ def serve_rendezvous(args: argparse.Namespace) -> Optional[EmbeddedEtcd]:
             raise RendezvousError(f"the listener at {host}:{port} is not this job's etcd, refused: {refusal} "
                                   f"(another process on the port?)")
     return None
+
+
+def _digest(path: str) -> Optional[str]:
+    """The SHA-256 of a small file's bytes (symlinks not followed), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return hashlib.sha256(os.read(fd, 1 << 16)).hexdigest()
+    finally:
+        os.close(fd)
 
 
 def _wait_for_secret(path: str, deadline: float) -> str:
@@ -243,14 +264,16 @@ class _StepEtcd(EmbeddedEtcd):
                 except RendezvousError as exc:
                     log.warning("cannot start the embedded etcd again: %s", exc)
 
-    generated_secret = None  # the secret file this node wrote: it goes with the job's etcd
+    generated_secret = None  # (path, digest) of the secret file this node wrote: it goes with the etcd
 
     def stop(self) -> None:
         if self.generated_secret:
-            try:
-                os.unlink(self.generated_secret)
-            except OSError:
-                pass
+            path, digest = self.generated_secret
+            if _digest(path) == digest:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         guard = getattr(self, "_guard", None)
         if guard is None:
             super().stop()

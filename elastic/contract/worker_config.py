@@ -16,9 +16,9 @@ from .devices import uses_nccl
 from .timeouts import Timeouts
 
 PREFIX = "ELASTIC_WORKER_"
-# Never passed on to a worker: the etcd password and the job secret (cli/etcd_secrets.py).
+# Never passed on to a worker: the etcd password, the job secret and the path to it (cli/etcd_secrets.py).
 # A worker reads the password from the 0600 file ``etcd_password_file`` names.
-INHERITED_SECRETS = ("ELASTIC_ETCD_PASSWORD", "ELASTIC_JOB_SECRET")
+INHERITED_SECRETS = ("ELASTIC_ETCD_PASSWORD", "ELASTIC_JOB_SECRET", "ELASTIC_JOB_SECRET_FILE")  # (review 2, L4)
 
 
 @dataclass(frozen=True)

@@ -297,7 +297,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
         dist.broadcast(payload, src=root_rank)
     if basics.rank() == root_rank:
         return obj
-    return pickle.load(io.BytesIO(payload.numpy().tobytes()))
+    return pickle.load(io.BytesIO(wire.host_bytes(payload)))
 
 
 MAX_PLAIN_BYTES = 256 << 20  # what broadcast_plain accepts from the root
@@ -320,7 +320,7 @@ def allgather_object(obj, name=None):
     """Every rank's object, in rank order."""
     payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
     lengths = wait(start_allgather(torch.tensor([payload.numel()], dtype=torch.int64))).tolist()
-    gathered = wait(start_allgather(payload)).numpy().tobytes()
+    gathered = wire.host_bytes(wait(start_allgather(payload)))
     objects, offset = [], 0
     for length in lengths:
         objects.append(pickle.loads(gathered[offset:offset + length]))

@@ -40,6 +40,11 @@ def decode_report(body: bytes, rank: int, current_round: int) -> tuple:
     """A rank's report: counts only, worlds of one or more, shards inside their world, and
     no commit of a round after ``current_round``; else PeerDataInvalid."""
     what = f"shard report of rank {rank}"
+    with wire.decoding(what):
+        return _decode_report(body, what, current_round)
+
+
+def _decode_report(body: bytes, what: str, current_round: int) -> tuple:
     parts = wire.loads(body, what, limit=MAX_REPORT_BYTES)
     if type(parts) is not list or len(parts) != 3 or any(type(p) is not list for p in parts):
         raise PeerDataInvalid(f"{what}: expected three lists")
@@ -108,8 +113,10 @@ def encode_meta(meta: Optional[CommitMeta]) -> bytes:
 
 
 def decode_meta(body: bytes, src: int, current_round: int) -> Optional[CommitMeta]:
-    value = wire.loads(body, f"commit meta from rank {src}", limit=MAX_META_BYTES, tensors=True)
-    return None if value is None else _meta(value, current_round)
+    what = f"commit meta from rank {src}"
+    value = wire.loads(body, what, limit=MAX_META_BYTES, tensors=True)
+    with wire.decoding(what):  # a slip of ours on a peer's bytes is the peer's fault
+        return None if value is None else _meta(value, current_round)
 
 
 def broadcast_found(found: Optional[tuple[str, dict]], rank: int, backend: str) -> Optional[tuple[str, dict]]:

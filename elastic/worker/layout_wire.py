@@ -5,7 +5,8 @@ where each tensor lies in the flat buffers, the plain values) to every receiver,
 allocates buffers by it and loads the state it then receives. So a layout is checked
 as a whole before anything is allocated: known dtypes and device kinds, every tensor
 inside its buffer, a tree whose leaves match the tensors and plain values it names,
-and buffers that fit in this host's memory. A layout that fails is ``PeerDataInvalid``.
+and buffers that fit in this host's memory. A layout that fails is ``PeerDataInvalid``,
+and so is anything else that fails while decoding it (security review 2, M4).
 
 What this does not check: that the values are the job's (a member that sends a well
 formed layout of another model is believed; see SECURITY.md: whoever can write the
@@ -39,6 +40,11 @@ def encode(layout: Layout) -> bytes:
 
 def decode(data: bytes, *, limit: int, memory_bytes: int | None = None) -> Layout:
     """The layout ``encode`` made, or PeerDataInvalid saying what is wrong with it."""
+    with wire.decoding(_WHAT):
+        return _decode(data, limit, memory_bytes)
+
+
+def _decode(data: bytes, limit: int, memory_bytes: int | None) -> Layout:
     body = wire.loads(data, _WHAT, limit=limit)
     if type(body) is not dict or set(body) != {"treedef", "tensors", "buffers", "plains"}:
         raise PeerDataInvalid(f"{_WHAT}: expected treedef, tensors, buffers and plains")
@@ -64,7 +70,7 @@ def _list(value: Any, name: str) -> list:
 
 
 def _count(value: Any, name: str) -> int:
-    if type(value) is not int or value < 0:
+    if type(value) is not int or not 0 <= value < wire.MAX_DIMENSION:
         raise PeerDataInvalid(f"{_WHAT}: {name} must be a count, got {str(value)[:40]!r}")
     return value
 
@@ -75,6 +81,7 @@ def _buffer(entry: Any) -> tuple:
     dtype = wire.dtype_named(entry[0], _WHAT)
     if entry[1] not in _KINDS:
         raise PeerDataInvalid(f"{_WHAT}: unknown device kind {str(entry[1])[:20]!r}")
+    wire.device_kind(entry[1], _WHAT)  # "cuda" buffers only where this host has CUDA
     return dtype, entry[1], _count(entry[2], "a buffer's size")
 
 
@@ -100,7 +107,8 @@ def _spec(entry: Any, buffers: tuple) -> TensorSpec:
 
 def _check_tree(node: Any, counts: dict, depth: int) -> None:
     """Every node of a treedef well formed (see checkpoint/snapshot.py); counts its leaves."""
-    if depth > wire.MAX_DEPTH or type(node) is not tuple or not node or _TAGS.get(node[0]) != len(node):
+    if (depth > wire.MAX_DEPTH or type(node) is not tuple or not node or type(node[0]) is not str
+            or _TAGS.get(node[0]) != len(node)):
         raise PeerDataInvalid(f"{_WHAT}: malformed tree node {str(node)[:40]}")
     tag = node[0]
     if tag in counts:

@@ -7,13 +7,14 @@ Only the dead rank's ring neighbours see a broken socket; the other survivors
 wait on live peers that are themselves stuck.
 
 What does wake a gloo operation is an error on one of its TCP pairs. So
-``RingHandle.abort()`` calls ``shutdown(SHUT_RDWR)`` on this process's gloo
-connections: gloo's event loop reads end-of-stream, marks each pair failed and
-fails every pending and future operation on it ("Connection closed by peer"),
-whether the caller waits on a Work (``dist.all_reduce``) or on its Future (DDP's
-reducer). The FIN also reaches the peers, which is harmless: they abort too.
-``shutdown`` changes only the connection state; the descriptors stay gloo's, so
-gloo closes them itself when the group is destroyed (no double close).
+``RingHandle.abort()`` shuts this process's gloo connections down: gloo's event
+loop reads end-of-stream, marks each pair failed and fails every pending and
+future operation on it ("Connection closed by peer"), whether the caller waits on
+a Work (``dist.all_reduce``) or on its Future (DDP's reducer). The read side is
+shut first and the write side (the FIN that wakes the peers) only once gloo failed
+the pair: shutting both at once lost a send issued in between, a 60 s stall
+(ring_sockets.py). ``shutdown`` changes only the connection state; the
+descriptors stay gloo's, so gloo closes them itself (no double close).
 
 Which sockets are the ring's: the ones that appear across ``init_process_group``
 (gloo connects its full mesh there). The caller takes a ``SocketSnapshot`` just
@@ -49,7 +50,7 @@ from elastic.rendezvous import RoundPlan
 
 from ..contract.console import FILE_ONLY
 from ..contract.devices import uses_nccl
-from . import nccl_abort
+from . import nccl_abort, ring_sockets
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ class RingHandle:
             self._left_by_plan = not sockets
             backend, self._other_backend = self._other_backend, None
         connections = self._current_connections() if sockets else frozenset()
-        closed = sum(_shutdown_if_same(fd, inode) for fd, inode in connections)
+        closed = ring_sockets.shut_reads(connections)  # reads now, writes once gloo failed the pair
         if backend is None:
             log.info("ring aborted: shut down %d of %d gloo connections", closed, len(connections), extra=FILE_ONLY)
             return

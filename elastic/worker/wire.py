@@ -14,7 +14,15 @@ it comes back as the same type:
     ["T", dtype, shape, base64, kind]  a tensor, "cpu" or "cuda" (only where the caller allows them)
 
 ``loads`` refuses anything else, nesting deeper than ``MAX_DEPTH`` and messages over
-the caller's bound, with ``PeerDataInvalid``: a ring failure, never the user's.
+the caller's bound, with ``PeerDataInvalid``: a ring failure, never the user's. So does
+anything else that fails while decoding (security review 2, M4: a dimension of 2^63 in
+an empty tensor, a quantized or sub-byte dtype made torch raise, which counted as the
+user's error and failed the job): tensors of the dtypes in ``DTYPES`` only, dimensions
+below ``MAX_DIMENSION``, "cuda" tensors only where this host has CUDA. Parsed JSON takes
+up to about 20 times its bytes in memory (a list of small numbers), so a bound on a
+message's bytes bounds what its receiver holds.
+
+No numpy: torch does not require it, so a plain install has none (review 2, M7).
 The transport helpers send a message as its length (one int64) and then its bytes,
 and check the length against the bound before they allocate anything.
 """
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import datetime
 import json
 from collections import OrderedDict
@@ -34,16 +43,36 @@ import torch.distributed as dist
 from ..contract.errors import PeerDataInvalid
 
 MAX_DEPTH = 64  # containers within containers; a state tree is a few levels deep
+MAX_DIMENSION = 1 << 62  # torch's sizes are int64: beyond, an empty tensor's shape overflows
 _ATOMS = (type(None), bool, int, float, str)
 _ATOM_SET = frozenset(_ATOMS)
-# Every dtype torch names, by its printed name ("torch.float32"): nothing else is looked up.
-DTYPES: dict[str, torch.dtype] = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+# The dtypes a state may hold, by their printed name ("torch.float32"): an allowlist. Left
+# out: quantized (qint8, quint8, ...) and sub-byte (uint1-7, int1-7, bits*, float4) dtypes,
+# whose bytes cannot be viewed and cloned as a tensor's.
+_DTYPE_NAMES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+                "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+                "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz", "float8_e8m0fnu")
+DTYPES: dict[str, torch.dtype] = {str(getattr(torch, n)): getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
 
 
 def dtype_named(name: Any, what: str) -> torch.dtype:
     if not isinstance(name, str) or name not in DTYPES:
         raise PeerDataInvalid(f"{what}: unknown dtype {str(name)[:40]!r}")
     return DTYPES[name]
+
+
+def device_kind(kind: Any, what: str) -> str:
+    """"cpu", or "cuda" where this host has CUDA; PeerDataInvalid else."""
+    if kind == "cpu" or (kind == "cuda" and torch.cuda.is_available()):
+        return kind
+    raise PeerDataInvalid(f"{what}: tensors of device kind {str(kind)[:20]!r} cannot be held here")
+
+
+def host_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of ``tensor``, copied to the host, without numpy."""
+    host = tensor.detach().to("cpu").contiguous()
+    size = host.numel() * host.element_size()
+    return ctypes.string_at(host.data_ptr(), size) if size else b""
 
 
 def to_plain(value: Any, *, tensors: bool = False, depth: int = 0) -> Any:
@@ -66,7 +95,7 @@ def to_plain(value: Any, *, tensors: bool = False, depth: int = 0) -> Any:
         return ["o", items, to_plain(getattr(value, "_metadata", None), depth=depth + 1)]
     if tensors and isinstance(value, torch.Tensor):
         host = value.detach().to("cpu").contiguous()
-        data = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
+        data = host_bytes(host)
         kind = "cuda" if value.is_cuda else "cpu"
         return ["T", str(host.dtype), list(host.shape), base64.b64encode(data).decode("ascii"), kind]
     raise ValueError(f"{kind.__module__}.{kind.__qualname__} cannot travel between workers")
@@ -107,6 +136,7 @@ def from_plain(obj: Any, what: str, *, tensors: bool = False, depth: int = 0) ->
                 out._metadata = meta
         return out
     if tag == "T" and tensors and len(body) == 4 and body[3] in ("cpu", "cuda"):
+        device_kind(body[3], what)
         tensor = _tensor(body, what)
         # A CUDA value comes back on this worker's device, as pickle would bring it back.
         return tensor.to(torch.cuda.current_device()) if body[3] == "cuda" and torch.cuda.is_available() else tensor
@@ -123,7 +153,8 @@ def _b64(text: str, what: str) -> bytes:
 def _tensor(body: list, what: str) -> torch.Tensor:
     dtype = dtype_named(body[0], what)
     shape = body[1]
-    if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
+    if type(shape) is not list or len(shape) > MAX_DEPTH or \
+            any(type(d) is not int or not 0 <= d < MAX_DIMENSION for d in shape):
         raise PeerDataInvalid(f"{what}: a tensor's shape must be a list of sizes")
     data = _b64(body[2], what) if isinstance(body[2], str) else None
     numel = 1
@@ -149,7 +180,24 @@ def loads(data: bytes, what: str, *, limit: int, tensors: bool = False) -> Any:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise PeerDataInvalid(f"{what}: not plain data ({type(exc).__name__})") from None
-    return from_plain(obj, what, tensors=tensors)
+    with decoding(what):
+        return from_plain(obj, what, tensors=tensors)
+
+
+class decoding:
+    """``with decoding(what):`` anything but PeerDataInvalid raised inside becomes one: a
+    decoder's own slip on a peer's bytes is the peer's fault, never the user's."""
+
+    def __init__(self, what: str):
+        self._what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or isinstance(exc, PeerDataInvalid) or not isinstance(exc, Exception):
+            return False
+        raise PeerDataInvalid(f"{self._what}: cannot be decoded ({kind.__name__}: {str(exc)[:120]})") from None
 
 
 # -- transport: length, then bytes ------------------------------------------------------
@@ -188,7 +236,7 @@ def recv_bytes(src: int, device, tag: int, what: str, limit: int, wait_s: Option
         dist.irecv(size, src=src, tag=tag).wait(datetime.timedelta(seconds=wait_s))
     body = torch.empty(_checked_length(size, what, limit), dtype=torch.uint8, device=device)
     dist.recv(body, src=src, tag=tag + 1)
-    return body.cpu().numpy().tobytes()
+    return host_bytes(body)
 
 
 def broadcast_bytes(data: Optional[bytes], src: int, rank: int, device, what: str, limit: int) -> bytes:
@@ -198,7 +246,7 @@ def broadcast_bytes(data: Optional[bytes], src: int, rank: int, device, what: st
     n = _checked_length(size, what, limit)
     body = _body(data, device) if rank == src else torch.empty(n, dtype=torch.uint8, device=device)
     dist.broadcast(body, src=src)
-    return body.cpu().numpy().tobytes()
+    return host_bytes(body)
 
 
 def all_gather_bytes(data: bytes, world: int, device, what: str, limit: int) -> list[bytes]:
@@ -211,4 +259,4 @@ def all_gather_bytes(data: bytes, world: int, device, what: str, limit: int) -> 
     mine[: len(data)] = _body(data, device)
     bodies = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(bodies, mine)
-    return [b[:n].cpu().numpy().tobytes() for b, n in zip(bodies, lengths)]
+    return [host_bytes(b[:n]) for b, n in zip(bodies, lengths)]

@@ -663,11 +663,14 @@ def test_worker_ports_admit_only_the_jobs_pods_but_for_the_health_port(path):
     policy = next(p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "elastic-worker")
     labels = workload["spec"]["template"]["metadata"]["labels"]
     assert selects(policy["spec"]["podSelector"]["matchLabels"], labels)
-    open_ports = [port["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for port in rule["ports"]]
-    assert open_ports == [int(pod_env(docs)["ELASTIC_HEALTH_PORT"])] == [named_port(container, "health")]
-    (peers,) = [rule["from"] for rule in policy["spec"]["ingress"] if "from" in rule]
+    rules = policy["spec"]["ingress"]
+    assert all("from" in rule for rule in rules)  # nothing from anywhere (security review 2, M2)
+    (health,) = [rule for rule in rules if "ports" in rule]
+    assert [port["port"] for port in health["ports"]] == [int(pod_env(docs)["ELASTIC_HEALTH_PORT"])] == \
+        [named_port(container, "health")]
+    assert health["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    (peers,) = [rule["from"] for rule in rules if "ports" not in rule]  # every port, the job's pods only
     assert [selects(peer["podSelector"]["matchLabels"], labels) for peer in peers] == [True]
-    assert not any("ports" in rule for rule in policy["spec"]["ingress"] if "from" in rule)  # every port, job only
 
 
 @pytest.mark.parametrize("path", FULL_BUILDS, ids=lambda p: p.name or "deploy")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elastic.rendezvous import embedded
+from elastic.rendezvous import etcd_binary
 from elastic.rendezvous.embedded import EmbeddedEtcd, EmbeddedEtcdCluster, find_etcd_binary
 from elastic.rendezvous.errors import RendezvousError
 from elastic.rendezvous.etcd import Etcd
@@ -55,7 +55,7 @@ def test_binary_on_path_wins_over_the_wheel(tmp_path):
 
 
 def test_no_binary_anywhere_gives_install_hint(monkeypatch):
-    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(etcd_binary.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RendezvousError) as info:
         find_etcd_binary({"PATH": ""})
     assert str(info.value) == (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import subprocess
+import sys
 
 import pytest
 
@@ -183,5 +184,95 @@ def test_the_kubernetes_auth_job_enables_auth_once_and_again_harmlessly(tmp_path
         with _client(server, tmp_path, secret, password=None, user=None) as stranger:
             with pytest.raises(RendezvousAuthError):
                 stranger.put("/elastic/k", b"evil")
+    finally:
+        server.stop()
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            address, port = line.split()[3].rsplit(":", 1)
+            found.append((address.strip("[]"), int(port)))
+    return found
+
+
+def test_slurms_secured_etcd_keeps_raft_on_loopback_behind_tls_and_client_certificates(tmp_path):
+    # Security review 2, H1: the secured embedded etcd served raft in plain HTTP, without
+    # authentication, on the node's address: a stranger read /members and one forged
+    # heartbeat panicked etcd (47 of 48 authenticated writes failed at two a second).
+    import socket
+    import ssl
+    import urllib.request
+
+    etcd_binary_or_skip()
+    address = "127.0.0.2"  # the node's routable address, as far as this test is concerned
+    server = slurm._StepEtcd(host=address, security=JobSecret(new_secret()), binary=etcd_binary_or_skip()).start()
+    try:
+        listening = _listening(server.pid)
+        off_loopback = [(a, p) for a, p in listening if a != "127.0.0.1"]
+        assert off_loopback == [(address, server.client_port)], listening  # the clients' port only
+        assert ("127.0.0.1", server.peer_port) in listening
+        # The peer port speaks TLS and wants a certificate of the job's CA: plain HTTP and a
+        # TLS client without one both get nothing.
+        with pytest.raises(Exception):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.peer_port}/members", timeout=5).read()
+        context = ssl.create_default_context(cafile=server.client_files.ca_cert)
+        context.check_hostname = False
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            with socket.create_connection(("127.0.0.1", server.peer_port), timeout=5) as raw:
+                with context.wrap_socket(raw) as tls:
+                    tls.sendall(b"GET /members HTTP/1.1\r\nHost: x\r\n\r\n")
+                    if not tls.recv(1):
+                        raise ConnectionError("closed")
+        with Etcd(server.config()) as client:  # and the job's own clients still work
+            client.put("/elastic/h1", b"ok")
+            assert client.get("/elastic/h1").value == b"ok"
+    finally:
+        server.stop()
+
+
+def test_the_auth_job_enables_auth_whatever_a_first_attempt_left_and_clients_refuse_auth_off(tmp_path):
+    # Security review 2, M1: a first run of the etcd-auth Job that died after adding root made
+    # every retry print "auth was on already" and exit 0, while every key stayed open and the
+    # workers' password was silently ignored.
+    import grpc
+    from etcd3 import etcdrpc
+
+    from elastic.rendezvous.job_secret import write_private_file
+    js = JobSecret(new_secret())
+    files = js.client_files(str(tmp_path))
+    server_files = js.server_files(str(tmp_path), ["127.0.0.1"])
+    server = EmbeddedEtcd(binary=etcd_binary_or_skip(), scheme="https",
+                          extra_args=["--cert-file", server_files.cert, "--key-file", server_files.key],
+                          client_options={"ca_cert": files.ca_cert}).start()
+    try:
+        endpoint = f"127.0.0.1:{server.client_port}"
+        # Auth off: a client given a user refuses it (unless allowed), instead of ignoring the user.
+        options = dict(ca_cert=files.ca_cert, user="elastic", password=js.password, retry_deadline=1.0)
+        with pytest.raises(RendezvousAuthError, match="auth disabled although a user is configured"):
+            with Etcd(EtcdConfig(endpoints=(("127.0.0.1", server.client_port),), require_auth=True, **options)) as c:
+                c.get("/elastic/x")
+        # What a first attempt left (or a stranger who got there first): root, with its password.
+        with grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(js.ca_pem())) as channel:
+            etcdrpc.AuthStub(channel).UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="strangers"), timeout=5)
+        root_file = write_private_file(str(tmp_path / "root-password"), b"the-jobs-root-password")
+        command = [sys.executable, "-m", "elastic.cli.etcd_auth", "--endpoint", f"https://{endpoint}",
+                   "--ca", files.ca_cert, "--root-password-file", root_file, "--password-file", files.password_file]
+        for expected in ("auth enabled", "auth was on already"):  # the retry, then a run once done
+            run = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=str(REPO))
+            assert run.returncode == 0 and expected in run.stdout, (run.stdout, run.stderr)
+        anonymous = EtcdConfig(endpoints=(("127.0.0.1", server.client_port),), ca_cert=files.ca_cert,
+                               retry_deadline=1.0)
+        with pytest.raises(RendezvousError):
+            with Etcd(anonymous) as c:
+                c.put("/elastic/open", b"1")
+        with pytest.raises(RendezvousAuthError):  # the stranger's root password is no longer root's
+            with Etcd(EtcdConfig(endpoints=(("127.0.0.1", server.client_port),), ca_cert=files.ca_cert,
+                                 user="root", password="strangers", retry_deadline=1.0)) as c:
+                c.get("/elastic/x")
+        with Etcd(EtcdConfig(endpoints=(("127.0.0.1", server.client_port),), require_auth=True, **options)) as c:
+            c.put("/elastic/ok", b"1")
     finally:
         server.stop()

@@ -50,18 +50,59 @@ def test_a_sigkilled_process_leaves_no_private_file(tmp_path):
 def test_the_next_start_sweeps_what_a_dead_owner_and_reaper_left(tmp_path):
     root = tmp_path / "root"
     root.mkdir(mode=0o700)
-    dead, alive, settingup, other = root / "111-a", root / "222-b", root / ".333-c", root / "unrelated"
+    dead, alive, settingup, other = root / "111-abcd_123", root / "222-bcde_234", root / ".333-cdef_345", root / "unrelated"
     for d in (dead, alive, settingup, other):
         d.mkdir()
-    for d in (dead, alive, settingup):
+    for d in (dead, alive, settingup, other):
         (d / "lock").write_text("")
     held = os.open(alive / "lock", os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX)  # its owner lives (here: this test, through another open file)
     try:
-        assert sweep(str(root)) == ["111-a"]
+        assert sweep(str(root)) == ["111-abcd_123"]
     finally:
         os.close(held)
     assert not dead.exists() and alive.exists() and settingup.exists() and other.exists()
+
+
+def test_a_root_of_the_users_own_keeps_its_data_and_its_mode(tmp_path):
+    # Security review 2, M6: ELASTIC_PRIVATE_ROOT naming an existing directory of the user's
+    # (as the refusal message once suggested) lost every subdirectory holding an entry
+    # named "lock", a file or a directory, and the directory was chmod-ed 700.
+    from elastic.rendezvous.private_files import private_root
+    home = tmp_path / "home"
+    for name, lock_is_dir in (("thesis", False), ("webapp", True), ("1234-abcd_123", True)):
+        (home / name).mkdir(parents=True)
+        (home / name / "lock").mkdir() if lock_is_dir else (home / name / "lock").write_text("draft")
+    (home / "photos").mkdir()
+    home.chmod(0o755)
+    root = private_root({"ELASTIC_PRIVATE_ROOT": str(home)})
+    assert root == str(home / f"elastic-run-{os.getuid()}") and os.stat(root).st_mode & 0o777 == 0o700
+    sweep(root)
+    sweep(str(home))  # even pointed at the user's directory itself, the sweep keeps what is not its own
+    assert sorted(os.listdir(home)) == sorted(["thesis", "webapp", "1234-abcd_123", "photos", os.path.basename(root)])
+    assert (home / "thesis" / "lock").read_text() == "draft"
+    assert os.stat(home).st_mode & 0o777 == 0o755
+
+
+def test_a_squatted_default_root_falls_back_to_the_users_runtime_directory(tmp_path, monkeypatch):
+    # Security review 2, L8: another user who made /tmp/elastic-run-<uid> first stopped
+    # every launcher of this user.
+    import tempfile
+
+    from elastic.rendezvous.errors import ConfigError
+    from elastic.rendezvous.private_files import private_root
+    if os.getuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    tmp, runtime = tmp_path / "tmp", tmp_path / "run-user"
+    tmp.mkdir()
+    runtime.mkdir(mode=0o700)
+    squatted = tmp / f"elastic-run-{os.getuid()}"
+    squatted.mkdir()
+    os.chown(squatted, 4321, 4321)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    assert private_root({"XDG_RUNTIME_DIR": str(runtime)}) == str(runtime / f"elastic-run-{os.getuid()}")
+    with pytest.raises(ConfigError, match="is not a directory of this user's.*set ELASTIC_PRIVATE_ROOT"):
+        private_root({})
 
 
 def test_a_sigkilled_launcher_serving_a_secured_etcd_leaves_no_secret(tmp_path):
@@ -93,5 +134,5 @@ def test_a_sigkilled_launcher_serving_a_secured_etcd_leaves_no_secret(tmp_path):
     assert any(name.endswith(".progress") for name in files()), files()
     os.kill(job.proc.pid, signal.SIGKILL)  # the launcher only: its etcd and worker die with it
     job.proc.wait(10)
-    wait_until(lambda: not os.listdir(root), 15, "its private directories to go")
+    wait_until(lambda: not os.listdir(root / f"elastic-run-{os.getuid()}"), 15, "its private directories to go")
     assert os.path.exists(secret)  # the user's own file is never removed

@@ -246,3 +246,44 @@ def test_connections_beyond_the_bound_are_closed_and_slow_ones_cut_after_the_dea
             conn.close()
     finally:
         srv.stop()
+
+
+def test_slow_clients_holding_every_slot_never_starve_the_probes():
+    """Security review 2, M2: 40 slow clients racing for the 16 slots left 66 of 67 probes
+    unanswered, and the kubelet killed the pod. Now a new connection takes the oldest
+    request's slot, and one address holds 4 at most."""
+    srv = HealthServer(port=0, probe=lambda: (True, "x"), host="127.0.0.1", request_timeout=30).start()
+    stop = threading.Event()
+    held: list[socket.socket] = []
+
+    def hold(address: str) -> None:  # reconnects whenever cut, a byte every 0.2 s: never a whole request
+        conns: list[socket.socket] = []
+        while not stop.is_set():
+            while len(conns) < 8:
+                try:
+                    conns.append(socket.create_connection(("127.0.0.1", srv.port), timeout=2,
+                                                          source_address=(address, 0)))
+                    held.append(conns[-1])
+                except OSError:
+                    break
+            for conn in list(conns):
+                try:
+                    conn.sendall(b"G")
+                except OSError:
+                    conns.remove(conn)
+            stop.wait(0.2)
+
+    holders = [threading.Thread(target=hold, args=(f"127.0.0.{n}",), daemon=True) for n in range(2, 8)]
+    try:
+        for thread in holders:
+            thread.start()
+        time.sleep(1.0)  # every slot taken, and kept taken
+        answers = [get(srv.port, "/healthz") for _ in range(20)]
+        assert answers == [(200, "ok: x\n")] * 20
+    finally:
+        stop.set()
+        for thread in holders:
+            thread.join(5)
+        for conn in held:
+            conn.close()
+        srv.stop()

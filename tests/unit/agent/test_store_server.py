@@ -163,3 +163,153 @@ def test_a_cancelled_wait_is_answered_once(server):
     setter.send(request(Query.SET, b"never", b"now"))
     assert setter.get(b"never") == b"now"  # the set is done
     assert client.get(b"never") == b"now"  # and no stale STOP_WAITING came before this answer
+
+
+# -- bounds on every peer (security review 2: H3, M5, L6) ----------------------------------
+def _wait(predicate, timeout=10.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_pipelined_gets_never_read_stop_at_the_answer_bound(server):
+    # 40 GETs of a 1 MiB value in one packet, answers never read: before, every answer of
+    # the read buffer was built (N x the value; 1000 x 8 MiB took the store down).
+    from elastic.agent import store_server
+    client, other = Client(server.port), Client(server.port)
+    client.send(request(Query.SET, b"big", b"v" * (1 << 20)))
+    client.send(b"".join(request(Query.GET, b"big") for _ in range(40)))
+    assert _wait(lambda: server._buffered > 0)
+    other.send(request(Query.PING, 7))  # the store still answers others at once
+    assert other.recv(4) == struct.pack("=I", 7)
+    assert server._buffered <= store_server._OUT_HIGH + 2 * (1 << 20) + (1 << 16), server._buffered
+    # Once the peer reads, the rest of its requests are answered, every one of them.
+    total = 40 * (8 + (1 << 20))
+    assert len(client.recv(total)) == total
+
+
+def test_connections_are_capped_in_all_and_per_address(monkeypatch):
+    from elastic.agent import store_server
+    monkeypatch.setattr(store_server, "MAX_PER_ADDRESS", 6)
+    server = StoreServer("127.0.0.1", max_connections=10)
+    try:
+        local = [Client(server.port) for _ in range(6)]
+        # A seventh from the same address is closed at once; another address still gets in.
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        assert extra.recv(1) == b""
+        other_address = [socket.create_connection(("127.0.0.1", server.port), timeout=5, source_address=("127.0.0.2", 0))
+                         for _ in range(4)]
+        assert _wait(lambda: server.connections == 10)
+        over = socket.create_connection(("127.0.0.1", server.port), timeout=5, source_address=("127.0.0.3", 0))
+        assert over.recv(1) == b""  # over the cap in all
+        local[0].close()
+        assert _wait(lambda: server.connections == 9)
+        Client(server.port).close()  # a slot freed is a slot taken again
+    finally:
+        server.close()
+
+
+def test_a_connection_that_does_not_validate_in_time_is_closed(monkeypatch):
+    from elastic.agent import store_server
+    monkeypatch.setattr(store_server, "VALIDATE_S", 0.3)
+    monkeypatch.setattr(store_server, "_SWEEP_S", 0.1)
+    server = StoreServer("127.0.0.1")
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(20)]
+        good = Client(server.port)
+        for sock in idle:
+            assert sock.recv(1) == b""  # closed by the server, not left to hold a descriptor
+        assert _wait(lambda: server.connections == 1)
+        assert good.get(b"nothing") == b""  # a validated idle client is kept: workers idle for hours
+    finally:
+        server.close()
+
+
+def test_a_peer_that_leaves_its_answers_unread_is_dropped(monkeypatch):
+    from elastic.agent import store_server
+    monkeypatch.setattr(store_server, "STALLED_S", 0.3)
+    monkeypatch.setattr(store_server, "_SWEEP_S", 0.1)
+    server = StoreServer("127.0.0.1")
+    try:
+        client = Client(server.port)
+        client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.send(request(Query.SET, b"big", b"v" * (1 << 20)) + request(Query.GET, b"big") * 8)
+        assert _wait(lambda: server.connections == 0)
+        assert server._buffered == 0
+    finally:
+        server.close()
+
+
+def test_a_request_announcing_more_than_the_cap_is_refused_before_it_comes(server):
+    from elastic.agent.store_wire import MAX_REQUEST_LEN
+    bad = Client(server.port)
+    # Keys of 8 KiB each, as many as fit below MAX_KEY_COUNT: the sum passes the cap.
+    header = struct.pack("=BQ", Query.MULTI_GET, 128 * 1024)
+    key = struct.pack("=Q", MAX_KEY_LEN) + b"k" * MAX_KEY_LEN
+    sent = len(header)
+    bad.send(header)
+    try:
+        while sent < MAX_REQUEST_LEN + 2 * len(key):
+            bad.send(key)
+            sent += len(key)
+    except OSError:
+        pass  # closed while we sent: what the test wants
+    assert bad.closed_by_server()
+    assert server._buffered == 0
+
+
+def test_a_memory_error_serving_one_peer_drops_that_peer_only(server, monkeypatch):
+    table = server._table
+    handle = table.handle
+
+    def failing(conn, req):
+        if req.keys and req.keys[0] == b"boom":
+            raise MemoryError("no memory for this one")
+        return handle(conn, req)
+
+    monkeypatch.setattr(table, "handle", failing)
+    bad, good = Client(server.port), Client(server.port)
+    bad.send(request(Query.GET, b"boom"))
+    assert bad.closed_by_server()
+    good.send(request(Query.SET, b"k", b"v"))
+    assert good.get(b"k") == b"v"
+    assert server.started() is server
+
+
+def test_a_loop_that_keeps_failing_stops_loudly_and_tells_its_owner(monkeypatch, caplog):
+    from elastic.agent import store_server
+    monkeypatch.setattr(store_server, "_SWEEP_S", 0.01)
+    told = []
+    server = StoreServer("127.0.0.1", on_failure=told.append)
+    monkeypatch.setattr(server, "_sweep", lambda: (_ for _ in ()).throw(MemoryError("the sweep")))
+    try:
+        assert _wait(lambda: told, 10)
+        assert told == ["MemoryError: the sweep"]
+        assert server.started() is None  # the agent's pruning and member record see it gone
+        assert "stopped: MemoryError: the sweep" in caplog.text
+        assert caplog.text.count("serving again") == store_server._RESTARTS
+    finally:
+        server.close()
+
+
+def test_dropped_connections_are_logged_once_a_minute_per_address(server, caplog):
+    for _ in range(30):
+        bad = Client(server.port, validate=False)
+        bad.send(b"junk")
+        assert bad.closed_by_server()
+        bad.close()
+    lines = [r for r in caplog.records if "dropped the connection" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    bad = Client(server.port, validate=False)
+    bad.send(b"junk")
+    assert bad.closed_by_server()
+    server._dropped["127.0.0.1"] = (server._dropped["127.0.0.1"][0] - 61, server._dropped["127.0.0.1"][1])
+    bad = Client(server.port, validate=False)
+    bad.send(b"junk")
+    assert bad.closed_by_server()
+    lines = [r.getMessage() for r in caplog.records if "dropped the connection" in r.getMessage()]
+    assert len(lines) == 2 and "30 more from 127.0.0.1" in lines[1], lines

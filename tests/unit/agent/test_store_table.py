@@ -112,7 +112,7 @@ def test_a_forgotten_connection_is_never_woken_and_leaves_nothing_behind():
     [R(Query.SET, b"big", values=[b"x" * 1001]), R(Query.MULTI_GET, *[b"big"] * 4)],
 ], ids=["add-to-text", "add-overflow", "barrier-on-text", "multi-get-too-big"])
 def test_requests_that_cannot_be_served_are_refused(steps, monkeypatch):
-    monkeypatch.setattr(store_table, "MAX_REPLY_LEN", 4000)  # 256 MiB in the product
+    monkeypatch.setattr(store_table, "MAX_REPLY_LEN", 4000)  # 64 MiB in the product
     table = StoreTable()
     for request in steps[:-1]:
         table.handle("a", request)
@@ -128,3 +128,51 @@ def test_the_agents_view_strips_torchs_prefix_and_deletes_through_it():
     assert table.delete_key("/round/1/pg/rank_0") and not table.delete_key("/round/1/pg/rank_0")
     assert table.delete_key("\u00e9")
     assert table.list_keys() == ["job"]
+
+
+# -- the table's bounds (security review 2, H3) ----------------------------------------------
+def test_append_cannot_grow_a_value_past_torchs_cap_and_each_write_is_counted():
+    from elastic.agent.store_wire import MAX_VALUE_LEN
+    table = StoreTable()
+    piece = b"x" * (MAX_VALUE_LEN // 4)
+    for _ in range(4):
+        table.handle("a", R(Query.APPEND, b"grows", values=[piece]))
+    with pytest.raises(WireError, match="append beyond"):  # 64 x 8 MiB made one 512 MiB value
+        table.handle("a", R(Query.APPEND, b"grows", values=[b"y"]))
+    assert table.handle("a", R(Query.GET, b"grows")) == [("a", blob(piece * 4))]  # unchanged
+    assert (table.size, table.entries) == (len(b"grows") + MAX_VALUE_LEN, 1)
+    table.handle("a", R(Query.DELETE_KEY, b"grows"))
+    assert (table.size, table.entries) == (0, 0)
+
+
+@pytest.mark.parametrize("write", [
+    R(Query.SET, b"k3", values=[b"v" * 40]),
+    R(Query.MULTI_SET, b"k3", values=[b"v" * 40]),
+    R(Query.COMPARE_SET, b"k3", values=[b"", b"v" * 40]),
+    R(Query.APPEND, b"k3", values=[b"v" * 40]),
+    R(Query.QUEUE_PUSH, b"q", values=[b"v" * 40]),
+    R(Query.ADD, b"n", number=1),
+], ids=["set", "multi-set", "compare-set", "append", "queue-push", "add"])
+def test_a_full_table_refuses_every_kind_of_write(write, monkeypatch):
+    monkeypatch.setattr(store_table, "MAX_TABLE_BYTES", 100)
+    monkeypatch.setattr(store_table, "MAX_TABLE_ENTRIES", 3)
+    table = StoreTable()
+    table.handle("a", R(Query.SET, b"k1", values=[b"v" * 40]))
+    table.handle("a", R(Query.SET, b"k2", values=[b"v" * 40]))
+    table.handle("a", R(Query.SET, b"k0", values=[b""]))  # 3 entries, 86 bytes: full either way
+    with pytest.raises(WireError, match="the store is full"):
+        table.handle("a", write)
+    # Deleting makes room again; popping a queue gives its bytes back.
+    table.handle("a", R(Query.DELETE_KEY, b"k1"))
+    table.handle("a", R(Query.QUEUE_PUSH, b"q", values=[b"w"]))
+    table.handle("a", R(Query.QUEUE_POP, b"q"))
+    assert table.entries == 2 and table.size == len(b"k2") + 40 + len(b"k0")
+
+
+def test_list_keys_answers_are_capped(monkeypatch):
+    monkeypatch.setattr(store_table, "MAX_REPLY_LEN", 100)
+    table = StoreTable()
+    for n in range(10):
+        table.handle("a", R(Query.SET, b"key-%d" % n, values=[b""]))
+    with pytest.raises(WireError, match="list_keys"):
+        table.handle("a", R(Query.LIST_KEYS))

@@ -90,6 +90,8 @@ def test_a_sticky_cuda_error_is_left_to_the_main_thread_to_classify():
 
 
 def test_the_etcd_password_and_the_job_secret_are_not_inherited():
-    env = _env(base={"ELASTIC_ETCD_PASSWORD": "s3cret", "ELASTIC_JOB_SECRET": "x" * 64, "HOME": "/h"})
+    env = _env(base={"ELASTIC_ETCD_PASSWORD": "s3cret", "ELASTIC_JOB_SECRET": "x" * 64, "HOME": "/h",
+                     "ELASTIC_JOB_SECRET_FILE": "/h/job.secret"})  # root's password derives from it (review 2, L4)
     assert "ELASTIC_ETCD_PASSWORD" not in env and "ELASTIC_JOB_SECRET" not in env and env["HOME"] == "/h"
+    assert "ELASTIC_JOB_SECRET_FILE" not in env
     assert not any("s3cret" in value for value in env.values())

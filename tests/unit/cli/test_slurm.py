@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elastic.cli import launch as cli
@@ -149,3 +151,30 @@ def test_a_requeued_run_takes_its_checkpoint_directory_over(tmp_path, monkeypatc
     assert owner.owner_of(str(ckpt)) == config.job_id == "slurm-4321-r1"
     with pytest.raises(ConfigError, match="belongs to job 'slurm-4321-r1'"):  # another job is still refused
         _parse(tmp_path, monkeypatch, {**STEP, "SLURM_JOB_ID": "999"}, ["--checkpoint-dir", str(ckpt)])
+
+
+def test_two_allocations_resuming_one_job_id_never_share_or_delete_each_others_secret(tmp_path):
+    # Security review 2, L1: both wrote ~/.elastic-run/secrets/<job-id>.secret; when the
+    # first ended (or was SIGKILLed: its reaper removes by path), the second's was gone.
+    from elastic.cli.slurm import _StepEtcd, default_secret_file
+    from elastic.rendezvous.errors import ConfigError
+    from elastic.rendezvous.job_secret import new_secret, write_secret_file
+    home = {"ELASTIC_JOB_SECRET_DIR": str(tmp_path)}
+    first = default_secret_file({**home, "SLURM_JOB_ID": "101"}, "resume-me")
+    second = default_secret_file({**home, "SLURM_JOB_ID": "202"}, "resume-me")
+    requeued = default_secret_file({**home, "SLURM_JOB_ID": "101", "SLURM_RESTART_COUNT": "1"}, "resume-me")
+    assert len({first, second, requeued}) == 3 and all("resume-me" in p for p in (first, second, requeued))
+    write_secret_file(first, new_secret(), exclusive=True)
+    with pytest.raises(ConfigError, match="exists already"):  # never written over, whoever wrote it
+        write_secret_file(first, new_secret(), exclusive=True)
+    # An etcd stops and removes the file it wrote, and only that one: not a file put there since.
+    from elastic.cli.slurm import _digest
+    etcd = _StepEtcd()
+    etcd.generated_secret = (first, _digest(first))
+    os.unlink(first)
+    write_secret_file(first, new_secret())
+    etcd.stop()
+    assert os.path.exists(first)
+    etcd.generated_secret = (first, _digest(first))
+    etcd.stop()
+    assert not os.path.exists(first)
