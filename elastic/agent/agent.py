@@ -74,7 +74,7 @@ from .fate import FAIL, NETWORK_ROUND, REPLACE, RESTART_PLAIN, SUCCEED, Exit, Fa
 from .outcome import exit_status
 from .run_watch import RunWatch
 from .worker_env import worker_env
-from .workers import Exited, WorkerProcess, worker_output
+from .workers import Exited, WorkerProcess, WorkerTemplate, worker_output
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class Agent:
         self._plain_stores: Optional[PlainStores] = None
         self._peer_probe: Optional[PeerProbe] = None
         self.participant: Optional[Participant] = None
+        self._template = WorkerTemplate(config.warm_starts)  # forks workers with torch imported (warm_start.py)
         # Progress for `elastic-run status`, the summary at the end, --chaos-kill-every's monkey (run_watch.py).
         self._watch = RunWatch.of(self)
 
@@ -296,6 +297,7 @@ class Agent:
             output=worker_output(cfg, worker_id),
             error_file=worker_config.error_file,
             marker_file=worker_config.marker_file,
+            template=self._template,
         )
         self._slots.hold(slot, proc.pid, worker_id)
         self._workers[worker_id] = proc
@@ -497,6 +499,7 @@ class Agent:
         for proc in self._workers.values():
             proc.kill()
             proc.join(5)
+        self._template.close()
         if self.participant is not None:
             self.participant.leave()
         for server in (self._session_monitor, self._peer_probe, self._health_server):  # threads we started

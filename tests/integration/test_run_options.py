@@ -271,18 +271,29 @@ def test_a_torchrun_worker_started_again_after_a_crash_sees_restart_count_1(tmp_
     assert {(r["TORCHELASTIC_RESTART_COUNT"], r["TORCHELASTIC_MAX_RESTARTS"]) for r in ran} == {("1", "2")}, records
     killed = [e for e in events_named(job, "worker_exited") if e["signal"] == signal.SIGKILL]
     assert len(killed) == 1, killed
+    # Warm starts (the default): all three were forked from the agent's template with torch
+    # imported, yet each drew its own seeds, and the two started after the crash saw none
+    # of what the crashed one changed in its process (sys.path, sys.modules, warnings, torch).
+    assert all(r["warm"] for r in records), records
+    assert {(r["threads"], r["filters"], r["changed"], r["cuda"]) for r in records} == {(1, died[0]["filters"], False,
+                                                                                          False)}, records
+    for draw in ("torch_seed", "numpy_draw", "random_draw"):
+        assert len({r[draw] for r in records}) == 3, (draw, records)
 
 
 def test_dash_m_runs_a_module_as_main_with_its_arguments(tmp_path):
+    """With --cold-starts too: every worker a fresh interpreter, as a warm one looks."""
     out = tmp_path / "env.jsonl"
-    job = Job(tmp_path, ["--np", "2", "--log-dir", str(tmp_path / "logs"), "-m", "tests.fakes.env_probe",
-                         "--out", str(out), "--flag", "value"])
+    job = Job(tmp_path, ["--np", "2", "--cold-starts", "--log-dir", str(tmp_path / "logs"), "-m",
+                         "tests.fakes.env_probe", "--out", str(out), "--flag", "value"])
     assert job.wait(180) == 0, job.text()[-3000:]
     records = read_jsonl(out)
     assert sorted(int(r["RANK"]) for r in records) == [0, 1]
     for r in records:
         assert r["main"] is True
         assert r["argv"] == ["--out", str(out), "--flag", "value"]
+        assert not r["warm"] and r["threads"] == 1 and not r["changed"] and not r["cuda"]
+    assert len({r["torch_seed"] for r in records}) == 2
 
 
 # ----------------------------------------------------------------------------- bad ELASTIC_* values
