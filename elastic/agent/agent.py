@@ -129,7 +129,7 @@ class Agent:
         self._plain_stores: Optional[PlainStores] = None
         self._peer_probe: Optional[PeerProbe] = None
         self.participant: Optional[Participant] = None
-        self._template = WorkerTemplate(config.warm_starts)  # forks workers with torch imported (warm_start.py)
+        self._template = WorkerTemplate.of(config)  # forks workers with torch imported (warm_start.py)
         # Progress for `elastic-run status`, the summary at the end, --chaos-kill-every's monkey (run_watch.py).
         self._watch = RunWatch.of(self)
 

@@ -58,6 +58,28 @@ class WarmProcess:
         return self.returncode
 
 
+def why_not_warm(command: Sequence[str], nproc_per_node: int, max_restarts: int,
+                 read: Callable[[str], str] = lambda path: open(path, errors="replace").read()) -> Optional[str]:
+    """Why this agent's workers gain nothing from a template, if they do not.
+
+    The template costs one ``import torch`` (and torch._dynamo: 2.8 s of CPU here) and saves
+    as much at each worker start that would have imported torch. An agent that starts one
+    worker, and replaces none, saves nothing; a script that never imports torch loses it.
+    Whether a script imports torch is read from its text (or the elastic API's, which
+    imports it); a module run with -m is taken to. A script missed here starts fresh: the
+    decision costs speed, never correctness."""
+    if nproc_per_node < 2 and max_restarts < 1:
+        return "one worker and no --max-restarts: a template would not pay for its own import of torch"
+    if command and command[0] != "-m":
+        try:
+            text = read(command[0])
+        except OSError:
+            return None  # the worker's start will say why it cannot read it
+        if "torch" not in text and "elastic" not in text:
+            return "the script imports neither torch nor elastic"
+    return None
+
+
 class WorkerTemplate:
     """One agent's template process; ``start`` forks a worker from it, or says to start
     one fresh. Start it from the thread that starts the workers: like them, it dies with
@@ -66,6 +88,7 @@ class WorkerTemplate:
     def __init__(self, enabled: bool = True, *, python: str = sys.executable, preload: Optional[str] = None,
                  ready_wait: float = READY_WAIT_S, popen: Callable = subprocess.Popen):
         self.enabled = enabled
+        self._why_off: Optional[str] = None if enabled else "--cold-starts"
         self._preload = ["--preload", preload] if preload is not None else []  # tests: a template without torch
         self._python = python
         self._ready_wait = ready_wait
@@ -83,6 +106,16 @@ class WorkerTemplate:
         self._live: dict[int, WarmProcess] = {}
         self._reader: Optional[threading.Thread] = None
         self._told: set[str] = set()  # why-cold reasons already logged
+
+    @classmethod
+    def of(cls, config) -> "WorkerTemplate":
+        """The template of an agent of ``config`` (an AgentConfig): off with --cold-starts, or
+        when it would not pay (why_not_warm)."""
+        template = cls(config.warm_starts)
+        if template.enabled:
+            template._why_off = why_not_warm(config.command, config.nproc_per_node, config.max_restarts)
+            template.enabled = template._why_off is None
+        return template
 
     # -- the template's life ------------------------------------------------------------
     def _launch(self, env: Mapping[str, str], cwd: str) -> None:
@@ -173,7 +206,7 @@ class WorkerTemplate:
         """Fork the worker ``command`` (script + args, or -m module + args) with ``env``,
         ``cwd`` and ``output_fd`` as its stdout and stderr; None: start it fresh."""
         if not self.enabled:
-            return None
+            return None  # chosen (--cold-starts, why_not_warm): nothing to tell
         shared = {k: v for k, v in env.items() if not is_per_worker(k)}
         if self._env is None:
             self._launch(shared, cwd)

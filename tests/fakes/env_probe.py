@@ -11,7 +11,7 @@ barrier so that every rank has written before any exits.
 The line also says what a worker forked from its agent's template (a warm start) must
 share with a fresh process, and must not share with the worker forked before it: whether
 torch was imported before the script ran, torch's thread count, the first draws of torch's,
-numpy's and Python's generators, the warnings filters, and whether it sees what a worker
+numpy's and Python's generators, the warnings filters once an optimizer exists, and whether it sees what a worker
 changes once its line is written (``sys.path``, ``sys.modules``, warnings, torch's
 threads and seed).
 
@@ -47,6 +47,9 @@ def fresh_facts() -> dict:
     import numpy
     import torch
 
+    # As a training script does: the first optimizer imports torch._dynamo (and sympy, whose
+    # import adds a warnings filter), which a template has imported already.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     return dict(warm=WARM, threads=torch.get_num_threads(), torch_seed=torch.initial_seed(),
                 numpy_draw=int(numpy.random.randint(1 << 30)), random_draw=random.random(),
                 filters=len(warnings.filters), cuda=torch.cuda.is_initialized(),

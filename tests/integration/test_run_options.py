@@ -256,11 +256,20 @@ def test_a_torchrun_script_sees_torchruns_variables(tmp_path, etcd_server):
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in records}) == 1
 
 
-def test_a_torchrun_worker_started_again_after_a_crash_sees_restart_count_1(tmp_path):
-    out = tmp_path / "env.jsonl"
-    job = Job(tmp_path, ["--np", "2", "--max-restarts", "2", "--log-dir", str(tmp_path / "logs"), str(ENV_PROBE),
-                         "--out", str(out), "--die-once", str(tmp_path / "died")])
+def test_a_restarted_torchrun_worker_sees_restart_count_1_and_dash_m_runs_a_module_warm_or_cold(tmp_path):
+    """Two jobs at once. One (a script path, warm starts: the default) loses rank 1 once:
+    its replacement and its restarted peer see TORCHELASTIC_RESTART_COUNT 1. The other
+    (-m MODULE, --cold-starts: fresh interpreters) runs the module as __main__ with its
+    arguments. What a script can see of how its process started must be the same in both."""
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "cold").mkdir()
+    out, cold_out = tmp_path / "warm" / "env.jsonl", tmp_path / "cold" / "env.jsonl"
+    job = Job(tmp_path / "warm", ["--np", "2", "--max-restarts", "2", "--log-dir", str(tmp_path / "warm" / "logs"),
+                                  str(ENV_PROBE), "--out", str(out), "--die-once", str(tmp_path / "died")])
+    cold = Job(tmp_path / "cold", ["--np", "2", "--cold-starts", "--log-dir", str(tmp_path / "cold" / "logs"), "-m",
+                                   "tests.fakes.env_probe", "--out", str(cold_out), "--flag", "value"], name="cold")
     assert job.wait(180) == 0, job.text()[-3000:]
+    assert cold.wait(180) == 0, cold.text()[-3000:]
     records = read_jsonl(out)
     died = [r for r in records if r.get("died")]
     assert [(r["RANK"], r["TORCHELASTIC_RESTART_COUNT"]) for r in died] == [("1", "0")], records
@@ -271,29 +280,21 @@ def test_a_torchrun_worker_started_again_after_a_crash_sees_restart_count_1(tmp_
     assert {(r["TORCHELASTIC_RESTART_COUNT"], r["TORCHELASTIC_MAX_RESTARTS"]) for r in ran} == {("1", "2")}, records
     killed = [e for e in events_named(job, "worker_exited") if e["signal"] == signal.SIGKILL]
     assert len(killed) == 1, killed
-    # Warm starts (the default): all three were forked from the agent's template with torch
-    # imported, yet each drew its own seeds, and the two started after the crash saw none
-    # of what the crashed one changed in its process (sys.path, sys.modules, warnings, torch).
-    assert all(r["warm"] for r in records), records
-    assert {(r["threads"], r["filters"], r["changed"], r["cuda"]) for r in records} == {(1, died[0]["filters"], False,
-                                                                                          False)}, records
-    for draw in ("torch_seed", "numpy_draw", "random_draw"):
-        assert len({r[draw] for r in records}) == 3, (draw, records)
-
-
-def test_dash_m_runs_a_module_as_main_with_its_arguments(tmp_path):
-    """With --cold-starts too: every worker a fresh interpreter, as a warm one looks."""
-    out = tmp_path / "env.jsonl"
-    job = Job(tmp_path, ["--np", "2", "--cold-starts", "--log-dir", str(tmp_path / "logs"), "-m",
-                         "tests.fakes.env_probe", "--out", str(out), "--flag", "value"])
-    assert job.wait(180) == 0, job.text()[-3000:]
-    records = read_jsonl(out)
-    assert sorted(int(r["RANK"]) for r in records) == [0, 1]
-    for r in records:
+    module_runs = read_jsonl(cold_out)
+    assert sorted(int(r["RANK"]) for r in module_runs) == [0, 1]
+    for r in module_runs:
         assert r["main"] is True
-        assert r["argv"] == ["--out", str(out), "--flag", "value"]
-        assert not r["warm"] and r["threads"] == 1 and not r["changed"] and not r["cuda"]
-    assert len({r["torch_seed"] for r in records}) == 2
+        assert r["argv"] == ["--out", str(cold_out), "--flag", "value"]
+    # Warm starts: all three of the first job were forked from its agent's template with
+    # torch imported; the second job's were fresh interpreters. Each drew its own seeds,
+    # the two started after the crash saw none of what the crashed one changed in its
+    # process (sys.path, sys.modules, warnings, torch's threads and seed), and torch's
+    # threads and the warnings filters are a fresh process's.
+    assert all(r["warm"] for r in records) and not any(r["warm"] for r in module_runs), (records, module_runs)
+    facts = {(r["threads"], r["filters"], r["changed"], r["cuda"]) for r in records + module_runs}
+    assert facts == {(1, module_runs[0]["filters"], False, False)}, (records, module_runs)
+    for draw in ("torch_seed", "numpy_draw", "random_draw"):
+        assert len({r[draw] for r in records + module_runs}) == 5, (draw, records, module_runs)
 
 
 # ----------------------------------------------------------------------------- bad ELASTIC_* values

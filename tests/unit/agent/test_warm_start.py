@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elastic.agent.warm_start import WorkerTemplate
+from elastic.agent.warm_start import WorkerTemplate, why_not_warm
 from elastic.agent.worker_env import is_per_worker, worker_env
 from elastic.contract.worker_config import WorkerConfig
 from elastic.rendezvous import RoundPlan
@@ -163,3 +163,24 @@ def test_what_differs_between_two_workers_environments_names_the_worker():
     for name in ("OMP_NUM_THREADS", "PYTHONPATH", "LD_PRELOAD", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES", "PATH"):
         assert not is_per_worker(name)
+
+
+SCRIPTS = {"train.py": "import torch\n", "api.py": "import elastic\n", "plain.py": "print('hello')\n"}
+
+
+@pytest.mark.parametrize("command, nproc, max_restarts, warm", [
+    (["train.py", "--x"], 2, 0, True),     # two workers: the second start pays for the template
+    (["train.py"], 1, 1, True),            # one worker, but its replacement would
+    (["train.py"], 1, 0, False),           # one start only: nothing to gain
+    (["api.py"], 4, 0, True),              # the elastic API imports torch
+    (["plain.py"], 4, 3, False),           # never imports torch: the template would cost, not save
+    (["-m", "pkg.train"], 2, 0, True),     # a module: taken to import torch
+    (["missing.py"], 2, 0, True),          # cannot read it: its start will say why
+])
+def test_a_template_only_where_it_pays_for_itself(command, nproc, max_restarts, warm):
+    def read(path):
+        if path not in SCRIPTS:
+            raise FileNotFoundError(path)
+        return SCRIPTS[path]
+
+    assert (why_not_warm(command, nproc, max_restarts, read) is None) == warm
