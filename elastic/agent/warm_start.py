@@ -184,18 +184,11 @@ class WorkerTemplate:
             proc._set_exit(-signal.SIGKILL)
 
     def close(self) -> None:
-        """End the template (its workers are ended already, or end with it)."""
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        """End the template (its workers are ended already, or end with it). SIGKILL: it
+        holds nothing to save, and an interpreter with torch takes a while to exit."""
         if self._proc is not None:
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            self._proc.kill()
+            self._proc.wait()
         if self._reader is not None:
             self._reader.join(5)
         if self._sock is not None:
@@ -220,11 +213,11 @@ class WorkerTemplate:
         with self._lock:
             self._next_id += 1
             request_id = self._next_id
-        message = json.dumps({"id": request_id, "argv": list(command), "env": dict(env), "cwd": cwd}).encode()
         try:
+            message = json.dumps({"id": request_id, "argv": list(command), "env": dict(env), "cwd": cwd}).encode()
             socket.send_fds(self._sock, [message], [output_fd])
-        except OSError as exc:
-            return self._cold(f"cannot reach the template: {exc}")
+        except (OSError, ValueError) as exc:  # a closed template; an environment that is not text (surrogates)
+            return self._cold(f"cannot hand the worker to the template: {exc}")
         with self._lock:
             self._answered.wait_for(lambda: request_id in self._answers or not self._usable, ANSWER_WAIT_S)
             answer = self._answers.pop(request_id, None)

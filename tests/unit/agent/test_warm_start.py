@@ -94,6 +94,10 @@ def test_a_worker_whose_environment_differs_in_a_shared_setting_starts_fresh(tem
     # Per-worker variables may differ.
     proc, code, _ = run_one(template, script, ["ok"], base_env(RANK="2", ELASTIC_WORKER_ROUND="9"), tmp_path)
     assert proc is not None and code == 0
+    # A value that is not text (an undecodable byte, as Python keeps it) reaches the worker as it was.
+    script.write_text("import os\nprint(os.environb[b'ELASTIC_WORKER_X'].hex())\n")
+    proc, code, output = run_one(template, script, [], base_env(RANK="3", ELASTIC_WORKER_X="\udcff"), tmp_path)
+    assert proc is not None and code == 0 and output == "ff\n"
 
 
 def test_workers_of_a_template_that_dies_are_reported_killed_and_later_starts_are_fresh(template, tmp_path):
