@@ -72,38 +72,35 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
         _send(sock, {"exited": pid, "status": os.waitstatus_to_exitcode(status)})
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+
+
+# Threads running once the imports are done. With torch 2.13 that is one besides ours:
+# OpenBLAS's pool (numpy's), started when the library loads, which stops itself around a
+# fork and starts again in the child (pthread_atfork). Any thread started after that was
+# not measured here, and makes the template refuse to fork.
+_AFTER_IMPORTS: list[int] = []
+
+
 def _why_cold() -> Optional[str]:
     """Why a fork now would not give a fresh process's state, if it would not."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA is initialised in the template"
-    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    helpers = _library_threads()
-    if threads > 1 + helpers:
-        return f"the template runs {threads} threads"
+    if _AFTER_IMPORTS and _threads() > _AFTER_IMPORTS[0]:
+        return f"the template runs {_threads()} threads, {_AFTER_IMPORTS[0]} after its imports"
     return None
-
-
-_HELPERS: list[int] = []
-
-
-def _library_threads() -> int:
-    """Threads that libraries started at import and that handle fork themselves: OpenBLAS
-    (numpy's) starts its pool at load and shuts it down around a fork (pthread_atfork)."""
-    return _HELPERS[0] if _HELPERS else 0
 
 
 def _warm_up(modules: list[str]) -> Optional[str]:
     """Import what every worker imports first; why not, if it cannot."""
-    before = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - any failure means fresh starts, which will show it
             return f"cannot import {name}: {exc}"
-    after = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    # Threads started during the import are OpenBLAS's pool (numpy): fork-safe by design.
-    _HELPERS.append(max(0, after - before))
+    _AFTER_IMPORTS.append(_threads())
     return _why_cold()
 
 
