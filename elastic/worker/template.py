@@ -26,7 +26,8 @@ template's starting signal handlers and an empty signal mask, its own environmen
 and fresh random seeds (Python's ``random`` reseeds itself at fork; torch's CPU generator
 and numpy's global one are reseeded here: a fresh process draws them from the OS). It
 dies with the template (parent-death signal), which dies with the agent. The template
-itself never runs user code, never initialises CUDA and runs no thread of its own, so
+itself never runs user code, never initialises CUDA (it forks nothing once the CUDA
+driver is loaded) and runs no thread of its own, so
 what one worker changes (``sys.path``, ``sys.modules``, warnings filters, torch's
 settings) is never seen by the next. What a fork cannot give: Python's string hash seed
 is the template's (set once per interpreter), and the modules the template imported
@@ -88,9 +89,21 @@ def _why_cold() -> Optional[str]:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA is initialised in the template"
+    if _cuda_driver_loaded():
+        # cuInit ran (a device count asked of the runtime, not NVML): a forked child's CUDA
+        # calls would fail with "initialization error".
+        return "the CUDA driver is loaded in the template"
     if _AFTER_IMPORTS and _threads() > _AFTER_IMPORTS[0]:
         return f"the template runs {_threads()} threads, {_AFTER_IMPORTS[0]} after its imports"
     return None
+
+
+def _cuda_driver_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as f:
+            return "/libcuda.so" in f.read()
+    except OSError:
+        return False
 
 
 def _warm_up(modules: list[str]) -> Optional[str]:
