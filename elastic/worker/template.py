@@ -106,8 +106,24 @@ def _cuda_driver_loaded() -> bool:
         return False
 
 
+def _own_start_up_code() -> Optional[str]:
+    """A sitecustomize or usercustomize from outside this interpreter's installation (a
+    PYTHONPATH entry): code that every interpreter runs as it starts, with its own
+    environment. The template ran it with the template's; a fresh worker runs it with its
+    own (a worker id, a rank), and may do something else."""
+    installed = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+    for name in ("sitecustomize", "usercustomize"):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path and not os.path.realpath(path).startswith(installed):
+            return f"{path} runs at each interpreter's start, with its environment"
+    return None
+
+
 def _warm_up(modules: list[str]) -> Optional[str]:
     """Import what every worker imports first; why not, if it cannot."""
+    custom = _own_start_up_code()
+    if custom is not None:
+        return custom
     for name in modules:
         try:
             importlib.import_module(name)

@@ -76,7 +76,9 @@ def test_forked_workers_start_as_fresh_processes_and_report_their_exits(template
         assert facts["cwd"] == str(tmp_path) and facts["rank"] == str(rank) and facts["shared"] == "same"
         assert facts["sid"], "each worker leads its own session"
         assert facts["stdin"] == "/dev/null" and facts["fds"][:3] == [0, 1, 2] and len(facts["fds"]) == 4  # + listdir's
-        assert facts["sigint"].endswith("default_int_handler>") and facts["sigchld"]
+        # As a fresh interpreter started here would have it (ignored when we were started with
+        # SIGINT ignored, as a background job of a non-interactive shell is).
+        assert facts["sigint"] == str(signal.getsignal(signal.SIGINT)) and facts["sigchld"]
         assert facts["mask"] == []
     # The second worker did not see what the first did to sys.path and sys.modules (its
     # own fork of the template), and did see its own argv.
@@ -188,3 +190,20 @@ def test_a_template_only_where_it_pays_for_itself(command, nproc, max_restarts, 
         return SCRIPTS[path]
 
     assert (why_not_warm(command, nproc, max_restarts, read) is None) == warm
+
+
+def test_with_start_up_code_of_its_own_on_pythonpath_every_worker_starts_fresh(tmp_path):
+    """A sitecustomize on PYTHONPATH runs as each interpreter starts, with that process's
+    environment (the test fakes' fault plans look for a worker id): the template's run of
+    it is not the worker's, so no worker is forked."""
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    (custom / "sitecustomize.py").write_text("import os\nSEEN = os.environ.get('ELASTIC_WORKER_WORKER_ID')\n")
+    env = base_env(RANK="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(custom), env["PYTHONPATH"]])
+    template = WorkerTemplate(preload="json", ready_wait=60)
+    try:
+        assert template.start(["x.py"], env, str(tmp_path), 1) is None
+        assert "sitecustomize.py runs at each interpreter's start" in template._why_not
+    finally:
+        template.close()
