@@ -29,7 +29,8 @@ test-all: $(STAMP)
 
 # Long end-to-end runs that CI leaves out to stay within its time (sharded 4->3->4, a kill
 # inside a replication, two hosts lost with a DCP resume; a Horovod SIGKILL; 200 requested
-# re-formations; the chaos report of a full job): by hand.
+# re-formations; the chaos report of a full job), and the plain-host variants of tests whose
+# default or slow variant loses the host holding rank 0 and the coordinator: by hand.
 test-extended: $(STAMP)
 	$(PY) -m pytest -q -m extended
 

@@ -77,7 +77,7 @@ from .straggler_eviction import verdict
 from .watchdog import HangPolicy, Watchdog, device_floor
 from .wind_down import wind_down
 from .worker_env import worker_env
-from .workers import Exited, WorkerProcess, worker_output
+from .workers import Exited, WorkerProcess, WorkerTemplate, worker_output
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class Agent:
         self._etcd = etcd
         self._inbox: "queue.Queue" = queue.Queue()
         self.member_id = new_member_id(config.host_id)
-        self.workers = LocalWorkers(self.member_id, config.nproc_per_node)
+        self.workers = LocalWorkers(self.member_id, config.nproc_per_node, WorkerTemplate.of(config))
         self.budgets = AgentBudgets(config.max_restarts, config.max_resets, config.reset_window)
         self.state = AgentState()
         self._etcd_writes = EtcdWrites()  # reports queued while etcd is away
@@ -355,6 +355,7 @@ class Agent:
             output=worker_output(cfg, worker_id),
             error_file=worker_config.error_file,
             marker_file=worker_config.marker_file,
+            template=self.workers.template,
         )
         self.workers.slots.hold(slot, proc.pid, worker_id)
         self.workers.running[worker_id] = proc
@@ -592,6 +593,7 @@ class Agent:
         for proc in self.workers.running.values():
             proc.kill()
             proc.join(5)
+        self.workers.template.close()
         services = self.services
         if services is not None:
             services.participant.leave()

@@ -47,6 +47,7 @@ class AgentConfig:
     shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
     console_ranks: ConsoleRanks = ConsoleRanks()  # --console-ranks: whose output and bars the console shows
     log_max_bytes: int = DEFAULT_MAX_BYTES  # --log-max-bytes: events.jsonl and worker logs rotate there (0: never)
+    warm_starts: bool = True  # fork workers from a template that has imported torch (warm_start.py); --cold-starts
 
     @property
     def timeouts(self) -> Timeouts:

@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Optional
 
 from .device_slots import DeviceSlots
-from .workers import WorkerProcess
+from .workers import WorkerProcess, WorkerTemplate
 
 
 class LocalWorkers:
-    def __init__(self, member_id: str, nproc: int):
+    def __init__(self, member_id: str, nproc: int, template: "WorkerTemplate"):
         self._member_id = member_id
+        self.template = template  # forks workers with torch imported (warm_start.py)
         self._next = 0
         self.wanted: list[str] = []  # worker ids we offer, in local order
         self.running: dict[str, WorkerProcess] = {}

@@ -14,7 +14,7 @@ from typing import Mapping
 from elastic.rendezvous import RoundPlan
 
 from ..contract.devices import uses_nccl
-from ..contract.worker_config import INHERITED_SECRETS, WorkerConfig
+from ..contract.worker_config import INHERITED_SECRETS, PREFIX as WORKER_PREFIX, WorkerConfig
 from . import addressing
 
 
@@ -61,6 +61,20 @@ def nccl_env(backend: str) -> dict[str, str]:
         # also bounds a healthy communicator's set-up: 30 s is ample at hundreds of ranks.
         "TORCH_NCCL_NONBLOCKING_TIMEOUT": "30",
     }
+
+
+# What names one worker rather than the host (set by worker_env below): a worker forked
+# from the template (warm_start.py) gets these from its own request; in anything else its
+# environment must equal the template's.
+PER_WORKER = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+})
+
+
+def is_per_worker(name: str) -> bool:
+    return name in PER_WORKER or name.startswith(WORKER_PREFIX)
 
 
 def worker_env(

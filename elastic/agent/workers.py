@@ -1,4 +1,7 @@
-"""Local worker processes: start, forward their output (output_pump.py), see them exit, stop them."""
+"""Local worker processes: start, forward their output (output_pump.py), see them exit, stop them.
+
+A worker is forked from the agent's template when it can be (warm_start.py: torch is
+imported already), else started fresh; the rest is the same for both."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from ..contract.faults import ExitRecord, read_record
 from ..contract.log_files import RotatingFile
+from .warm_start import WarmProcess, WorkerTemplate  # noqa: F401 (WorkerTemplate: the agent's)
 from .output_pump import READ_SIZE, OutputPump, SharedConsole, WorkerOutput, worker_output  # noqa: F401 (the agent's)
 
 
@@ -42,6 +46,7 @@ class WorkerProcess:
         error_file: str,
         marker_file: str,
         out=None,
+        template: Optional[WorkerTemplate] = None,
     ):
         self.worker_id = worker_id
         self.started_round = started_round
@@ -56,15 +61,8 @@ class WorkerProcess:
         for path in (error_file, marker_file):
             if os.path.exists(path):
                 os.unlink(path)
-        # Own session: a Ctrl-C at the terminal reaches the agent, which decides.
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.proc, self._output_fd = self._start_warm(template, argv, env) or self._start_fresh(argv, env)
+        self.warm = isinstance(self.proc, WarmProcess)
         self.pid = self.proc.pid
         self.started_at = time.monotonic()
         self._pump = threading.Thread(target=self._forward_output, name=f"out-{worker_id}", daemon=True)
@@ -73,6 +71,36 @@ class WorkerProcess:
             target=self._wait, args=(inbox,), name=f"wait-{worker_id}", daemon=True
         )
         self._waiter.start()
+
+    @staticmethod
+    def _start_fresh(argv: Sequence[str], env: dict):
+        # Own session: a Ctrl-C at the terminal reaches the agent, which decides.
+        proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return proc, proc.stdout.fileno()
+
+    @staticmethod
+    def _start_warm(template: Optional[WorkerTemplate], argv: Sequence[str], env: dict):
+        """Forked from the template when ``argv`` is this interpreter's bootstrap (the
+        template is this interpreter too, so anything else starts fresh)."""
+        command = list(argv)
+        if template is None or command[:4] != [sys.executable, "-u", "-m", "elastic.worker.bootstrap"]:
+            return None
+        read_end, write_end = os.pipe()
+        try:
+            proc = template.start(command[4:], env, os.getcwd(), write_end)
+        finally:
+            os.close(write_end)  # the worker holds its own copy: EOF when it and its children end
+        if proc is None:
+            os.close(read_end)
+            return None
+        return proc, read_end
 
     @property
     def elastic(self) -> bool:
@@ -86,14 +114,17 @@ class WorkerProcess:
     def _forward_output(self) -> None:
         # Read as it comes, not by lines: a progress bar's redraws end in \r, not \n.
         pump = OutputPump(self._label, SharedConsole.of(self._out), self._log, self._output.console_ranks)
-        fd = self.proc.stdout.fileno()
+        fd = self._output_fd
         while True:
             data = os.read(fd, READ_SIZE)
             if not data:
                 break
             pump.feed(data)
         pump.close()
-        self.proc.stdout.close()
+        if self.warm:
+            os.close(fd)
+        else:
+            self.proc.stdout.close()
 
     def _wait(self, inbox: "queue.Queue") -> None:
         code = self.proc.wait()

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--grace-period", positive_float, 30.0, "seconds workers get to leave after SIGTERM/SIGINT")
     opt("--leave-exit-code", exit_code, 0, "exit status after leaving a job that goes on (SIGTERM/SIGINT); "
         "a Kubernetes Job sets one its podFailurePolicy ignores, so that a preempted pod is recreated")
+    add_switch(p, "--cold-starts", "start every worker as a fresh interpreter; by default workers are forked "
+               "from a process of this agent that has imported torch already (a replacement skips that import)")
     opt("--checkpoint-dir", help="durable checkpoints: written here, resumed from here")
     opt("--checkpoint-every", positive_int, help="write a durable checkpoint every N commits (100 when "
         "--checkpoint-dir is given with neither this nor --checkpoint-interval)")
@@ -325,6 +327,7 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
         shard_replicas=args.shard_replicas,
         console_ranks=args.console_ranks or ConsoleRanks(),
         log_max_bytes=args.log_max_bytes,
+        warm_starts=not bool(args.cold_starts),
     )
     # The timeouts together (contract/timeouts.py): a combination that cannot work is refused here.
     findings = review(config.timeouts)

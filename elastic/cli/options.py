@@ -202,7 +202,7 @@ def _article(kind: str) -> str:
 # (tests/unit/test_cli_help.py fails while one is left outside them).
 OPTION_GROUPS = (
     ("job shape", "how many workers, and where they run", (
-        "--np", "--min-np", "--max-np", "--nproc-per-node", "--backend", "-m")),
+        "--np", "--min-np", "--max-np", "--nproc-per-node", "--backend", "--cold-starts", "-m")),
     ("rendezvous", "where the job's membership lives (etcd v3) and how this host is reached", (
         "--rdzv-endpoint", "--job-id", "--host-id", "--host-addr", "--rdzv-ttl", "--rdzv-timeout",
         "--rdzv-settle", "--etcd-retry-deadline")),

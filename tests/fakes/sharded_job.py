@@ -179,7 +179,7 @@ def maybe_die(step):
     with open(marker, "w") as f:  # several ranks of one round may die at this step
         f.write(str(elastic.round()))
     if args.kill_agent:
-        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(int(os.environ["ELASTIC_WORKER_AGENT_PID"]), signal.SIGKILL)  # not our parent: a template
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -127,7 +127,7 @@ def part_rank0_from_the_coordinator(hosts, jobs, out, job_id: str) -> int:
 
 @pytest.mark.parametrize("victim", [
     pytest.param(0, id="rank0-store-and-coordinator"),
-    pytest.param(2, id="plain", marks=pytest.mark.slow),  # the same path; the slow run (CI) has it
+    pytest.param(2, id="plain", marks=pytest.mark.extended),  # the same path and assertions: by hand only
 ])
 def test_survivors_go_on_within_ttl_and_the_cut_host_rejoins_when_healed(netns_hosts, tmp_path, victim):
     hosts = netns_hosts(3)

@@ -72,7 +72,9 @@ def move_rank0_away_from(a: Job) -> None:
 
 @pytest.mark.parametrize("victim", [
     "rank0-store-and-coordinator",
-    pytest.param("plain", marks=pytest.mark.slow),
+    # A plain host's loss is the simpler path of the same assertions (no successor, no new
+    # rank 0): by hand only (`make test-extended`); the default run has the harder one.
+    pytest.param("plain", marks=pytest.mark.extended),
     pytest.param("coordinator-only", marks=pytest.mark.slow),
 ])
 def test_survivors_go_on_without_waiting_for_the_lost_hosts_ttl(tmp_path, etcd_server, victim):
