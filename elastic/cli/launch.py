@@ -61,6 +61,7 @@ from .options import (
     positive_float,
     positive_int,
     ratio_above_one,
+    rdzv_backend,
 )
 from ..agent import Agent, AgentConfig
 from ..contract.console import ConsoleFormatter
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--nproc-per-node", positive_int, help="workers this agent runs (default --np, else --min-np, without an endpoint; else 1)")
     for flag, text in JOB_OPTIONS:
         opt(flag, help=text)
+    opt("--rdzv-backend", rdzv_backend, "etcd", "etcd: an etcd v3 answers at --rdzv-endpoint (or the endpoint's "
+        "host serves one, when it is one of its own addresses); c10d (torchrun's): the endpoint's host serves "
+        "the rendezvous, a loopback endpoint included, the first agent that finds the port free")
     opt("--host-id", help="this host's identity (default: the host name)")
     opt("--host-addr", help="address other hosts reach this host's workers at (default: this host's address "
                             "on the route to etcd; gloo/NCCL then use the interface holding it)")
@@ -393,7 +397,7 @@ def main(argv: Sequence[str]) -> int:
             endpoints = args.rdzv_endpoint
             if embedded is None:  # bare metal: the endpoint's host serves it (bare_metal.py)
                 arrival = bare_metal.serve_or_wait(args, config_of_etcd, config.host_id, config.log_dir)
-                embedded = arrival.member
+                embedded = arrival.member or arrival.local
                 config, config_of_etcd = _follow_a_served_etcd(config, config_of_etcd, arrival, args)
         else:
             embedded = EmbeddedEtcd().start()
