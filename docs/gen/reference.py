@@ -44,7 +44,9 @@ def _option_rows(actions) -> list[str]:
         value = f"`{action.metavar}`" if takes_value and action.metavar else ""
         default = action.default
         # A default taken from an ELASTIC_* variable of the machine building the docs is not shown.
-        unset = default in (None, False, argparse.SUPPRESS) or type(default).__name__ == "EnvValue"
+        # (`is`, not `in`: 0 == False, and a default of 0 is shown as 0.)
+        unset = default is None or default is False or default is argparse.SUPPRESS \
+            or type(default).__name__ == "EnvValue"
         shown = "" if unset or not takes_value else f"`{default}`"
         text = action.help or ""
         env = ""

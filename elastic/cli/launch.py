@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "seen, at least 5)")
     opt("--max-resets", non_negative_int, 20, "re-formations of the ring a worker survives within --reset-window")
     opt("--reset-window", positive_float, 3600.0, "seconds over which --max-resets counts re-formations")
-    opt("--max-restarts", non_negative_int, 0, "crashed workers this agent replaces")
+    opt("--max-restarts", non_negative_int, 0, "crashed workers this agent replaces (0: none, the job goes on "
+        "without them while --min-np are left); a torchrun-style script: failures that restart every worker")
     opt("--backend", str, "auto", "auto (cpu:gloo,cuda:nccl when every worker of this host has a GPU, "
         "else gloo), gloo or nccl (one GPU per worker, else refused)")
     opt("--log-dir", help="per-worker logs and events.jsonl")
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--checkpoint-keep", positive_int, 3, "durable checkpoints to keep")
     add_switch(p, "--checkpoint-allow-fresh-start", "resume from the newest checkpoint that can be read, or "
                "from the initial state, when checkpoints exist but cannot be read (EIO, ESTALE, permissions) "
-               "after a minute of retries; without it the job fails (exit 1) naming them")
+               "after 31 s of retries (1+2+4+8+16 s); without it the job fails (exit 1) naming them")
     add_switch(p, "--checkpoint-take-over", "use a --checkpoint-dir that another job id claimed (its job.json): "
                "resume an ended job's checkpoints under a new --job-id; that job's writes are no longer published")
     opt("--final-checkpoint-timeout", positive_float, 600.0,

@@ -61,11 +61,22 @@ def imports(python: Path, cwd: Path, **env) -> list[str]:
     return done.stdout.split()
 
 
+def packaged_tree(where: Path) -> Path:
+    """What the sdist holds, copied: setuptools builds a wheel in the source's build/, and
+    a test must not write into the checkout."""
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(REPO / name, where / name)
+    for name in ("elastic", "rendezvous", "checkpoint"):
+        shutil.copytree(REPO / name, where / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return where
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    source = packaged_tree(tmp_path_factory.mktemp("source"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(out), str(REPO)], check=True, capture_output=True)
+                    "-w", str(out), str(source)], check=True, capture_output=True)
     found, = out.glob("elastic_run-*.whl")
     return found
 

@@ -160,3 +160,12 @@ def test_nav_pages_exist():
         assert page in generated or (REPO / "docs" / page).exists(), page
     for repo_path in reference.INCLUDED:
         assert (REPO / repo_path).exists()
+
+
+def test_the_cli_reference_shows_a_default_of_0_as_0():
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in _reference().cli_reference().splitlines()
+            if line.startswith("| `--")}
+    assert rows["`--max-restarts`"][2] == "`0`"
+    assert rows["`--leave-exit-code`"][2] == "`0`"
+    assert rows["`--max-resets`"][2] == "`20`"
+    assert rows["`--checkpoint-dir`"][2] == ""  # no default: blank
