@@ -279,7 +279,7 @@ class Agent:
             cfg, worker_id, plan.round, endpoints=self._etcd.config.describe(), member_id=self.member_id,
             events_file=self.events.path, scratch=self._scratch, progress_file=progress_file,
             stacks_file=stacks_file, final_checkpoint_file=self._final_checkpoint_file(worker_id), device_slot=slot,
-        )
+            restarted_all=self._restarts > 0 and not any(p.elastic for p in self._workers.values() if p.alive))
         env = worker_env(
             os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id, nproc_per_node=cfg.nproc_per_node,
             master=self._plain_stores.address(plan), worker_config=worker_config, socket_ifname=cfg.socket_ifname,

@@ -49,9 +49,12 @@ class AgentConfig:
 
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,
                       events_file: str, scratch: str, progress_file: Optional[str], stacks_file: Optional[str],
-                      final_checkpoint_file: str, device_slot: Optional[int] = None) -> WorkerConfig:
+                      final_checkpoint_file: str, device_slot: Optional[int] = None,
+                      restarted_all: bool = False) -> WorkerConfig:
     """The runtime's settings of one worker; the files named are the agent's ways of
-    hearing from it (error report, elastic marker, progress board, stacks)."""
+    hearing from it (error report, elastic marker, progress board, stacks). ``restarted_all``:
+    started after a failure with no elastic worker left on this host (a torchrun-style job,
+    every worker restarted): nobody runs a ring it would join."""
     return WorkerConfig(
         job_id=cfg.job_id,
         endpoints=endpoints,
@@ -74,6 +77,7 @@ def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, en
         straggler_ratio=cfg.stragglers.ratio,
         device_slot=device_slot,
         shard_replicas=cfg.shard_replicas,
+        restarted_all=restarted_all,
         **cfg.etcd_options,
         **cfg.checkpoint,
     )

@@ -22,7 +22,9 @@ carries it out. The rules, in order:
   it is deterministic (every rank out of memory at the same step) and every
   replacement would meet it, so the job fails at once, naming it;
 * anything else (a crash, a signal, a broken ring that escaped ``@elastic.run``):
-  an elastic worker is replaced; a torchrun-style script restarts every worker.
+  an elastic worker is replaced; a torchrun-style script (or a Horovod script without
+  ``hvd.elastic.run``) restarts every worker, a killed one too, as torchrun does, or with
+  no restart left fails the job at once, naming it (never a wait for a replacement).
 """
 
 from __future__ import annotations
@@ -100,9 +102,10 @@ def fate(exit: Exit, view: View) -> Fate:
                               f"(replacing them cannot help)")
         return _lost(exit, view, f"broken process: {fault.reason}")
     how = f"signal {exit.signal}" if exit.signal else f"exit code {exit.exit_code}"
-    if not view.elastic and exit.signal is None:
-        # A torchrun script that exited with an error, most likely because a peer died
-        # under it: restart every worker, as torchrun would.
+    if not view.elastic:
+        # A torchrun script that was killed, or exited with an error (most likely because
+        # a peer died under it): restart every worker, as torchrun would. Its world is
+        # fixed: a replacement alone would leave the others in a broken ring.
         return Fate(RESTART_PLAIN, _with_lost_reason(view, how))
     return _lost(exit, view, how)
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional, TypeVar
 
 from ...contract.errors import HostsUpdatedInterrupt
 from ...worker import recovery
+from ..basics import follows_rounds
 from ..common import HorovodInternalError
 from .sampler import ElasticSampler
 from .state import ObjectState, TorchState
@@ -46,6 +47,7 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        follows_rounds(True)  # from here on its ring re-forms in-process
         return recovery.run(func)(state, *args, **kwargs)
 
     return wrapper

@@ -80,7 +80,7 @@ CASES = [
     ("exit 70 without a record", Exit("w0", WORKER_BROKEN), View(), Fate(REPLACE, "worker w0 died (exit code 70)")),
     ("a torchrun script's error", Exit("w0", 1), View(elastic=False), Fate(RESTART_PLAIN, "exit code 1")),
     ("a torchrun script killed", Exit("w0", None, signal.SIGKILL), View(elastic=False),
-     Fate(REPLACE, "worker w0 died (signal 9)")),
+     Fate(RESTART_PLAIN, "signal 9")),
 ]
 
 
