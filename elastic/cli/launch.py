@@ -42,6 +42,7 @@ from .join_hint import join_hint
 from . import torchrun
 from . import slurm
 from . import etcd_secrets
+from . import versions
 from .options import (
     ETCD_OPTIONS,
     JOB_OPTIONS,
@@ -389,6 +390,9 @@ def main(argv: Sequence[str]) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    untested = versions.torch_warning()
+    if untested:
+        logging.getLogger(__name__).warning("%s", untested)
     embedded = None
     served = None
     try:

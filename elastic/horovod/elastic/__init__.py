@@ -14,7 +14,7 @@ last commit; a membership change at a commit or at ``check_host_updates()`` roll
 nothing; then the new ring syncs the newest commit, every ``ElasticSampler`` of the
 state is partitioned among it, and the reset callbacks run (after the sync, unlike
 Horovod: its issue 2844). Differences from Horovod are listed in ``state.py`` and
-``sampler.py`` and in the README's "Coming from Horovod".
+``sampler.py`` and in docs/horovod.md.
 
 It may import ``elastic.horovod``'s modules (not the package itself: that would be
 an import cycle), the ``elastic`` API and the worker room.
