@@ -203,7 +203,7 @@ def _check_writable_dir(path: str) -> None:
     training: an unusable checkpoint directory must not be found only at the first write."""
     probe = os.path.join(path, f".elastic-run-probe-{os.getpid()}")
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)  # as its step directories (docs/failures.md)
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, b"probe")
