@@ -12,6 +12,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -433,13 +434,21 @@ def main(argv: Sequence[str]) -> int:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except RendezvousError as exc:
-        print(f"elastic-run: {exc}", file=sys.stderr)
+        print(f"elastic-run: {in_users_words(str(exc), args.rdzv_backend)}", file=sys.stderr)
         return 1
     finally:
         if served is not None:
             served.stop()
         if embedded is not None:
             embedded.stop()
+
+
+def in_users_words(message: str, rdzv_backend: str) -> str:
+    """A rendezvous error as the user asked for it: with torchrun's ``--rdzv-backend c10d``
+    they never asked for etcd, so its name is the rendezvous's (the message stays one line)."""
+    if rdzv_backend != "c10d":
+        return message
+    return re.sub(r"\betcd(?! v3)\b", "the rendezvous", message).replace("the rendezvous's", "the rendezvous'")
 
 
 def _follow_a_served_etcd(config: AgentConfig, config_of_etcd: EtcdConfig, arrival: bare_metal.Arrival,

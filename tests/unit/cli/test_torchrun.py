@@ -219,3 +219,12 @@ def test_the_join_hint_of_a_secured_job_names_the_secret_file_to_copy():
     assert printed == ("elastic-run --rdzv-endpoint 10.0.0.5:29400 --job-id j --job-secret-file /home/u/job.secret "
                        "--min-np 2 --max-np 4 /x/t.py")
     assert "(copy /home/u/job.secret to every host first, mode 0600)" in hint
+
+
+def test_with_torchruns_c10d_backend_errors_speak_of_the_rendezvous():
+    from elastic.cli.launch import in_users_words
+
+    message = "cannot reach etcd at localhost:29400 within 3s: UNAVAILABLE: Connection refused"
+    assert in_users_words(message, "c10d") == \
+        "cannot reach the rendezvous at localhost:29400 within 3s: UNAVAILABLE: Connection refused"
+    assert in_users_words(message, "etcd") == message  # the user asked for etcd
