@@ -17,7 +17,8 @@ import pytest
 
 from tests.fakes.jobs import REPO, Job, wait_until
 
-pytestmark = pytest.mark.timeout(300)
+# About 28 CPU s (six worker starts): CI runs it with the slow tests, make test does not.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 SCRIPT = str(REPO / "tests" / "fakes" / "hvd_plain.py")
 
