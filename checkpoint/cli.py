@@ -45,10 +45,10 @@ def format_table(infos: list[CheckpointInfo]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m elastic.checkpoint",
+        prog="elastic-run checkpoints",
         description="List the durable checkpoints of a directory, newest first, verifying checksums.",
     )
-    parser.add_argument("directory", help="checkpoint directory (as given to CheckpointPolicy)")
+    parser.add_argument("directory", help="the job's --checkpoint-dir")
     args = parser.parse_args(argv)
     directory = args.directory
     if not os.path.isdir(directory):

@@ -28,6 +28,41 @@ top-level ``rendezvous/`` and ``checkpoint/`` folders), which import nothing els
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+# The rooms ``elastic.rendezvous`` and ``elastic.checkpoint`` are the repository's top-level
+# ``rendezvous/`` and ``checkpoint/`` folders (pyproject.toml's package-dir): a wheel holds them
+# under ``elastic/``, an editable install maps them with setuptools' own finder, and a source tree
+# (a job started from the checkout's root, ``PYTHONPATH=checkout``, a script beside ``elastic/``)
+# reaches them through the finder below, which maps exactly those two names to the same folders.
+# So this package imports the same way from all three, whatever the working directory, even where
+# the checkout's ``elastic/`` shadows an installed wheel on sys.path. Not symlinks (every tool
+# that walks ``elastic/`` would see the rooms twice) nor the checkout's root on ``__path__``
+# (every top-level folder would become ``elastic.<folder>``).
+_ROOMS = ("rendezvous", "checkpoint")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CHECKOUT = os.path.dirname(_HERE)
+
+
+class _CheckoutRooms(importlib.abc.MetaPathFinder):
+    """``elastic.rendezvous`` and ``elastic.checkpoint`` from the checkout's top-level folders."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        room = fullname.partition(".")[2] if fullname.startswith(__name__ + ".") else ""
+        if room not in _ROOMS:
+            return None
+        folder = os.path.join(_CHECKOUT, room)
+        return importlib.util.spec_from_file_location(fullname, os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+
+
+if not os.path.isdir(os.path.join(_HERE, _ROOMS[0])) and os.path.isfile(
+        os.path.join(_CHECKOUT, _ROOMS[0], "__init__.py")) and not any(
+        type(finder).__name__ == _CheckoutRooms.__name__ for finder in sys.meta_path):
+    sys.meta_path.append(_CheckoutRooms())
 
 # Every name is imported on first use (PEP 562). The launcher, the agent and the
 # `rendezvous`/`checkpoint` rooms (elastic.rendezvous, elastic.checkpoint) live in this

@@ -29,7 +29,7 @@ try:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 except ImportError:  # one line, not a traceback per worker
-    raise SystemExit("digits.py needs scikit-learn: pip install 'elastic-run[examples]'")
+    raise SystemExit("digits.py needs scikit-learn: pip install scikit-learn")
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset

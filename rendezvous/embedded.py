@@ -342,7 +342,8 @@ class EmbeddedEtcd:
             if self._process.poll() is not None or time.monotonic() >= deadline:
                 break  # said below, with the log's reason
             time.sleep(0.01)
-        config = self.config(call_timeout=1.0, retry_deadline=1.0)
+        config = self.config(call_timeout=1.0, retry_deadline=1.0,  # no log-in before enable_auth: "auth disabled"
+                             **({"user": None, "password": None} if self.security and not self._auth_on else {}))
         with Etcd(config) as client:
             while True:
                 if self._process.poll() is not None:

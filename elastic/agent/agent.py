@@ -338,6 +338,8 @@ class Agent:
             events_file=self.events.path, agent_channel=self._channel.path, scratch=self._scratch,
             progress_file=progress_file, stacks_file=stacks_file,
             final_checkpoint_file=self._final_checkpoint_file(worker_id), device_slot=slot,
+            restarted_all=self.budgets.restarts > 0
+            and not any(p.elastic for p in self.workers.running.values() if p.alive),
         )
         env = worker_env(
             os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id, nproc_per_node=cfg.nproc_per_node,

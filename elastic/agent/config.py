@@ -60,10 +60,12 @@ class AgentConfig:
 def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, endpoints: str, member_id: str,
                       events_file: str, scratch: str, progress_file: Optional[str], stacks_file: Optional[str],
                       final_checkpoint_file: str, device_slot: Optional[int] = None,
-                      agent_channel: Optional[str] = None) -> WorkerConfig:
+                      agent_channel: Optional[str] = None, restarted_all: bool = False) -> WorkerConfig:
     """The runtime's settings of one worker; the files named are the agent's ways of
     hearing from it (error report, elastic marker, progress board, stacks, the channel
-    of what it tells its agent to act on)."""
+    of what it tells its agent to act on). ``restarted_all``: started after a failure
+    with no elastic worker left on this host (a torchrun-style job, every worker
+    restarted): nobody runs a ring it would join."""
     timeouts = cfg.timeouts
     return WorkerConfig(
         job_id=cfg.job_id,
@@ -90,6 +92,7 @@ def config_for_worker(cfg: AgentConfig, worker_id: str, round_number: int, *, en
         straggler_ratio=cfg.stragglers.ratio,
         device_slot=device_slot,
         shard_replicas=cfg.shard_replicas,
+        restarted_all=restarted_all,
         **cfg.etcd_options,
         **cfg.checkpoint,
     )

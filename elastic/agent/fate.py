@@ -23,8 +23,10 @@ without spending) and returns a ``Fate``. Every decision to fail the job is made
   worker of this agent within ``SAME_FAULT_WINDOW_S``, or hits a replacement again:
   then it is deterministic (every rank out of memory at the same step) and every
   replacement would meet it, so the job fails at once, naming it;
-* a torchrun-style script that exited with an error: every worker restarts (torchrun's
-  semantics), counted once per round against ``--max-restarts``; beyond it the job fails;
+* a torchrun-style script (or a Horovod script without ``hvd.elastic.run``) that was
+  killed or exited with an error: every worker restarts (torchrun's semantics: its world
+  is fixed, so a replacement alone would leave the others in a broken ring), counted once
+  per round against ``--max-restarts``; beyond it the job fails at once, naming it;
 * anything else (a crash, a signal, a broken ring that escaped ``@elastic.run``): the
   worker is lost. It is replaced while ``--max-restarts`` allows, else only dropped (the
   job goes on with fewer workers while the coordinator's ``--min-np`` allows).
@@ -141,9 +143,10 @@ def fate(exit: Exit, view: View) -> Fate:
                               f"(replacing them cannot help)")
         return _lost(exit, view, f"broken process: {fault.reason}")
     how = f"signal {exit.signal}" if exit.signal else f"exit code {exit.exit_code}"
-    if not view.elastic and exit.signal is None:
-        # A torchrun script that exited with an error, most likely because a peer died
-        # under it: restart every worker, as torchrun would, once per round.
+    if not view.elastic:
+        # A torchrun script that was killed, or exited with an error (most likely because
+        # a peer died under it): restart every worker, as torchrun would, once per round.
+        # Its world is fixed: a replacement alone would leave the others in a broken ring.
         died = f"worker {worker} died ({_with_lost_reason(view, how)})"
         if budget.plain_round_counted:
             return Fate(NOTED, died)

@@ -4,7 +4,9 @@ The agent reads each worker's stdout+stderr as it comes (``os.read``, not line b
 line) and hands it to that worker's ``OutputPump``:
 
 * a line (ended by ``\\n``) goes to the log file and, prefixed ``[rankN]: ``, to the
-  console, unless it is a log-file-only line (``contract/console.py``);
+  console, unless it is a log-file-only line (``contract/console.py``). A line that
+  torch prefixed itself (its excepthook writes a traceback as ``[rankN]: ...`` once a
+  process group exists) gets one prefix, not two;
 * a progress bar (tqdm, Lightning's, Hugging Face's) redraws its line after a
   ``\\r``: each redraw reaches the console as it comes, as ``\\r[rankN]: <bar>``
   on one console line, and the log file gets it with its ``\\r``;
@@ -39,6 +41,8 @@ READ_SIZE = 64 * 1024
 # Line ends, redraws, and the worker's log-file-only mark: a log record the runtime writes
 # while a bar's line is open starts after the bar, not on a line of its own.
 _PIECES = re.compile(rb"(\r\n|\r|\n|%s)" % LOG_FILE_ONLY.encode())
+# torch's own prefix of a traceback line (distributed_c10d's excepthook): ours replaces it.
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ")
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,7 @@ class OutputPump:
         self._write_log(raw + end)
         label = self._label()
         if self._to_console and self._ranks.shows(rank_of_label(label), bar=False):
-            text = raw.decode(errors="replace")
+            text = _TORCH_PREFIX.sub("", raw.decode(errors="replace"), count=1)
             if self._shown is not None:
                 text = f"\r[{label}]: {text}{' ' * max(0, len(self._shown) - len(text))}\n"
             else:

@@ -13,8 +13,11 @@ this host can bind (an address of one of its interfaces, secondary and IPv6 ones
 included). A name that resolves to loopback on its own host (Debian's 127.0.1.1) is
 taken as this host only with an explicit ``--host-addr``, which is then served on.
 Two agents of one host both match: both try, the bind decides, the other uses it.
-A loopback endpoint (127.0.0.1, localhost) is never served: it is a test's or a
-single host's own etcd, and the default run without an endpoint covers that case.
+A loopback endpoint (127.0.0.1, localhost) is served only with ``--rdzv-backend c10d``
+(torchrun's ``--rdzv-backend=c10d --rdzv-endpoint=localhost:29400`` on one host): as
+torchrun's c10d store, by the first agent that finds the port free (an embedded etcd
+on loopback, this machine's processes only); the others use it. Otherwise a loopback
+endpoint is a test's or a single host's own etcd, which must answer there.
 
 Secured by default (``served_security``): every host is given the same job secret
 (``--job-secret-file FILE`` or ``ELASTIC_JOB_SECRET_FILE``, a 0600 file; or the secret
@@ -34,13 +37,14 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import socket
 import ssl
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from elastic.rendezvous import ConfigError, Etcd, EtcdConfig, RendezvousError
+from elastic.rendezvous import ConfigError, EmbeddedEtcd, Etcd, EtcdConfig, RendezvousError
 from elastic.rendezvous.served import ServedMember, first_member, is_served
 from elastic.rendezvous.tls_probe import TlsFiles, tls_refusal
 
@@ -186,6 +190,7 @@ class Arrival:
     member: Optional[ServedMember] = None
     waited: bool = False
     candidate: bool = True  # False: a loopback endpoint, a list, Slurm's: never a served etcd
+    local: Optional[EmbeddedEtcd] = None  # --rdzv-backend c10d on loopback: the one this agent serves
 
 
 def serve_or_wait(args: argparse.Namespace, config: EtcdConfig, host_id: str, log_dir: Optional[str]) -> Arrival:
@@ -196,7 +201,9 @@ def serve_or_wait(args: argparse.Namespace, config: EtcdConfig, host_id: str, lo
         return Arrival(candidate=False)  # a list (the user's own cluster), or Slurm's own arrangement
     host, port = config.endpoints[0]
     if _loopback(host):
-        return Arrival(candidate=False)
+        if getattr(args, "rdzv_backend", "etcd") != "c10d":
+            return Arrival(candidate=False)
+        return _serve_on_loopback_or_wait(args, config, host, port, log_dir)
     if _answers(config, PROBE_S):
         return Arrival()
     address = serving_address(host, resolve(host), bindable, args.host_addr)
@@ -216,6 +223,41 @@ def serve_or_wait(args: argparse.Namespace, config: EtcdConfig, host_id: str, lo
             return Arrival(member)
     wait_for_rendezvous(config, args.rdzv_timeout)
     return Arrival(waited=True)
+
+
+def _loopback_address(host: str) -> str:
+    return "127.0.0.1" if host.lower() == "localhost" else host.strip("[]")
+
+
+def port_is_free(address: str, port: int) -> bool:
+    """Whether nothing listens on ``address:port`` (a bind succeeds, as etcd's will, with SO_REUSEADDR)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def _serve_on_loopback_or_wait(args: argparse.Namespace, config: EtcdConfig, host: str, port: int,
+                               log_dir: Optional[str]) -> Arrival:
+    """torchrun's c10d store on one host: the first agent that finds the port free serves
+    the rendezvous there; every other agent waits until it answers (within --rdzv-timeout)."""
+    address = _loopback_address(host)
+    if port_is_free(address, port):
+        log_path = os.path.join(log_dir, "etcd-rendezvous.log") if log_dir else None
+        try:
+            served = EmbeddedEtcd(host=address, port=port, log_path=log_path).start()
+        except RendezvousError as exc:  # another agent bound it between our look and etcd's bind
+            log.info("not serving the rendezvous at %s:%d here (%s): waiting for the one that does", host, port, exc)
+        else:
+            log.info("serving the rendezvous at %s:%d (--rdzv-backend c10d: the first agent to find the port free "
+                     "serves it); other agents of this host join with the same command", host, port)
+            return Arrival(candidate=False, local=served)
+    wait_for_rendezvous(config, args.rdzv_timeout)
+    return Arrival(waited=True, candidate=False)
 
 
 def served_here(etcd: Etcd, arrival: Arrival) -> bool:

@@ -1,5 +1,6 @@
 """Optional dependencies a command needs: a missing one is one line naming the extra to
-install (``pip install 'elastic-run[timeline]'``) and exit status 1, never a traceback."""
+install (``pip install matplotlib``, or the checkout's extra: ``pip install -e '.[timeline]'``: elastic-run
+is not on PyPI) and exit status 1, never a traceback."""
 
 from __future__ import annotations
 
@@ -16,4 +17,5 @@ def require(module: str, extra: str, needed_for: str) -> None:
         importlib.import_module(module)
     except ImportError as exc:
         raise MissingExtra(f"{needed_for} needs {module}, which is not installed or does not import "
-                           f"({type(exc).__name__}: {exc}); install it with: pip install 'elastic-run[{extra}]'")
+                           f"({type(exc).__name__}: {exc}); install it with: pip install {module} (in a checkout: "
+                           f"pip install -e '.[{extra}]')")

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -42,6 +43,7 @@ from .join_hint import join_hint
 from . import torchrun
 from . import slurm
 from . import etcd_secrets
+from . import versions
 from .options import (
     ETCD_OPTIONS,
     JOB_OPTIONS,
@@ -61,6 +63,7 @@ from .options import (
     positive_float,
     positive_int,
     ratio_above_one,
+    rdzv_backend,
 )
 from ..agent import Agent, AgentConfig
 from ..contract.console import ConsoleFormatter
@@ -98,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--nproc-per-node", positive_int, help="workers this agent runs (default --np, else --min-np, without an endpoint; else 1)")
     for flag, text in JOB_OPTIONS:
         opt(flag, help=text)
+    opt("--rdzv-backend", rdzv_backend, "etcd", "etcd: an etcd v3 answers at --rdzv-endpoint (or the endpoint's "
+        "host serves one, when it is one of its own addresses); c10d (torchrun's): the endpoint's host serves "
+        "the rendezvous, a loopback endpoint included, the first agent that finds the port free")
     opt("--host-id", help="this host's identity (default: the host name)")
     opt("--host-addr", help="address other hosts reach this host's workers at (default: this host's address "
                             "on the route to etcd; gloo/NCCL then use the interface holding it)")
@@ -110,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         "seen, at least 5)")
     opt("--max-resets", non_negative_int, 20, "re-formations of the ring a worker survives within --reset-window")
     opt("--reset-window", positive_float, 3600.0, "seconds over which --max-resets counts re-formations")
-    opt("--max-restarts", non_negative_int, 0, "crashed workers this agent replaces")
+    opt("--max-restarts", non_negative_int, 0, "crashed workers this agent replaces (0: none, the job goes on "
+        "without them while --min-np are left); a torchrun-style script: failures that restart every worker")
     opt("--backend", str, "auto", "auto (cpu:gloo,cuda:nccl when every worker of this host has a GPU, "
         "else gloo), gloo or nccl (one GPU per worker, else refused)")
     opt("--log-dir", help="per-worker logs and events.jsonl")
@@ -133,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--checkpoint-keep", positive_int, 3, "durable checkpoints to keep")
     add_switch(p, "--checkpoint-allow-fresh-start", "resume from the newest checkpoint that can be read, or "
                "from the initial state, when checkpoints exist but cannot be read (EIO, ESTALE, permissions) "
-               "after a minute of retries; without it the job fails (exit 1) naming them")
+               "after 31 s of retries (1+2+4+8+16 s); without it the job fails (exit 1) naming them")
     add_switch(p, "--checkpoint-take-over", "use a --checkpoint-dir that another job id claimed (its job.json): "
                "resume an ended job's checkpoints under a new --job-id; that job's writes are no longer published")
     opt("--final-checkpoint-timeout", positive_float, 600.0,
@@ -199,7 +206,7 @@ def _check_writable_dir(path: str) -> None:
     training: an unusable checkpoint directory must not be found only at the first write."""
     probe = os.path.join(path, f".elastic-run-probe-{os.getpid()}")
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)  # as its step directories (docs/failures.md)
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, b"probe")
@@ -386,6 +393,9 @@ def main(argv: Sequence[str]) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    untested = versions.torch_warning()
+    if untested:
+        logging.getLogger(__name__).warning("%s", untested)
     embedded = None
     served = None
     try:
@@ -395,7 +405,7 @@ def main(argv: Sequence[str]) -> int:
             endpoints = args.rdzv_endpoint
             if embedded is None:  # bare metal: the endpoint's host serves it (bare_metal.py)
                 arrival = bare_metal.serve_or_wait(args, config_of_etcd, config.host_id, config.log_dir)
-                embedded = arrival.member
+                embedded = arrival.member or arrival.local
                 config, config_of_etcd = _follow_a_served_etcd(config, config_of_etcd, arrival, args)
         else:
             embedded = EmbeddedEtcd().start()
@@ -426,13 +436,21 @@ def main(argv: Sequence[str]) -> int:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except RendezvousError as exc:
-        print(f"elastic-run: {exc}", file=sys.stderr)
+        print(f"elastic-run: {in_users_words(str(exc), args.rdzv_backend)}", file=sys.stderr)
         return 1
     finally:
         if served is not None:
             served.stop()
         if embedded is not None:
             embedded.stop()
+
+
+def in_users_words(message: str, rdzv_backend: str) -> str:
+    """A rendezvous error as the user asked for it: with torchrun's ``--rdzv-backend c10d``
+    they never asked for etcd, so its name is the rendezvous's (the message stays one line)."""
+    if rdzv_backend != "c10d":
+        return message
+    return re.sub(r"\betcd(?! v3)\b", "the rendezvous", message).replace("the rendezvous's", "the rendezvous'")
 
 
 def _follow_a_served_etcd(config: AgentConfig, config_of_etcd: EtcdConfig, arrival: bare_metal.Arrival,

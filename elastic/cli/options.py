@@ -68,6 +68,16 @@ def port(text: str) -> int:
     return value
 
 
+RDZV_BACKENDS = ("etcd", "c10d")
+
+
+def rdzv_backend(text: str) -> str:
+    """``--rdzv-backend``: etcd (an etcd v3 answers at the endpoint) or c10d (its host serves one)."""
+    if text not in RDZV_BACKENDS:
+        raise ValueError
+    return text
+
+
 def exit_code(text: str) -> int:
     """A process exit status a parent can read: 0..255."""
     value = int(text)
@@ -204,7 +214,7 @@ OPTION_GROUPS = (
     ("job shape", "how many workers, and where they run", (
         "--np", "--min-np", "--max-np", "--nproc-per-node", "--backend", "--cold-starts", "-m")),
     ("rendezvous", "where the job's membership lives (etcd v3) and how this host is reached", (
-        "--rdzv-endpoint", "--job-id", "--host-id", "--host-addr", "--rdzv-ttl", "--rdzv-timeout",
+        "--rdzv-endpoint", "--rdzv-backend", "--job-id", "--host-id", "--host-addr", "--rdzv-ttl", "--rdzv-timeout",
         "--rdzv-settle", "--etcd-retry-deadline")),
     ("failures", "what a lost, hung, slow or stopped worker costs (docs/failures.md)", (
         "--collective-timeout", "--hang-timeout", "--max-resets", "--reset-window", "--max-restarts",

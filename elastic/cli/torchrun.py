@@ -16,8 +16,12 @@ as ``-``. ``--max-restarts`` passes through: for a torchrun-style script (no ela
 API) a failure restarts every worker of the job and is counted once per agent, and
 joins and leaves are not counted, which is torchrun's meaning.
 
-The endpoint of ``--rdzv-endpoint`` is an etcd v3 (whatever ``--rdzv-backend`` says):
-until the endpoint's host serves one itself, one must answer there.
+The endpoint of ``--rdzv-endpoint`` is an etcd v3 whatever ``--rdzv-backend`` says. With
+``c10d`` or ``static`` it is served as torchrun's c10d store is: by the first agent that finds
+the port free on the endpoint's host, a loopback endpoint (``localhost:29400``) included,
+every other agent using it (``--rdzv-backend c10d`` of elastic-run, bare_metal.py); without
+``--rdzv-id`` the job is torchrun's default id, ``none``. With ``etcd`` or ``etcd-v2`` an etcd
+must answer at a loopback endpoint (another host's: until that host serves one itself).
 ``docs/torchrun.md`` holds ``markdown_table()``'s output (a test keeps them equal).
 """
 
@@ -48,14 +52,18 @@ _NO_NUMA = "no NUMA binding in elastic-run: bind in the script (os.sched_setaffi
 _LOGS = "every worker's output goes to the console, prefixed [rankN], and with --log-dir to a file per worker"
 TABLE: dict[str, Rule] = {
     "--help": Rule(SAME, "elastic-run's own help"),
-    "--nnodes": Rule(TRANSLATED, "hosts -> workers: `--nnodes MIN:MAX` is `--min-np MIN*P --max-np MAX*P`, "
+    "--nnodes": Rule(TRANSLATED, "hosts -> workers: `--nnodes MIN:MAX` is `--min-np MIN*P --max-np MAX*P` "
+                                 "(and torchrun's last call, `--rdzv-settle 30`, unless --rdzv-conf's "
+                                 "last_call_timeout or --rdzv-settle says otherwise), "
                                  "`--nnodes N` is `--np N*P`, P being --nproc-per-node (default 1); refused with "
                                  "--np/--min-np/--max-np"),
     "--nproc-per-node": Rule(TRANSLATED, "workers this host runs: N; `gpu` (the CUDA GPUs, refused without one), "
                                          "`cpu` (the CPUs) or `auto` (the GPUs, else the CPUs) become that number"),
-    "--rdzv-backend": Rule(TRANSLATED, "`c10d`, `static`, `etcd`, `etcd-v2`: the endpoint is elastic-run's etcd v3 "
-                                       "rendezvous (an endpoint without a port gets the backend's default, 29400 or "
-                                       "2379); any other backend is refused"),
+    "--rdzv-backend": Rule(TRANSLATED, "`c10d`, `static`: `--rdzv-backend c10d`, the endpoint's host serves the "
+                                       "rendezvous (an etcd v3), a loopback endpoint included, as torchrun's c10d store "
+                                       "is: the first agent that finds the port free; `etcd`, `etcd-v2`: an etcd v3 "
+                                       "must answer at the endpoint (an endpoint without a port gets the backend's "
+                                       "default, 29400 or 2379); any other backend is refused"),
     "--rdzv-endpoint": Rule(SAME, "the rendezvous' etcd v3 endpoint(s) HOST:PORT; none: the embedded etcd "
                                   "(one host, others join with the printed command)"),
     "--rdzv-id": Rule(TRANSLATED, "`--job-id`"),
@@ -108,6 +116,10 @@ TAKES_VALUE = frozenset(set(TABLE) - {"--help", "--standalone", "--module", "--n
                                       "--virtual-local-rank"})
 
 BACKENDS = {"c10d": 29400, "static": 29400, "etcd": 2379, "etcd-v2": 2379}
+# torchrun's backends whose store the endpoint's host serves itself (c10d's TCPStore, static's master).
+SERVED_BACKENDS = ("c10d", "static")
+TORCHRUN_DEFAULT_ID = "none"  # torchrun's --rdzv-id when none is given
+LAST_CALL_S = "30"  # torchrun's default last_call_timeout: `--nnodes MIN:MAX` waits this long for MAX
 _CONF_OPTIONS = {"join_timeout": "--rdzv-timeout", "timeout": "--rdzv-timeout", "last_call_timeout": "--rdzv-settle",
                  "heartbeat_timeout": "--rdzv-ttl", "ca_cert": "--etcd-ca", "ssl_cert": "--etcd-cert",
                  "ssl_cert_key": "--etcd-key"}
@@ -222,6 +234,10 @@ def _apply(given: dict, rest: list[str], environ: Mapping[str, str], devices) ->
     conf = _conf(typed("--rdzv-conf"), value("--rdzv-conf")) if "--rdzv-conf" in given else {}
     if "join_timeout" in conf:
         conf.pop("timeout", None)  # the etcd backend's name for it
+    if "--nnodes" in given and low < high and "last_call_timeout" not in conf \
+            and not any(t.split("=")[0] == "--rdzv-settle" for t in rest):
+        # torchrun's last call: once MIN hosts are in, the first round waits this long for more.
+        out += ["--rdzv-settle", LAST_CALL_S]
     for key, setting in conf.items():
         if setting is None:
             notes.append(f"{typed('--rdzv-conf')} {key}: no effect on elastic-run's etcd rendezvous")
@@ -249,10 +265,15 @@ def _apply(given: dict, rest: list[str], environ: Mapping[str, str], devices) ->
         notes.append(f"{typed(masters[0])} has no effect here: elastic-run gives the workers MASTER_ADDR/MASTER_PORT")
     if endpoint:
         out += ["--rdzv-endpoint", endpoint]
+    job_id_given = any(t.split("=")[0] == "--job-id" for t in rest)
     if "--rdzv-id" in given:
-        if any(t.split("=")[0] == "--job-id" for t in rest):
+        if job_id_given:
             raise ConfigError(f"{typed('--rdzv-id')} is --job-id: give one of them")
         out += ["--job-id", value("--rdzv-id")]
+    if endpoint and "--rdzv-backend" in given and backend in SERVED_BACKENDS:
+        out += ["--rdzv-backend", "c10d"]  # the endpoint's host serves it, loopback included
+        if "--rdzv-id" not in given and not job_id_given:
+            out += ["--job-id", TORCHRUN_DEFAULT_ID]
     return out, notes
 
 

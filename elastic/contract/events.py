@@ -43,9 +43,8 @@ class EventLog:
             "rank": fields.pop("rank", self.rank),
             **fields,
         }
-        details = " ".join(
-            f"{k}={_short(v)}" for k, v in record.items() if k not in ("time", "event", "host", "round", "rank")
-        )
+        fields_shown = {k: v for k, v in record.items() if k not in ("time", "event", "host", "round", "rank")}
+        details = _HUMAN.get(event, _fields)(fields_shown)
         # Before the first round there is no round to name (not "round None").
         prefix = f"round {record['round']}: " if record["round"] is not None else ""
         if event not in _QUIET:
@@ -59,6 +58,31 @@ class EventLog:
                 os.write(fd, line)
             finally:
                 os.close(fd)
+
+
+def _fields(fields: dict) -> str:
+    return " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+
+
+def _reform_done(fields: dict) -> str:
+    """A re-formation in words first: ``failed`` means it followed a failure, and it
+    succeeded (the event is emitted once the ring trains again), so it reads as a
+    recovery; the failure's text is its cause; the phases follow as fields."""
+    fields = dict(fields)
+    failed, reason = fields.pop("failed", False), fields.pop("reason", None)
+    world, total, commit = fields.pop("world_size", None), fields.pop("total_s", None), fields.pop("commit", None)
+    took = f"{total:.3f} s" if isinstance(total, (int, float)) else "?"
+    if failed:
+        head = f"recovered: training again at world size {world} {took} after the failure, from commit {commit}"
+        cause = f"; cause: {_short(reason)}" if reason else ""
+    else:
+        head = f"re-formed: world size {world} at commit {commit}, nothing rolled back, in {took}"
+        cause = f" ({_short(reason)})" if reason else ""
+    return f"{head}{cause}" + (f"; {_fields(fields)}" if fields else "")
+
+
+# Events whose human line says what happened in words before its fields.
+_HUMAN = {"reform_done": _reform_done}
 
 
 def _short(value: Any) -> str:

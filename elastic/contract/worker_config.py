@@ -61,6 +61,9 @@ class WorkerConfig:
     straggler_ratio: float = 1.5  # --straggler-ratio: compute time over the median that counts as slow
     device_slot: Optional[int] = None  # LOCAL_RANK and CUDA device for the life of the process (device_slots.py)
     shard_replicas: int = 1  # --shard-replicas: copies of each committed shard (ShardedState)
+    # Started because every worker of the job restarts (torchrun's semantics, a script that
+    # does not follow rounds itself): nobody runs a ring this worker would join.
+    restarted_all: bool = False
 
     @property
     def timeouts(self) -> Timeouts:

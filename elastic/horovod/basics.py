@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
-from ..worker import lifecycle
+from ..contract.errors import ElasticError
+from ..worker import exit_record, lifecycle
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -19,6 +20,7 @@ NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 # returns the same rank and size, as Horovod's gloo build does.
 _initialized = False
 _environment_set = False
+_plain = False  # a collective ran outside @elastic.run: the agent restarts every worker on a failure
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -30,8 +32,46 @@ def init(comm=None, process_sets=None) -> None:
     if process_sets not in (None, [], ()):
         raise NotImplementedError("hvd.init(process_sets=...): process sets are not supported under elastic-run")
     lifecycle.start()
+    session = lifecycle.current()
+    if session.config.restarted_all and session.joining_round is not None:
+        # Every worker was restarted for this round (a script without hvd.elastic.run, its
+        # agent restarting them all, as torchrun): nobody runs a ring to join, so the round
+        # is entered now, as the job's first one, for broadcast_parameters to run on it.
+        session.entry.enter(session.entry.joining_plan(), previous_plan=None)
     _initialized = True
     _set_launcher_environment()
+
+
+def follows_rounds(yes: bool) -> None:
+    """Tell this worker's agent whether it re-forms its ring in-process (the runtime's marker
+    file, written by ``elastic.init()``). A Horovod script that runs collectives outside a
+    run function (``hvd.init``, ``DistributedOptimizer``, ``broadcast_parameters``, no
+    ``hvd.elastic.run``: Horovod's own examples) cannot follow a new ring there: its agent
+    treats it as torchrun treats any script, restarting every worker on a failure.
+    ``hvd.elastic.run`` says yes again."""
+    global _plain
+    try:
+        config = lifecycle.current().config
+    except ElasticError:
+        return  # hvd.init() not called: run() says so itself
+    marker = config.marker_file
+    _plain = not yes
+    if not marker:
+        return  # not under elastic-run
+    if yes:
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+    else:
+        try:
+            os.unlink(marker)
+        except FileNotFoundError:
+            pass
+
+
+def collective_outside_run() -> None:
+    """A collective is about to run: outside ``@elastic.run``, this is a non-elastic script."""
+    if not _plain and not exit_record.trains_under_run():
+        follows_rounds(False)
 
 
 def _is_whole_world(comm) -> bool:

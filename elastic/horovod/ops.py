@@ -78,6 +78,7 @@ def wait(pending: Pending):
 @contextlib.contextmanager
 def translated_errors():
     """A failure of the ring becomes HorovodInternalError (the cause stays chained)."""
+    basics.collective_outside_run()
     try:
         yield
     except HorovodInternalError:

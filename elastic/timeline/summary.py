@@ -8,6 +8,12 @@ Pure functions of a ``Timeline`` (model.py). A re-formation loses
   beyond the commit the new ring resumed from, at the run's mean step time.
 
 A planned switch (a join, a leave) loses its band only: nothing is rolled back.
+
+A torchrun-style script (no elastic API, so no commits and no re-formations) recovers the
+torchrun way: its agent restarts every worker, the script from the top. Such a failure is
+recovered once the workers it had started before are started again (``restarts``); its
+loss is the time until the last of them was started again, and the job's steps are not
+counted (only commits are).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class Loss:
     recovery_s: float  # the failure until the ring trains again
     rerun_steps: int = 0
     rerun_s: float = 0.0
+    restarted: bool = False  # torchrun-style: every worker restarted (recovery_s: until the last was)
 
     @property
     def total_s(self) -> float:
@@ -61,6 +68,24 @@ def losses(timeline: Timeline) -> list[Loss]:
         else:
             kind, before = _switch_kind(timeline, reform)
             out.append(Loss(reform.start, kind, f"world {before} -> {reform.world_size}", reform.duration))
+    for failure, restarted_s in restarts(timeline):
+        out.append(Loss(failure.time, "failure", _who_failed(timeline, failure), restarted_s, restarted=True))
+    return sorted(out, key=lambda loss: loss.at)
+
+
+def restarts(timeline: Timeline) -> list[tuple[Failure, float]]:
+    """The failures recovered the torchrun way, each with the seconds until the last worker
+    it restarted was started again: no re-formation recovered it, and workers started
+    before it were started again after it (the same worker ids, new processes)."""
+    out = []
+    failures = sorted((f for f in timeline.failures if timeline.recovery_of(f) is None), key=lambda f: f.time)
+    for i, failure in enumerate(failures):
+        until = failures[i + 1].time if i + 1 < len(failures) else float("inf")
+        before = {lane.worker for lane in timeline.lanes if lane.started is not None and lane.started <= failure.time}
+        again = [lane.started for lane in timeline.lanes if lane.worker in before and lane.started is not None
+                 and failure.time < lane.started < until]
+        if again:
+            out.append((failure, max(again) - failure.time))
     return out
 
 
@@ -82,8 +107,10 @@ def summarize(timeline: Timeline, *, job_id: str = "", log_dir: Optional[str] = 
     world = f"world {worlds[0]}" + (f" -> {worlds[-1]}" if worlds[-1] != worlds[0] else "")
     # Not "elastic-run: job J failed: ...": that is the one line saying why a job failed.
     job = f"job {job_id} " if job_id else "job "
-    lines = [f"elastic-run: summary: {job}{ending} after {steps_done(timeline)} steps in {duration(timeline.end)}, "
-             f"{world}"]
+    # Steps are commits: a torchrun-style script makes none, and its steps are its own.
+    committed = any(span for lane in timeline.lanes for span in lane.spans)
+    steps = f" after {steps_done(timeline)} steps" if committed else ""
+    lines = [f"elastic-run: summary: {job}{ending}{steps} in {duration(timeline.end)}, {world}"]
     counts = []
     if failed or unrecovered:
         n = len(failed) + len(unrecovered)
@@ -103,7 +130,9 @@ def summarize(timeline: Timeline, *, job_id: str = "", log_dir: Optional[str] = 
     else:
         lines.append("  no failures, joins or leaves")
     for loss in runs[:MAX_LISTED]:
-        text = f"    at {clock(loss.at)}  {loss.kind}: {loss.what}, {duration(loss.recovery_s)} to train again"
+        again = (f"every worker restarted (torchrun-style) in {duration(loss.recovery_s)}" if loss.restarted
+                 else f"{duration(loss.recovery_s)} to train again")
+        text = f"    at {clock(loss.at)}  {loss.kind}: {loss.what}, {again}"
         if loss.rerun_steps:
             text += f" + {loss.rerun_steps} steps re-run ({duration(loss.rerun_s)})"
         lines.append(text)
@@ -138,7 +167,8 @@ def clock(seconds: float) -> str:
 
 
 def _unrecovered(timeline: Timeline) -> list[Failure]:
-    return [f for f in timeline.failures if timeline.recovery_of(f) is None]
+    restarted = {id(failure) for failure, _ in restarts(timeline)}
+    return [f for f in timeline.failures if timeline.recovery_of(f) is None and id(f) not in restarted]
 
 
 def _who_failed(timeline: Timeline, failure: Optional[Failure]) -> str:

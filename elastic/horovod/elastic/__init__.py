@@ -14,7 +14,7 @@ last commit; a membership change at a commit or at ``check_host_updates()`` roll
 nothing; then the new ring syncs the newest commit, every ``ElasticSampler`` of the
 state is partitioned among it, and the reset callbacks run (after the sync, unlike
 Horovod: its issue 2844). Differences from Horovod are listed in ``state.py`` and
-``sampler.py`` and in the README's "Coming from Horovod".
+``sampler.py`` and in docs/horovod.md.
 
 It may import ``elastic.horovod``'s modules (not the package itself: that would be
 an import cycle), the ``elastic`` API and the worker room.
@@ -27,6 +27,7 @@ from typing import Callable, Optional, TypeVar
 
 from ...contract.errors import HostsUpdatedInterrupt
 from ...worker import recovery
+from ..basics import follows_rounds
 from ..common import HorovodInternalError
 from .sampler import ElasticSampler
 from .state import ObjectState, TorchState
@@ -46,6 +47,7 @@ def run(func: Callable[..., T]) -> Callable[..., Optional[T]]:
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        follows_rounds(True)  # from here on its ring re-forms in-process
         return recovery.run(func)(state, *args, **kwargs)
 
     return wrapper

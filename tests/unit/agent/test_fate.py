@@ -83,7 +83,7 @@ CASES = [
      Fate(REPLACE, "worker w0 died (hung 30s, signal 9)")),
     ("exit 70 without a record", Exit("w0", WORKER_BROKEN), View(), Fate(REPLACE, "worker w0 died (exit code 70)")),
     ("a torchrun script killed", Exit("w0", None, signal.SIGKILL), View(elastic=False),
-     Fate(REPLACE, "worker w0 died (signal 9)")),
+     Fate(RESTART_PLAIN, "worker w0 died (signal 9)")),
     # -- the restart budget (--max-restarts)
     ("lost with no restart left", Exit("w0", None, signal.SIGKILL), View(budget=Standing(restarts_left=0)),
      Fate(DROP, "worker w0 died (signal 9)")),

@@ -36,6 +36,10 @@ def _pump(label="rank0", ranks=ConsoleRanks(), max_line=64 * 1024, out=None):
     ([b"\rabcdef", b"\rab"], "\r[rank0]: abcdef\r[rank0]: ab    ", b"\rabcdef\r"),
     ([b"a\r\n"], "[rank0]: a\n", b"a\r\n"),
     ([LOG_FILE_ONLY.encode() + b"details\nshown\n"], "[rank0]: shown\n", b"details\nshown\n"),
+    # torch's excepthook prefixes a traceback itself: one prefix on the console (it was two)
+    ([b"[rank0]: Traceback (most recent call last):\n[rank0]: ValueError: x\n"],
+     "[rank0]: Traceback (most recent call last):\n[rank0]: ValueError: x\n",
+     b"[rank0]: Traceback (most recent call last):\n[rank0]: ValueError: x\n"),
     # the runtime logs a file-only record while the bar's line is open: the bar stays, on one line
     ([b"\r 10%", LOG_FILE_ONLY.encode() + b"step_times ...\n", b"\r 20%\n"],
      "\r[rank0]:  10%\r[rank0]:  20%\n", b"\r 10%step_times ...\n\r 20%\n"),

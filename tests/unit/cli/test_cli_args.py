@@ -152,3 +152,11 @@ def test_a_refused_checkpoint_dir_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "belongs to job 'someone-else'" in lines[0], result.stderr
+
+
+def test_a_new_checkpoint_dir_is_private(tmp_path):
+    """docs/failures.md: checkpoint directories are created 0700 (the top one was 0755)."""
+    from elastic.cli.launch import _check_writable_dir
+
+    _check_writable_dir(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o700

@@ -45,10 +45,19 @@ TRANSLATED = [
     # torchrun's documented multi-node command: hosts become workers
     (["--nnodes=2:8", "--nproc-per-node=8", "--max-restarts=3", "--rdzv-id=job42", "--rdzv-backend=c10d",
       "--rdzv-endpoint=node0:29400", "train.py"],
-     ["--nproc-per-node", "8", "--min-np", "16", "--max-np", "64", "--rdzv-endpoint", "node0:29400",
-      "--job-id", "job42", "--max-restarts", "3", "train.py"]),
+     ["--nproc-per-node", "8", "--min-np", "16", "--max-np", "64", "--rdzv-settle", "30",
+      "--rdzv-endpoint", "node0:29400", "--job-id", "job42", "--rdzv-backend", "c10d", "--max-restarts", "3",
+      "train.py"]),
+    # torchrun's single-host elastic spelling: the loopback endpoint is served (c10d), the id is torchrun's default
+    (["--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29400", "train.py"],
+     ["--nproc-per-node", "2", "--min-np", "2", "--max-np", "4", "--rdzv-settle", "30",
+      "--rdzv-endpoint", "localhost:29400", "--rdzv-backend", "c10d", "--job-id", "none", "train.py"]),
+    # torchrun's last call given: no default settle
+    (["--nnodes=1:2", "--rdzv-conf=last_call_timeout=5", "t.py"],
+     ["--min-np", "1", "--max-np", "2", "--rdzv-settle", "5", "t.py"]),
+    (["--nnodes=1:2", "--rdzv-settle", "2", "t.py"], ["--min-np", "1", "--max-np", "2", "--rdzv-settle", "2", "t.py"]),
     (["--nnodes", "2", "--nproc_per_node", "4", "t.py"], ["--nproc-per-node", "4", "--np", "8", "t.py"]),
-    (["--nnodes", "1:3", "t.py"], ["--min-np", "1", "--max-np", "3", "t.py"]),
+    (["--nnodes", "1:3", "t.py"], ["--min-np", "1", "--max-np", "3", "--rdzv-settle", "30", "t.py"]),
     # torchrun's default --nnodes 1:1
     (["--nproc-per-node", "2", "t.py"], ["--nproc-per-node", "2", "--np", "2", "t.py"]),
     (["--nproc-per-node", "2", "--max-np", "4", "t.py"], ["--nproc-per-node", "2", "--max-np", "4", "t.py"]),
@@ -58,7 +67,7 @@ TRANSLATED = [
     (["--nproc-per-node", "cpu", "t.py"], ["--nproc-per-node", "32", "--np", "32", "t.py"]),
     # the backends all mean an etcd v3 at the endpoint; a missing port is the backend's default
     (["--rdzv_backend", "static", "--rdzv_endpoint", "h1", "--rdzv_id", "j", "--np", "2", "t.py"],
-     ["--rdzv-endpoint", "h1:29400", "--job-id", "j", "--np", "2", "t.py"]),
+     ["--rdzv-endpoint", "h1:29400", "--job-id", "j", "--rdzv-backend", "c10d", "--np", "2", "t.py"]),
     (["--rdzv-backend=etcd-v2", "--rdzv-endpoint=e1,e2:2380", "--rdzv-id=j", "--np", "2", "t.py"],
      ["--rdzv-endpoint", "e1:2379,e2:2380", "--job-id", "j", "--np", "2", "t.py"]),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "https://[::1]:2379", "--job-id", "j", "--np", "1", "t.py"],
@@ -210,3 +219,12 @@ def test_the_join_hint_of_a_secured_job_names_the_secret_file_to_copy():
     assert printed == ("elastic-run --rdzv-endpoint 10.0.0.5:29400 --job-id j --job-secret-file /home/u/job.secret "
                        "--min-np 2 --max-np 4 /x/t.py")
     assert "(copy /home/u/job.secret to every host first, mode 0600)" in hint
+
+
+def test_with_torchruns_c10d_backend_errors_speak_of_the_rendezvous():
+    from elastic.cli.launch import in_users_words
+
+    message = "cannot reach etcd at localhost:29400 within 3s: UNAVAILABLE: Connection refused"
+    assert in_users_words(message, "c10d") == \
+        "cannot reach the rendezvous at localhost:29400 within 3s: UNAVAILABLE: Connection refused"
+    assert in_users_words(message, "etcd") == message  # the user asked for etcd

@@ -34,7 +34,26 @@ def _many_failures():
     return events + [ev(80, "job_finished", status="succeeded", reason="done")]
 
 
+def _torchrun_style_restarted():
+    """A torchrun-style job (no commits): w1 killed, its agent restarts both workers, then success."""
+    w1 = f"{A}.w1"
+    return [ev(0, "agent_started", member=A), ev(0.1, "round_formed", world_size=2, round=1),
+            ev(0.2, "worker_started", worker=W0, pid=1, rank=0, round=1),
+            ev(0.2, "worker_started", worker=w1, pid=2, rank=1, round=1),
+            ev(4.0, "worker_exited", worker=w1, exit_code=None, signal=9),
+            ev(4.1, "failure_detected", reason=f"worker {w1} died (signal 9)"),
+            ev(4.3, "worker_started", worker=W0, pid=3, rank=0, round=2),
+            ev(4.5, "worker_started", worker=w1, pid=4, rank=1, round=2),
+            ev(14.0, "job_finished", status="succeeded", reason="done")]
+
+
 @pytest.mark.parametrize("events, log_dir, expected", [
+    (_torchrun_style_restarted(), None, [  # was "after 0 steps ... rank 1 killed, not recovered"
+        "elastic-run: summary: job j succeeded in 14 s, world 2",
+        "  1 failure: 0.50 s lost (4% of the wall time)",
+        "    at 0:04  failure: rank 1 killed, every worker restarted (torchrun-style) in 0.50 s",
+        "  timeline: not kept (run with --log-dir to keep events.jsonl and draw it)",
+    ]),
     (_plain_run(), "/logs", [
         "elastic-run: summary: job j succeeded after 600 steps in 62 s, world 1",
         "  no failures, joins or leaves",

@@ -129,7 +129,7 @@ def test_without_matplotlib_the_command_names_the_extra_in_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("elastic-run timeline: error: drawing the timeline needs "
                                                    "matplotlib"), done.stderr
-    assert lines[0].endswith("pip install 'elastic-run[timeline]'")
+    assert lines[0].endswith("install it with: pip install matplotlib (in a checkout: pip install -e '.[timeline]')")
     assert not (tmp_path / "t.png").exists()
 
 
