@@ -68,10 +68,18 @@ class Broken:
 Outcome = Union[Finished, Switch, Stop, Leave, Broken]
 
 
+class TrainingFinished(Exception):
+    """A worker that waited outside the training function (a hybrid mesh's spare,
+    elastic/sharded/spares.py) learns that the ring's training function returned: it
+    has finished too, without running the function."""
+
+
 def outcome_of(body: Callable[..., Any], *args) -> Outcome:
     """Call ``body(*args)``; its value, or the interruption that ended it, as an ``Outcome``."""
     try:
         return Finished(body(*args))
+    except TrainingFinished:
+        return Finished(None)
     except JobStopping as exc:
         return Stop(str(exc))
     except HostsUpdatedInterrupt as exc:

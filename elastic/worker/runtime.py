@@ -277,6 +277,14 @@ class Runtime:
             ring.abort()
             ring.wait_aborted()  # bounded: past its deadline the worker exits broken
 
+    def adopt_connections(self, before) -> None:
+        """Process groups made on the current ring since ``before`` (a ``socket_snapshot``):
+        an abort of the ring shuts their connections too (ring_abort.RingHandle.include_since)."""
+        with self._backend_lock:
+            ring = self._ring
+        if ring is not None:
+            ring.include_since(before)
+
     def abort_ring(self) -> None:
         """Fail the peers' pending operations at once (a fault only this worker saw)."""
         with self._backend_lock:
