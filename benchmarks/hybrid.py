@@ -140,7 +140,9 @@ def run_elastic(args) -> dict:
                 job.stop()
     if code != 0:
         raise RuntimeError(f"elastic-run failed ({code}): see {directory}")
-    return elastic_figures(records(directory), killed_at) | {"dir": directory}
+    events = [json.loads(line) for line in Path(directory, "logs-a", "events.jsonl").read_text().splitlines()]
+    detected = [e["time"] for e in events if e["event"] == "failure_detected" and e["time"] > killed_at]
+    return elastic_figures(records(directory), killed_at, min(detected) if detected else None) | {"dir": directory}
 
 
 def records(directory: str) -> list[dict]:
@@ -154,8 +156,10 @@ def records(directory: str) -> list[dict]:
     return found
 
 
-def elastic_figures(recs: list[dict], killed_at: float) -> dict:
-    """The figures of the elastic run (a pure function of its records)."""
+def elastic_figures(recs: list[dict], killed_at: float, detected_at: float | None = None) -> dict:
+    """The figures of the elastic run (a pure function of its records). ``detected_at``: the
+    survivors' first failure_detected: on CPUs a step's computation cannot be interrupted,
+    so the loss is seen at the step's next collective, up to a step after the kill."""
     steps = sorted((r for r in recs if r["event"] == "step"), key=lambda r: r["t"])
     entered = sorted((r for r in recs if r["event"] == "entered"), key=lambda r: r["t"])
     before = [r for r in steps if r["world"] == 2 * NPROC and r["t"] < killed_at]
@@ -176,6 +180,9 @@ def elastic_figures(recs: list[dict], killed_at: float) -> dict:
         "loss_to_training_s": round(min(r["t"] for r in after_loss) - killed_at, 3),
         "loss_to_next_step_s": round(min(r["t"] for r in alone) - killed_at, 3),
         "loss_sync_s": round(max(r["sync"]["sync_s"] for r in after_loss), 3),
+        "loss_detected_s": round(detected_at - killed_at, 3) if detected_at is not None else None,
+        "loss_detected_to_training_s": round(min(r["t"] for r in after_loss) - detected_at, 3)
+        if detected_at is not None else None,
         "loss_moved_mb": round(sum(r["sync"]["moved"] for r in after_loss) / 1e6, 3),
         "loss_mesh": after_loss[0]["mesh"],
         "refill_moved_mb": round(moved / 1e6, 1), "refill_sync_s": round(refill_s, 3),
@@ -276,8 +283,11 @@ def print_table(rows: list[dict], size_mb: float) -> None:
         return fmt.format(row[key]) if row is not None and key in row else "-"
     print(f"| train step + commit/save (median, before) | {cell(e, 'train_loop_s')} | "
           f"{cell(t, 'train_loop_s')} + dcp.save {cell(t, 'dcp_save_s')} |")
-    print(f"| host lost -> training again | **{cell(e, 'loss_to_training_s')}** "
+    print(f"| host lost -> training again | {cell(e, 'loss_to_training_s')} "
           f"(moved {cell(e, 'loss_moved_mb', '{:.3f} MB')}) | {cell(t, 'loss_to_training_s')} (all 4 restarted) |")
+    print(f"| of which: the step in flight until its next collective | {cell(e, 'loss_detected_s')} | - |")
+    print(f"| of which: failure seen -> training again (no re-shard) | **{cell(e, 'loss_detected_to_training_s')}** "
+          f"(sync {cell(e, 'loss_sync_s')}) | - |")
     print(f"| host lost -> next completed step | {cell(e, 'loss_to_next_step_s')} | {cell(t, 'loss_to_next_step_s')} |")
     print(f"| refill: moved to the new group | {cell(e, 'refill_moved_mb', '{:.0f} MB')} | (the restart above) |")
     print(f"| refill: receivers' sync | {cell(e, 'refill_sync_s')} = **{cell(e, 'refill_s_per_gb', '{:.3f} s/GB')}** | - |")

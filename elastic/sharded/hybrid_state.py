@@ -48,7 +48,7 @@ from .live_shards import live_shards
 from .mesh import device_type
 from .pieces import run_pieces
 from .reshard_plan import TensorLayout, plan_reshard
-from .slots import ShardSlot
+from .slots import ShardSlot, torch_dtype
 from .spares import SpareTicks, wait_as_spare
 from .state import _KEEP_METAS, ShardedState
 
@@ -295,16 +295,20 @@ class HybridShardedState(ShardedState):
                 meta = modules.describe(newest, 1, book.model_factory(), None, {}, values_of(self, book), self.sampler)
             meta = meta_wire.broadcast_meta(meta, 0, rank, facts.round, facts.backend)
         else:
-            wanted = (newest.round, newest.count, chosen[1])
-            source_rank = min(r for r, rep in enumerate(held_reports) if wanted in rep[1])
-            meta = meta_wire.broadcast_meta(book.metas.get(chosen) if rank == source_rank else None, source_rank,
-                                            rank, facts.round, facts.backend)
             holders = {}
             for r, pairs in held.items():
                 for key, shard in pairs:
                     if key == chosen:
                         holders.setdefault(shard, []).append(r)
             sources = {s.shard: s for s in slots}
+        same_shape = not first_start and chosen[1] == hyb.shape.group_size
+        # A refill's bytes travel while the meta is broadcast and the model is built.
+        refill = self._post_refill(facts, plan, reports, chosen, holders, sources) if same_shape else None
+        if not first_start:
+            wanted = (newest.round, newest.count, chosen[1])
+            source_rank = min(r for r, rep in enumerate(held_reports) if wanted in rep[1])
+            meta = meta_wire.broadcast_meta(book.metas.get(chosen) if rank == source_rank else None, source_rank,
+                                            rank, facts.round, facts.backend)
         model = optimizer = scheduler = None
         targets: dict = {}
         meta_done = time.monotonic()
@@ -315,7 +319,6 @@ class HybridShardedState(ShardedState):
             states = modules.empty_optimizer_state(model, meta) if not first_start else {}
             targets = {f"model.{fqn}": p for fqn, p in model.named_parameters()}
             targets.update(states)
-        same_shape = not first_start and meta.world == hyb.shape.group_size
         model_built = time.monotonic()
         received_slot = None
         if first_start and (book.init is not None or hyb.shape.tensor_parallel > 1):
@@ -323,7 +326,7 @@ class HybridShardedState(ShardedState):
             if trains:
                 self._initialise(model)
         elif same_shape:
-            moved, received_slot = self._refill(facts, plan, meta, reports, chosen, holders, sources, targets)
+            moved, received_slot = self._finish_refill(refill, rank, meta, chosen, sources, targets)
         else:
             if hyb.shape.tensor_parallel > 1:
                 raise ElasticError(f"commit {newest.count} was made by a ring of {meta.world}, not by groups of "
@@ -380,51 +383,59 @@ class HybridShardedState(ShardedState):
                      if self._book.legacy else None, extra=FILE_ONLY)
             wait_as_spare(runtime, lead)
 
-    def _refill(self, facts, plan, meta, reports, chosen, holders, sources, targets):
+    def _post_refill(self, facts, plan, reports, chosen, holders, sources):
         """Same group shape as the commit's: every training worker takes the slot of its
-        coordinate, its own (a local copy) or a healthy replica's (``plan_refill``)."""
-        hyb, rank = self._hybrid, facts.rank
-        commit, world = chosen
+        coordinate, its own (a local copy, later) or a healthy replica's (``plan_refill``),
+        received into buffers of the slot's sizes: posted now, finished by ``_finish_refill``."""
+        rank = facts.rank
         sizes = {}
         for rep in reports:
             for r, c, w, s, per_dtype in rep["sizes"]:
                 if (CommitId(r, c), w) == chosen:
                     sizes[s] = per_dtype
-        needs = {}
-        for members in plan.groups:
-            for coordinate, member in enumerate(members):
-                needs[member] = coordinate
+        needs = {member: coordinate for members in plan.groups for coordinate, member in enumerate(members)}
         pieces = plan_refill(needs, holders, sizes)
-        mine = None
+        staging = None
         if rank in needs and rank not in holders.get(needs[rank], ()):
-            local = local_layout([t.key for t in meta.layout], targets)
-            mine = group_slot(None, local, world, needs[rank])
-            if {d: b.numel() for d, b in mine.flat.items()} != sizes[needs[rank]]:
-                raise ElasticError(f"the model built here does not match commit {commit.count}'s shard "
-                                   f"{needs[rank]}: is model() the same on every worker?")
+            staging = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in sorted(sizes[needs[rank]].items())}
         works, moved, tags = [], 0, {}
+        for piece in pieces:
+            if rank not in (piece.holder, piece.receiver):
+                continue
+            pair = (piece.holder, piece.receiver)
+            tags[pair] = tag = tags.get(pair, -1) + 1
+            if piece.holder == rank:
+                buffer = sources[piece.coordinate].flat[piece.dtype].narrow(0, piece.start, piece.length)
+                works.append(dist.isend(buffer, dst=piece.receiver, tag=_SLOT_TAG + tag))
+            else:
+                buffer = staging[piece.dtype].narrow(0, piece.start, piece.length)
+                works.append(dist.irecv(buffer, src=piece.holder, tag=_SLOT_TAG + tag))
+                moved += buffer.numel() * buffer.element_size()
+        return works, moved, needs.get(rank), staging
+
+    def _finish_refill(self, refill, rank, meta, chosen, sources, targets):
+        """Wait for the refill's pieces; copy this worker's slot into its new model's shards.
+        Returns the bytes received and the slot they came in (None if it held its own)."""
+        works, moved, coordinate, staging = refill
+        for work in works:
+            work.wait()
+        if coordinate is None:  # a spare: it only sent
+            return moved, None
+        received = None
+        if staging is not None:
+            holder = ShardSlot((), 1, 0)
+            holder.flat = staging
+            local = local_layout([t.key for t in meta.layout], targets)
+            received = group_slot(holder, local, chosen[1], coordinate)
+            if received.flat is not staging:
+                raise ElasticError(f"the model built here does not match commit {chosen[0].count}'s shard "
+                                   f"{coordinate}: is model() the same on every worker?")
+            received.commit = chosen[0]
+        slot = received if received is not None else sources[coordinate]
         with torch.no_grad():
-            for piece in pieces:
-                if rank not in (piece.holder, piece.receiver):
-                    continue
-                pair = (piece.holder, piece.receiver)
-                tags[pair] = tag = tags.get(pair, -1) + 1
-                if piece.holder == rank:
-                    buffer = sources[piece.coordinate].flat[piece.dtype].narrow(0, piece.start, piece.length)
-                    works.append(dist.isend(buffer, dst=piece.receiver, tag=_SLOT_TAG + tag))
-                else:
-                    buffer = mine.flat[piece.dtype].narrow(0, piece.start, piece.length)
-                    works.append(dist.irecv(buffer, src=piece.holder, tag=_SLOT_TAG + tag))
-                    moved += buffer.numel() * buffer.element_size()
-            for work in works:
-                work.wait()
-            if rank in needs:
-                slot = mine if mine is not None else sources[needs[rank]]
-                for key, tensor in targets.items():
-                    modules.local(tensor).view(-1).copy_(slot.view(key))
-        if mine is not None:
-            mine.commit = commit
-        return moved, mine
+            for key, tensor in targets.items():
+                modules.local(tensor).view(-1).copy_(slot.view(key))
+        return moved, received
 
     def _initialise(self, model) -> None:
         """A first start without a commit: ``init=`` on each worker's own shards, or (tensor

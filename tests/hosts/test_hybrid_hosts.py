@@ -14,7 +14,7 @@ goes on by itself). One run sees, in order:
    on, nothing moves;
 4. a total loss (host a's agent killed) after step 9;
 5. a resume from the newest durable (DCP) checkpoint at another mesh shape: one host of
-   3 workers, a 1 x 3 mesh.
+   4 workers with groups of 3, a 1 x 3 mesh and a spare, which finishes with the others.
 
 The final parameters equal a plain single-process run at the same global batch within
 1e-12 (a plain HSDP run equals that run within 6e-17: tests/integration/test_hsdp_mesh.py).
@@ -75,9 +75,10 @@ def test_kill_spare_refill_host_loss_total_loss_and_a_resume_at_another_shape(ne
     assert "waits as a spare" in spare_log
     assert "resumed from" not in text and "every copy of a shard" not in text  # nothing from disk before 5
 
-    # 5: everything is gone; one host of 3 workers resumes from the newest durable checkpoint.
+    # 5: everything is gone; one host of 4 workers resumes from the newest durable checkpoint
+    # on groups of 3: one group, and a spare that waits through to the end.
     again = start(tmp_path, ["--rdzv-endpoint", hosts.etcd_endpoint, "--job-id", f"{job_id}-again",
-                             "--host-addr", "127.0.0.1", "--nproc-per-node", "3", "--min-np", "3",
+                             "--host-addr", "127.0.0.1", "--nproc-per-node", "4", "--min-np", "4",
                              "--collective-timeout", "20", "--checkpoint-dir", str(checkpoints),
                              "--checkpoint-take-over"],
                   ["--steps", str(STEPS), "--min-groups", "1", "--shard-size", "3"], name="again")
@@ -87,6 +88,7 @@ def test_kill_spare_refill_host_loss_total_loss_and_a_resume_at_another_shape(ne
         if again.proc.poll() is None:
             again.kill()
     resumed = again.text()
-    assert re.search(r"resumed from durable checkpoint step \d+ \(world \d -> 1x3 groups \[\[0, 1, 2\]\]\)", resumed), \
-        resumed[-3000:]
+    assert re.search(r"resumed from durable checkpoint step \d+ \(world \d -> 1x3 groups \[\[0, 1, 2\]\], "
+                     r"spares \[3\]\)", resumed), resumed[-3000:]
+    assert "[rank3]: elastic: round 1: training finished while this worker was a spare" in resumed, resumed[-3000:]
     assert_equals_reference(tmp_path, STEPS)
