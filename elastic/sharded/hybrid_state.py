@@ -43,19 +43,19 @@ from ..worker.sync_plan import CommitId, SyncPlan
 from . import durable, meta_wire, modules
 from ..worker.ring_abort import socket_snapshot
 from .hybrid_mesh import adopt_connections, build_mesh, default_shard_size, remember, round_facts
-from .hybrid_plan import FLAT, NONE, HybridShape, MeshPlan, data_share, plan_mesh, plan_refill
+from .hybrid_plan import FLAT, NONE, HybridShape, MeshPlan, data_share, plan_mesh
+from .hybrid_refill import finish_refill, group_slot, local_layout, post_refill
 from .live_shards import live_shards
 from .mesh import device_type
 from .pieces import run_pieces
-from .reshard_plan import TensorLayout, plan_reshard
-from .slots import ShardSlot, torch_dtype
+from .reshard_plan import plan_reshard
+from .slots import ShardSlot
 from .spares import SpareTicks, wait_as_spare
 from .state import _KEEP_METAS, ShardedState
 
 log = logging.getLogger(__name__)
 
 _MAX_REPORT_BYTES = 4 << 20
-_SLOT_TAG = 1 << 26  # a refill's messages, per (holder, receiver) pair from here
 
 
 @dataclass
@@ -76,28 +76,6 @@ class HybridBook:
     @property
     def hybrid(self) -> bool:
         return self.plan is not None and self.plan.mode not in (FLAT, NONE)
-
-
-def group_slot(previous: Optional[ShardSlot], local: tuple[TensorLayout, ...], world: int,
-               coordinate: int) -> ShardSlot:
-    """A slot for coordinate ``coordinate`` of a group of ``world`` workers, laid out as the
-    local tensors (``local``: their shapes). Without tensor parallelism that is exactly
-    FSDP2's dim-0 shard ``coordinate`` of ``world``, so the 1-D path re-shards from it."""
-    if previous is not None and previous.layout == local and (previous.world, previous.shard) == (world, coordinate):
-        previous.commit = None
-        return previous
-    slot = ShardSlot(local, 1, 0, reuse=previous)
-    slot.world, slot.shard = world, coordinate
-    return slot
-
-
-def local_layout(keys, tensors: dict) -> tuple[TensorLayout, ...]:
-    """The layout of ``tensors``' local parts (``keys``: the commit's tensors, in order)."""
-    out = []
-    for key in keys:
-        local = modules.local(tensors[key])
-        out.append(TensorLayout(key, tuple(local.shape), str(local.dtype).replace("torch.", "")))
-    return tuple(out)
 
 
 def warm_up() -> None:
@@ -303,7 +281,7 @@ class HybridShardedState(ShardedState):
             sources = {s.shard: s for s in slots}
         same_shape = not first_start and chosen[1] == hyb.shape.group_size
         # A refill's bytes travel while the meta is broadcast and the model is built.
-        refill = self._post_refill(facts, plan, reports, chosen, holders, sources) if same_shape else None
+        refill = post_refill(rank, plan, reports, chosen, holders, sources) if same_shape else None
         if not first_start:
             wanted = (newest.round, newest.count, chosen[1])
             source_rank = min(r for r, rep in enumerate(held_reports) if wanted in rep[1])
@@ -326,7 +304,7 @@ class HybridShardedState(ShardedState):
             if trains:
                 self._initialise(model)
         elif same_shape:
-            moved, received_slot = self._finish_refill(refill, rank, meta, chosen, sources, targets)
+            moved, received_slot = finish_refill(refill, meta, chosen, sources, targets)
         else:
             if hyb.shape.tensor_parallel > 1:
                 raise ElasticError(f"commit {newest.count} was made by a ring of {meta.world}, not by groups of "
@@ -382,60 +360,6 @@ class HybridShardedState(ShardedState):
                      runtime.round, rank, list(hyb.group or ()), self._book.legacy[0].commit.count
                      if self._book.legacy else None, extra=FILE_ONLY)
             wait_as_spare(runtime, lead)
-
-    def _post_refill(self, facts, plan, reports, chosen, holders, sources):
-        """Same group shape as the commit's: every training worker takes the slot of its
-        coordinate, its own (a local copy, later) or a healthy replica's (``plan_refill``),
-        received into buffers of the slot's sizes: posted now, finished by ``_finish_refill``."""
-        rank = facts.rank
-        sizes = {}
-        for rep in reports:
-            for r, c, w, s, per_dtype in rep["sizes"]:
-                if (CommitId(r, c), w) == chosen:
-                    sizes[s] = per_dtype
-        needs = {member: coordinate for members in plan.groups for coordinate, member in enumerate(members)}
-        pieces = plan_refill(needs, holders, sizes)
-        staging = None
-        if rank in needs and rank not in holders.get(needs[rank], ()):
-            staging = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in sorted(sizes[needs[rank]].items())}
-        works, moved, tags = [], 0, {}
-        for piece in pieces:
-            if rank not in (piece.holder, piece.receiver):
-                continue
-            pair = (piece.holder, piece.receiver)
-            tags[pair] = tag = tags.get(pair, -1) + 1
-            if piece.holder == rank:
-                buffer = sources[piece.coordinate].flat[piece.dtype].narrow(0, piece.start, piece.length)
-                works.append(dist.isend(buffer, dst=piece.receiver, tag=_SLOT_TAG + tag))
-            else:
-                buffer = staging[piece.dtype].narrow(0, piece.start, piece.length)
-                works.append(dist.irecv(buffer, src=piece.holder, tag=_SLOT_TAG + tag))
-                moved += buffer.numel() * buffer.element_size()
-        return works, moved, needs.get(rank), staging
-
-    def _finish_refill(self, refill, rank, meta, chosen, sources, targets):
-        """Wait for the refill's pieces; copy this worker's slot into its new model's shards.
-        Returns the bytes received and the slot they came in (None if it held its own)."""
-        works, moved, coordinate, staging = refill
-        for work in works:
-            work.wait()
-        if coordinate is None:  # a spare: it only sent
-            return moved, None
-        received = None
-        if staging is not None:
-            holder = ShardSlot((), 1, 0)
-            holder.flat = staging
-            local = local_layout([t.key for t in meta.layout], targets)
-            received = group_slot(holder, local, chosen[1], coordinate)
-            if received.flat is not staging:
-                raise ElasticError(f"the model built here does not match commit {chosen[0].count}'s shard "
-                                   f"{coordinate}: is model() the same on every worker?")
-            received.commit = chosen[0]
-        slot = received if received is not None else sources[coordinate]
-        with torch.no_grad():
-            for key, tensor in targets.items():
-                modules.local(tensor).view(-1).copy_(slot.view(key))
-        return moved, received
 
     def _initialise(self, model) -> None:
         """A first start without a commit: ``init=`` on each worker's own shards, or (tensor
