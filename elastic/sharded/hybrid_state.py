@@ -24,6 +24,7 @@ checkpoint, at any mesh shape.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -284,9 +285,13 @@ class HybridShardedState(ShardedState):
         refill = post_refill(rank, plan, reports, chosen, holders, sources) if same_shape else None
         if not first_start:
             wanted = (newest.round, newest.count, chosen[1])
-            source_rank = min(r for r, rep in enumerate(held_reports) if wanted in rep[1])
-            meta = meta_wire.broadcast_meta(book.metas.get(chosen) if rank == source_rank else None, source_rank,
-                                            rank, facts.round, facts.backend)
+            if all(wanted in rep[1] for rep in held_reports):
+                # Every rank holds the commit's meta (a loss: only survivors): nothing to send.
+                meta = copy.deepcopy(book.metas[chosen])
+            else:
+                source_rank = min(r for r, rep in enumerate(held_reports) if wanted in rep[1])
+                meta = meta_wire.broadcast_meta(book.metas.get(chosen) if rank == source_rank else None, source_rank,
+                                                rank, facts.round, facts.backend)
         model = optimizer = scheduler = None
         targets: dict = {}
         meta_done = time.monotonic()
