@@ -45,8 +45,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "HybridShardedState", "ObjectState", "ResetLimitExceeded",
-    "ShardedState", "State", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "report",
+    "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "HybridShardedState", "ObjectState",
+    "ResetLimitExceeded", "ShardedState", "State", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "report",
     "round", "run", "shutdown", "size",
 ]
 
