@@ -69,6 +69,7 @@ class ShardedCheckpoints:
         self._group = None
         self._group_key = None
         self._lead = 0  # the rank that names, finishes and publishes a write (the group's lowest)
+        self._decide = None  # the group the time rule is agreed on (None: the ring's)
         self._pending = None  # (future, publish thread or None)
         self._last_submit = time.monotonic()
         self._swept = False  # the temporaries of writers that are gone removed (rank 0, once)
@@ -84,7 +85,7 @@ class ShardedCheckpoints:
         due = p.every_commits is not None and commits > 0 and commits % p.every_commits == 0
         if p.every_seconds is not None and not due:
             flag = torch.tensor([time.monotonic() - self._last_submit >= p.every_seconds], dtype=torch.int64)
-            dist.broadcast(flag, src=self._lead, group=self._group)
+            dist.broadcast(flag, src=self._lead, group=self._decide)
             due = bool(flag.item())
         return due
 
@@ -96,6 +97,9 @@ class ShardedCheckpoints:
         if self._group_key != key:
             members = sorted(ranks) if ranks is not None else None
             self._group = dist.new_group(ranks=members, backend="gloo")
+            # The time rule's broadcast (due) never shares the writes' group: a write's
+            # collectives run on DCP's thread while the next commit asks.
+            self._decide = dist.new_group(ranks=members, backend="gloo") if members is not None else None
             self._lead = members[0] if members else 0
             self._group_key = key
         return self._group
