@@ -161,6 +161,11 @@ def train(state):
     append("pids.jsonl", {"pid": os.getpid(), "rank": rank, "round": elastic.round(), "world": world,
                           "mesh": plan.describe()})
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
+    if plan.mode == "hybrid":  # the user's view of the round's mesh is the one the state trains on
+        dims = ("replicate", "shard", "tp") if args.tp > 1 else ("replicate", "shard")
+        mesh = elastic.device_mesh(dims)
+        expected = (len(plan.groups), plan.shape.shard_size) + ((args.tp,) if args.tp > 1 else ())
+        assert tuple(mesh.shape) == expected and mesh.mesh_dim_names == dims, (mesh, expected)
     while state.step < args.steps:
         if holding(state.step, world):
             # A step of no rows and no update: its collectives keep the ring in lockstep.
