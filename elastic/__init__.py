@@ -78,12 +78,13 @@ _LAZY = {
     "run": ".worker.recovery",
     "report": ".worker.step_log",
     # FSDP2's modules take a second or more to import: only jobs that shard pay for them.
-    "ShardedState": ".sharded", "device_mesh": ".sharded",
+    "ShardedState": ".sharded", "HybridShardedState": ".sharded", "device_mesh": ".sharded",
 }
 
 __all__ = [
-    "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "ResetLimitExceeded",
-    "ShardedSource", "ShardedState", "SourceSampler", "State", "StatefulStream", "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "report",
+    "ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "HybridShardedState", "ObjectState",
+    "ResetLimitExceeded", "ShardedSource", "ShardedState", "SourceSampler", "State", "StatefulStream",
+    "TorchState", "accumulate", "device_mesh", "init", "local_rank", "rank", "report",
     "round", "run", "shutdown", "size",
 ]
 

@@ -36,7 +36,7 @@ import shutil
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,8 @@ class ShardedCheckpoints:
         self.policy = policy
         self._group = None
         self._group_key = None
+        self._lead = 0  # the rank that names, finishes and publishes a write (the group's lowest)
+        self._decide = None  # the group the time rule is agreed on (None: the ring's)
         self._pending = None  # (future, publish thread or None)
         self._last_submit = time.monotonic()
         self._swept = False  # the temporaries of writers that are gone removed (rank 0, once)
@@ -83,15 +85,22 @@ class ShardedCheckpoints:
         due = p.every_commits is not None and commits > 0 and commits % p.every_commits == 0
         if p.every_seconds is not None and not due:
             flag = torch.tensor([time.monotonic() - self._last_submit >= p.every_seconds], dtype=torch.int64)
-            dist.broadcast(flag, src=0)
+            dist.broadcast(flag, src=self._lead, group=self._decide)
             due = bool(flag.item())
         return due
 
-    def group(self, round_number: int):
-        """The writes' own process group for this round (made collectively, in ``sync``)."""
+    def group(self, round_number: int, ranks: Optional[Sequence[int]] = None):
+        """The writes' own process group for this round (made collectively, in ``sync``): every
+        rank of the ring, or ``ranks`` only (a hybrid mesh's training ranks: its spares hold no
+        live model). Every rank of the ring makes it; its lowest rank leads the writes."""
         key = (round_number, dist.get_world_size())
         if self._group_key != key:
-            self._group = dist.new_group(backend="gloo")
+            members = sorted(ranks) if ranks is not None else None
+            self._group = dist.new_group(ranks=members, backend="gloo")
+            # The time rule's broadcast (due) never shares the writes' group: a write's
+            # collectives run on DCP's thread while the next commit asks.
+            self._decide = dist.new_group(ranks=members, backend="gloo") if members is not None else None
+            self._lead = members[0] if members else 0
             self._group_key = key
         return self._group
 
@@ -108,17 +117,17 @@ class ShardedCheckpoints:
         # default stager is synchronous), so a clone on the GPU would cost +1x the shards'
         # memory there for nothing, an OOM for the memory-tight jobs FSDP is for (gpu review G11).
         state = {"model": _cloned(msd), "optim": _cloned(osd)}
-        rank, group = dist.get_rank(), self.group(round_number)
-        if rank == 0:
+        rank, group, lead = dist.get_rank(), self.group(round_number), self._lead
+        if rank == lead:
             self._sweep()
-        # Every rank writes into the temporary that rank 0 names after its own process, so
+        # Every rank writes into the temporary that the lead names after its own process, so
         # that a later writer can tell whether the one that made it is gone.
-        writer = _broadcast_text(f"{socket.gethostname()}:{os.getpid()}" if rank == 0 else "", group)
+        writer = _broadcast_text(f"{socket.gethostname()}:{os.getpid()}" if rank == lead else "", group, lead)
         temporary = os.path.join(self.policy.directory,
                                  f"{mf.TMP_PREFIX}{mf.step_dirname(step)}-r{round_number}@{writer}")
         future = dcp.async_save(state, checkpoint_id=temporary, process_group=group)
         publisher = None
-        if rank == 0:
+        if rank == lead:
             publisher = threading.Thread(target=self._publish, args=(future, temporary, values, step, round_number,
                                                                      world, still_current),
                                          name="sharded-checkpoint", daemon=True)
@@ -266,14 +275,14 @@ def load_into(path: str, model, optimizer, group) -> dict:
     return torch.load(os.path.join(path, mf.STATE_NAME), map_location="cpu", weights_only=True)
 
 
-def _broadcast_text(text: str, group) -> str:
-    """Rank 0's ``text`` on every rank of ``group``: plain bytes, never a pickle."""
+def _broadcast_text(text: str, group, src: int = 0) -> str:
+    """Rank ``src``'s ``text`` on every rank of ``group``: plain bytes, never a pickle."""
     size = torch.tensor([len(text.encode())], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
+    dist.broadcast(size, src=src, group=group)
     data = torch.zeros(int(size.item()), dtype=torch.uint8)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == src:
         data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-    dist.broadcast(data, src=0, group=group)
+    dist.broadcast(data, src=src, group=group)
     return bytes(data.tolist()).decode()
 
 

@@ -23,8 +23,10 @@ def device_type(backend: str) -> str:
     return found.model_device
 
 
-def device_mesh():
-    """The 1-D mesh over every rank of the current ring (its default process group).
+def device_mesh(dims=None, *, shard_size=None, tensor_parallel: int = 1):
+    """The 1-D mesh over every rank of the current ring (its default process group), or
+    with ``dims=("replicate", "shard")`` (or ``+ ("tp",)``) the round's hybrid mesh
+    (``hybrid_mesh.hybrid_device_mesh``).
 
     A new object after every re-formation: a mesh of an earlier round names a process
     group that no longer exists, so take it from here on each entry of the training
@@ -32,6 +34,10 @@ def device_mesh():
     from torch.distributed.device_mesh import DeviceMesh
 
     ring = lifecycle.ring()
+    if dims is not None and len(dims) > 1:
+        from .hybrid_mesh import hybrid_device_mesh
+
+        return hybrid_device_mesh(ring, dims, shard_size, tensor_parallel)
     if not dist.is_initialized():
         raise ElasticError("elastic.device_mesh() needs a process group: run the script with elastic-run")
     group = dist.group.WORLD

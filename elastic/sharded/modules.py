@@ -103,13 +103,15 @@ def describe(commit: CommitId, world: int, model, optimizer, tensors, values: di
 
 
 def empty_optimizer_state(model, meta: CommitMeta) -> dict[str, torch.Tensor]:
-    """key -> a new sharded tensor (like its parameter) for each optimizer state the commit holds."""
+    """key -> a new sharded tensor (like its parameter) for each optimizer state the commit holds,
+    uninitialised: the re-shard's pieces (or a hybrid restore) write every element of it, and
+    zero-filling Adam's two states first cost 0.1-0.2 s of a 1 GB restore."""
     params = dict(model.named_parameters())
     out = {}
     for tensor in meta.layout:
         if tensor.key.startswith("optim."):
             fqn, _, _ = tensor.key[len("optim."):].rpartition(".")
-            out[tensor.key] = torch.zeros_like(params[fqn].detach())
+            out[tensor.key] = torch.empty_like(params[fqn].detach())
     return out
 
 

@@ -84,20 +84,25 @@ def newest_covered(held: Mapping[int, Sequence[tuple[Hashable, int]]],
 
 
 def plan_reshard(layout: Sequence[TensorLayout], old_world: int, holders: Mapping[int, Sequence[int]],
-                 new_world: int) -> list[Piece]:
+                 new_world: int, receivers: Optional[Sequence[int]] = None) -> list[Piece]:
     """The pieces that make every rank of ``new_world`` hold its new shard of every tensor.
 
     ``holders``: old shard -> the new ranks that hold it whole. A receiver that holds the
     old shard itself copies locally (holder == receiver); otherwise the range is cut
-    into one stripe per holder, so the holders send in parallel."""
+    into one stripe per holder, so the holders send in parallel. ``receivers``: the
+    rank that takes new shard ``i`` (default: rank ``i``); a hybrid mesh plans each
+    replica group's shards this way (hybrid_plan.plan_restore)."""
     missing = [s for s in range(old_world) if not holders.get(s)]
     if missing:
         raise ValueError(f"old shards {missing} are held by nobody")
+    ranks = list(receivers) if receivers is not None else list(range(new_world))
+    if len(ranks) != new_world:
+        raise ValueError(f"{len(ranks)} receivers for a world of {new_world}")
     pieces: list[Piece] = []
     for tensor in layout:
         per_row = tensor.row_elements
-        for receiver in range(new_world):
-            new_start, new_end = shard_rows(tensor.rows, new_world, receiver)
+        for index, receiver in enumerate(ranks):
+            new_start, new_end = shard_rows(tensor.rows, new_world, index)
             for shard in range(old_world):
                 old_start, old_end = shard_rows(tensor.rows, old_world, shard)
                 low, high = max(new_start, old_start), min(new_end, old_end)
@@ -107,8 +112,8 @@ def plan_reshard(layout: Sequence[TensorLayout], old_world: int, holders: Mappin
                 sources = sorted(holders[shard])
                 if receiver in sources:
                     sources = [receiver]
-                for index, holder in enumerate(sources):
-                    cut, next_cut = length * index // len(sources), length * (index + 1) // len(sources)
+                for stripe, holder in enumerate(sources):
+                    cut, next_cut = length * stripe // len(sources), length * (stripe + 1) // len(sources)
                     if cut < next_cut:
                         pieces.append(Piece(tensor.key, shard, holder, receiver, src + cut, dst + cut, next_cut - cut))
     return pieces

@@ -67,11 +67,19 @@ class Broken:
 Outcome = Union[Finished, Switch, Stop, Leave, Broken]
 
 
+class TrainingFinished(Exception):
+    """A worker that waited outside the training function (a hybrid mesh's spare,
+    elastic/sharded/spares.py) learns that the ring's training function returned: it
+    has finished too, without running the function."""
+
+
 def outcome_of(ring_broken: Callable[[], Optional[str]], body: Callable[..., Any], *args) -> Outcome:
     """Call ``body(*args)``; its value, or the interruption that ended it, as an ``Outcome``.
     ``ring_broken()``: why the ring ``body`` ran on is broken, or None (``Ring.broken_reason``)."""
     try:
         return Finished(body(*args))
+    except TrainingFinished:
+        return Finished(None)
     except JobStopping as exc:
         return Stop(str(exc))
     except HostsUpdatedInterrupt as exc:

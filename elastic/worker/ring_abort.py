@@ -275,6 +275,20 @@ class RingHandle:
         self._abort_done = nccl_abort.run_with_deadline(
             lambda: nccl_abort.abort_every_group(backend), self._deadline_s, self._on_overrun, "elastic-nccl-abort")
 
+    def include_since(self, before: SocketSnapshot) -> None:
+        """The connections made since ``before`` are the ring's too: sub-groups cut out of it
+        after it formed (a hybrid mesh's lines, elastic/sharded/hybrid_mesh.py), whose
+        collectives an abort must wake as well. Shut at once if the ring is aborted already."""
+        new = _connections_since(before)
+        with self._lock:
+            if self._connections is None or self._forgotten:
+                return
+            self._connections = self._connections | new
+            late = self._aborted and not self._left_by_plan
+        if late:
+            for fd, inode in new:
+                _shutdown_if_same(fd, inode)
+
     def wait_aborted(self) -> bool:
         """Wait (bounded by the deadline) for a backend abort under way; True once done."""
         done = self._abort_done
