@@ -15,7 +15,7 @@ TORCH_VERSION := 2.13.0
 # torch comes from whatever pip is configured with (pip config list), as `pip install` would.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test docs test-all test-extended test-etcd-servers test-gpu gpu-check venv clean
+.PHONY: demo test docs test-all test-extended test-etcd-servers test-gpu gpu-bundle venv clean
 
 $(TORCH_STAMP):
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -82,12 +82,16 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -m '' -p no:cacheprovider --timeout 600 -rs tests/gpu
 	$(GPU_PY) -m tests.gpu.reform_leaks --rounds 100 --params 50e6
 
-# The GPU path's checks that fit one GPU in 8 minutes (gpu review section 4, issue 31): one
-# PASS/FAIL/SKIP line per check, versions and figures in $(GPU_CHECK_JSON). Without CUDA
-# the CUDA checks are SKIP with their reason and it exits 0. Run it first on a lent GPU.
-GPU_CHECK_JSON ?= gpu-check.json
-gpu-check:
-	$(GPU_PY) -m tests.gpu.check --json $(GPU_CHECK_JSON)
+# The GPU run (docs/gpus.md), in two commands. Here, on a machine with network:
+#   make gpu-bundle [PYVER=3.12]
+# writes gpu-bundle/ (git-ignored, under 40 MB): the project's wheel, its dependencies that a
+# GPU image with torch lacks, for CPython $(PYVER) on manylinux x86_64, and an etcd server.
+# Then, on the GPU host (no network needed), with its own Python:
+#   bash tests/gpu/run.sh --out DIR --total-s 470
+PYVER ?= 3.12
+GPU_BUNDLE_DIR ?= gpu-bundle
+gpu-bundle: $(STAMP)
+	$(PY) -m tests.gpu.bundle --python-version $(PYVER) --out $(GPU_BUNDLE_DIR)
 
 # The docs site (mkdocs.yml), strict: a broken link or a page left out of the nav fails it.
 # Its generated pages import the package, so the site is built from .venv with the `docs`

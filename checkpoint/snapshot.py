@@ -28,6 +28,8 @@ from typing import Any, Iterator
 
 import torch
 
+from . import host_pinning
+
 __all__ = ["Snapshot", "Flat", "Plain", "Layout", "TensorSpec", "clone_tree", "format_path"]
 
 _ATOM_TYPES = frozenset({int, float, str, bool, bytes, type(None)})
@@ -442,12 +444,10 @@ def _host_buffer(numel: int, dtype: torch.dtype, pinned: bool, registered: list)
     buffer = torch.zeros(numel, dtype=dtype)
     if not pinned or numel == 0:
         return buffer
-    cudart = torch.cuda.cudart()
-    if hasattr(cudart, "cudaHostRegister"):
-        # flag 0: cudaHostRegisterDefault (the device maps it; copies run async)
-        if int(cudart.cudaHostRegister(buffer.data_ptr(), numel * buffer.element_size(), 0)) == 0:
-            registered.append(buffer.data_ptr())
-            return buffer
+    # A refusal leaves no CUDA error behind (host_pinning.py, gpu review N3).
+    if host_pinning.register(buffer):
+        registered.append(buffer.data_ptr())
+        return buffer
     return buffer.pin_memory()  # rounded up by the caching host allocator, but pinned
 
 

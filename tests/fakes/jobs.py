@@ -29,8 +29,10 @@ class Job:
     """One elastic-run process (one agent) with its own output file."""
 
     def __init__(self, tmp: Path, args: list[str], *, name: str = "job", env: Optional[dict] = None,
-                 prefix: Sequence[str] = ()):
-        """``prefix`` goes before the command, e.g. ``ip netns exec <ns>`` (tests/fakes/netns.py)."""
+                 prefix: Sequence[str] = (), cwd: Optional[Path] = None):
+        """``prefix`` goes before the command, e.g. ``ip netns exec <ns>`` (tests/fakes/netns.py).
+        ``cwd``: the repository root by default; the GPU checks run elsewhere, since there
+        the installed wheel's ``elastic``, not the checkout's, must come first."""
         self.tmp = tmp
         self.name = name
         self.out = tmp / "out"
@@ -38,11 +40,14 @@ class Job:
         self.output = tmp / f"{name}.txt"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
         full_env.update(env or {})
-        # A test's own PYTHONPATH entries (a sitecustomize that injects faults) come first.
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [(env or {}).get("PYTHONPATH"), str(REPO)]))
+        # A test's own PYTHONPATH entries (a sitecustomize that injects faults) come first, then
+        # the caller's (the GPU bundle's site folder), then the repository.
+        entries = [p for value in ((env or {}).get("PYTHONPATH"), os.environ.get("PYTHONPATH"), str(REPO))
+                   for p in (value or "").split(os.pathsep) if p]
+        full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(entries))
         self._file = open(self.output, "wb")
         self.proc = subprocess.Popen(
-            [*prefix, *ELASTIC_RUN, *args], cwd=REPO, env=full_env, stdout=self._file, stderr=subprocess.STDOUT,
+            [*prefix, *ELASTIC_RUN, *args], cwd=cwd or REPO, env=full_env, stdout=self._file, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
