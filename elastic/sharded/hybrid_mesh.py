@@ -102,15 +102,14 @@ def current_plan(round_number: int) -> Optional[MeshPlan]:
     return _current["plan"] if _current.get("round") == round_number else None
 
 
-def hybrid_device_mesh(ring: RingView, dims: Sequence[str], shard_size: Optional[int], tensor_parallel: int):
+def hybrid_device_mesh(ring: RingView, dims: Sequence[str], shard_size: Optional[int], tensor_parallel: int,
+                       device_type: str):
     """``elastic.device_mesh(("replicate", "shard"), shard_size=S)``: the round's hybrid mesh.
 
     Under a ``HybridShardedState`` it is the mesh the state trains on (None on a spare).
     Without one, the ring is cut per host into groups of ``shard_size`` (default: a host's
     local world size); workers left over would be spares, which a script of its own cannot
     handle: refused with a clear error."""
-    from .mesh import device_type
-
     if tuple(dims) not in (DIMS_2D, DIMS_3D):
         raise ElasticError(f"elastic.device_mesh: dims must be {DIMS_2D} or {DIMS_3D}, got {tuple(dims)}")
     if not dist.is_initialized():
@@ -131,7 +130,7 @@ def hybrid_device_mesh(ring: RingView, dims: Sequence[str], shard_size: Optional
     from ..worker.ring_abort import socket_snapshot
 
     before = socket_snapshot()
-    mesh = build_mesh(plan, facts.rank, device_type(ring.backend))
+    mesh = build_mesh(plan, facts.rank, device_type)
     adopt_connections(ring, before)
     remember(facts.round, plan, mesh)
     return mesh

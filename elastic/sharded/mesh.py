@@ -37,7 +37,7 @@ def device_mesh(dims=None, *, shard_size=None, tensor_parallel: int = 1):
     if dims is not None and len(dims) > 1:
         from .hybrid_mesh import hybrid_device_mesh
 
-        return hybrid_device_mesh(ring, dims, shard_size, tensor_parallel)
+        return hybrid_device_mesh(ring, dims, shard_size, tensor_parallel, device_type(ring.backend))
     if not dist.is_initialized():
         raise ElasticError("elastic.device_mesh() needs a process group: run the script with elastic-run")
     group = dist.group.WORLD

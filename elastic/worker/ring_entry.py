@@ -43,7 +43,7 @@ from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.events import EventLog
 from ..contract.faults import NETWORK
 from ..contract.worker_config import WorkerConfig
-from . import fault_points, nccl_abort, round_store
+from . import device_watch, fault_points, nccl_abort, round_store
 from .commit_gate import Monitors
 from .failures import classify_init
 from .reset_nudge import ResetNudge
@@ -335,6 +335,7 @@ class RingEntry:
         finally:
             sys.excepthook = excepthook  # the agent prefixes every line with the rank itself
         handle = prepare_ring(before=arrival.before, store_port=store_port)
+        device_watch.watch_ring(handle)  # on NCCL's error the device watch aborts it, as gloo's timeout ends a wait
         if forming.handle.aborted:
             # A loss announced during the init aborted only the forming handle (its
             # sockets); no later plan repeats the news, and NCCL's rings over IB never

@@ -1,4 +1,4 @@
-"""`make gpu-check`'s checks through the real launcher and the GPU tests: the default
+"""The GPU run's checks through the real launcher and the GPU tests: the default
 backend end to end with ring breaks and a device-stalled collective, a sharded model at
 world 1, the device-hang positive control, the CUDA snapshot and durable tests, and the
 commit-stall benchmark (gpu review section 4 checks 4-7; G3, G6, G13)."""

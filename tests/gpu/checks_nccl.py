@@ -1,4 +1,4 @@
-"""`make gpu-check`'s NCCL checks on one GPU: the stale dump key, the exit join, an abort
+"""The GPU run's NCCL checks on one GPU: the stale dump key, the exit join, an abort
 during NCCL set-up with a missing peer (gpu review G2, G5(b), F4; section 4 checks 1-3).
 
 Each runs small child processes with the workers' own NCCL settings (``nccl_env`` of

@@ -1,4 +1,4 @@
-"""A sharded model at world 1 on CUDA (gpu review G6; `make gpu-check`'s sharded check).
+"""A sharded model at world 1 on CUDA (gpu review G6; the GPU run's sharded check).
 
 Run under ``elastic-run --np 1 --backend auto`` on a GPU host: the default backend
 (``cpu:gloo,cuda:nccl``) must put the FSDP2 model on the GPU. Trains a few steps on

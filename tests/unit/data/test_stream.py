@@ -41,7 +41,7 @@ def hf_stream(files, cache):
     return make
 
 
-def test_a_hugging_face_stream_resumes_exactly_after_a_rollback(runtime, parquet_files, tmp_path):
+def test_a_hugging_face_stream_resumes_exactly_after_a_rollback(ring, parquet_files, tmp_path):
     stream = StatefulStream(hf_stream(parquet_files, str(tmp_path / "hf")))
     state = elastic.TorchState(stream=stream, step=0)
     trained = []
@@ -58,7 +58,7 @@ def test_a_hugging_face_stream_resumes_exactly_after_a_rollback(runtime, parquet
     assert sorted(trained) == list(range(100))  # each id once, none skipped
 
 
-def test_a_map_style_hugging_face_dataset_takes_the_elastic_sampler(runtime, parquet_files, tmp_path):
+def test_a_map_style_hugging_face_dataset_takes_the_elastic_sampler(ring, parquet_files, tmp_path):
     ds = datasets.load_dataset("parquet", data_files=parquet_files, split="train", cache_dir=str(tmp_path / "hf"))
     sampler = elastic.ElasticSampler(ds, seed=1)
     loader = torch.utils.data.DataLoader(ds.with_format("torch"), batch_sampler=sampler.batches(global_batch_size=8),
@@ -87,7 +87,7 @@ def test_another_world_size_is_refused_in_one_line_before_a_batch_is_read():
     assert built == []  # nothing was built, nothing read
 
 
-def test_a_bare_loader_in_a_state_is_refused_at_the_first_commit(runtime):
+def test_a_bare_loader_in_a_state_is_refused_at_the_first_commit(ring):
     loader = stateful_dataloader.StatefulDataLoader(list(range(10)), batch_size=2)
     state = elastic.TorchState(loader=loader, step=0)
     with pytest.raises(TypeError, match="keyword 'loader' holds a StatefulDataLoader, whose state_dict.. is one "

@@ -20,7 +20,6 @@ def test_an_abort_shuts_the_connections_included_after_the_ring_formed():
     sub = _tcp_pair()  # a sub-group's connection, made once the ring exists
     try:
         handle.include_since(later)
-        assert handle.connections == 4
         handle.abort()
         for peer in (ring[2], sub[2]):
             peer.settimeout(2)
