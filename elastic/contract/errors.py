@@ -58,7 +58,7 @@ class LeftBehind(ElasticError):
 class PeerDataInvalid(ElasticError):
     """A value that a peer of the ring or the round's store gave is malformed or impossible
     (a layout that does not parse, a commit newer than the ring's history allows, a
-    ``switch_at`` that is no commit number). It came from another process, so it is never
+    switch decision for a commit already passed). It came from another process, so it is never
     the user's bug: a ring failure, after which the ring re-forms (within --max-resets)."""
 
 

@@ -2,8 +2,7 @@
 
 Every round builds its process group on a fresh namespace, ``/round/<n>/``: re-using one
 hangs (gloo's init keys of the old ring are still there). Inside it the workers count
-their arrival, settle whether the round formed, rank 0 publishes the commit at which the
-ring switches, and the process group keeps its own keys under ``pg/``. The agent prunes
+their arrival, settle whether the round formed, and the process group keeps its own keys under ``pg/``. The agent prunes
 old rounds' namespaces (``round_of``); torch's NCCL watchdog writes one key outside every
 namespace (``DUMP_SIGNAL``).
 """
@@ -14,7 +13,6 @@ from typing import Optional
 
 ARRIVED = "arrived"  # counter: workers of the round at its store
 OUTCOME = "outcome"  # "formed" or "abandoned", settled once by compare-and-set
-SWITCH_AT = "switch_at"  # "<commit> <switch|stop>": rank 0's choice of where the ring acts
 GROUP = "pg/"  # the process group's own keys (init_process_group's store prefix)
 
 # torch's NCCL watchdog writes this key into the job-wide store (the store below every

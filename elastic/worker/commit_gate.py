@@ -13,11 +13,14 @@
 5. **pace exchange**: every few commits one small ``all_gather`` of step times
    (``stragglers.py``); its pace spaces the switch points (``switch_points.py``), so it
    runs before the switch decision, at the same commit on every rank;
-6. **switch decision**: rank 0 decides (``decide_switch``, a pure function) and posts
-   ``switch_at`` in the round's store; the others read it at switch points.
+6. **switch decision**: at a switch point rank 0 decides (``decide_switch``, a pure
+   function) and every rank takes its word in one tiny broadcast over the ring
+   (``switch_points.agree``); the ring acts at that same commit. The decision never
+   travels through the round's store, which more than the ring can reach: nothing a
+   stranger writes there can switch, stop or break the ring.
 
 Only the ring check and the capture cost anything per commit in a steady round; the
-exchange and the store's look come every few commits. A gate is built with its ring and
+exchange and the switch point's broadcast come every few commits. A gate is built with its ring and
 dies with it: its switch schedule, commit count and look at the joiners are that ring's.
 What outlives a ring (the step log, the control channel, the watchdog's marks, the
 straggler watch) is the session's ``Monitors``, handed to each ring's gate.
@@ -31,7 +34,6 @@ from typing import Any, Callable, Optional
 
 from elastic.rendezvous import STOPPING, RoundPlan
 
-from ..contract import round_keys
 from ..contract.errors import HostsUpdatedInterrupt, JobStopping
 from . import device_watch, switch_points
 from .joiners import JoinerWatch
@@ -76,31 +78,31 @@ class Monitors:
             self.device_watch.close()
 
 
-def decide_switch(*, stopping: bool, pending: bool, joiners_ready: Callable[[], bool], commits: int,
-                  points: SwitchPoints) -> Optional[SwitchAt]:
-    """Rank 0's choice at its commit ``commits``: stop when the job stops; switch to a
-    pending round once its joiners have arrived (``joiners_ready`` is asked only then,
-    it reads the store); else nothing. The ring acts at the next switch point: every
-    rank is within one step of rank 0 (each step has a collective with it), so all read
-    the choice before their commit of that number."""
+def decide_switch(*, stopping: bool, pending: bool, joiners_ready: Callable[[], bool],
+                  commits: int) -> Optional[SwitchAt]:
+    """Rank 0's choice at its switch point ``commits``: stop when the job stops; switch to
+    a pending round once its joiners have arrived (``joiners_ready`` is asked only then,
+    it reads the store); else nothing. The whole ring learns it at this same commit (the
+    point's broadcast), so it acts there."""
     if stopping:
-        return SwitchAt(points.next_point(commits), Verdict.STOP)
+        return SwitchAt(commits, Verdict.STOP)
     if pending and joiners_ready():
-        return SwitchAt(points.next_point(commits), Verdict.SWITCH)
+        return SwitchAt(commits, Verdict.SWITCH)
     return None
 
 
 class CommitGate:
     """One ring's side of a commit: built with the ring, it holds that ring's switch schedule."""
 
-    def __init__(self, monitors: Monitors, store, plan: Optional[RoundPlan], rank: int,
-                 handle: Optional[RingHandle] = None, *, drains: bool = False):
+    def __init__(self, monitors: Monitors, plan: Optional[RoundPlan], rank: int,
+                 handle: Optional[RingHandle] = None, *, drains: bool = False,
+                 exchange: Callable[[list], list] = switch_points.ring_exchange):
         self._monitors = monitors
-        self._store = store  # the round's PrefixStore
         self._plan = plan
         self._rank = rank
         self._handle = handle  # the ring's, for the ring check
         self._drains = drains  # sync the device before the ring check (NCCL: device_commit.py)
+        self._exchange = exchange  # rank 0's word to the ring at a switch point (a broadcast)
         self.points = SwitchPoints()  # the commits where the ring may act
         self.commits = 0  # commits in this ring
         self._joiners = JoinerWatch()  # rank 0's look at a pending round's joiners
@@ -138,30 +140,28 @@ class CommitGate:
         return self.verdict()  # 6. switch decision
 
     def verdict(self) -> Verdict:
-        """Whether the ring acts at its commit ``self.commits``."""
-        commits, control = self.commits, self._monitors.control
-        round_number = self._plan.round
-        if self.switch is None:
+        """Whether the ring acts at its commit ``self.commits``. At a switch point every rank
+        takes rank 0's word (a collective: the same points on every rank), so every worker
+        does what rank 0 decided, never what its own copy of the status says."""
+        commits = self.commits
+        if self.switch is None and self.points.is_point(commits):
+            decided = None
             if self._rank == 0:
-                newest = control.plan
-                choice = decide_switch(
-                    stopping=control.status.state == STOPPING,
-                    pending=newest is not None and newest.round > round_number,
-                    joiners_ready=lambda: self._joiners.ready(self._plan, newest), commits=commits,
-                    points=self.points)
-                if choice is not None:
-                    # The verdict travels with the commit number: every worker does what
-                    # rank 0 decided, never what its own copy of the status says.
-                    self.switch = choice
-                    self._store.set(round_keys.SWITCH_AT, f"{choice.commit} {choice.verdict.value}")
-            elif self.points.is_point(commits) and self._store.check([round_keys.SWITCH_AT]):
-                at, action = switch_points.parse_switch_at(self._store.get(round_keys.SWITCH_AT), commits)
-                # The store is not the job: act once our own view of etcd shows why.
-                switch_points.confirm(action, lambda: switch_points.has_grounds(action, control, round_number))
-                self.switch = SwitchAt(at, Verdict(action))
+                choice = self._decide(commits)
+                decided = (choice.commit, choice.verdict.value) if choice is not None else None
+            agreed = switch_points.agree(decided, commits, self._rank, self._exchange)
+            if agreed is not None:
+                self.switch = SwitchAt(agreed[0], Verdict(agreed[1]))
         if self.switch is not None and commits >= self.switch.commit:
             return self.switch.verdict
         return Verdict.CONTINUE
+
+    def _decide(self, commits: int) -> Optional[SwitchAt]:
+        control = self._monitors.control
+        newest = control.plan
+        return decide_switch(stopping=control.status.state == STOPPING,
+                             pending=newest is not None and newest.round > self._plan.round,
+                             joiners_ready=lambda: self._joiners.ready(self._plan, newest), commits=commits)
 
     def ring_change_ready(self) -> bool:
         """Rank 0's view between commits (``hvd.elastic``'s ``check_host_updates``): would

@@ -2,8 +2,8 @@
 
 A ``Ring`` is built once, when its round has formed (``ring_entry.py``), and never
 reused: the next round is a new ``Ring``. It holds the round's facts (its plan and the
-plan before, this worker's rank and world, the backend's capability), the round's store,
-the process group's abort handle (``ring_abort.RingHandle``), its own commit gate (the
+plan before, this worker's rank and world, the backend's capability), the
+process group's abort handle (``ring_abort.RingHandle``), its own commit gate (the
 switch schedule, the commit count, rank 0's look at the joiners: ``commit_gate.py``)
 and its publish check. Nothing resets it: leaving it (``leave``) is its end.
 
@@ -26,7 +26,7 @@ from elastic.rendezvous import Etcd, JobKeys, RoundPlan
 from ..contract.devices import Capability
 from ..contract.events import EventLog
 from ..contract.worker_config import WorkerConfig
-from . import device_commit, publish_check
+from . import device_commit, publish_check, switch_points
 from .commit_gate import CommitGate, Monitors, Verdict
 from .ring_abort import RingHandle, broken_reason, leave_ring
 from .ring_view import Position
@@ -36,8 +36,9 @@ class Ring:
     """One round's ring under elastic-run (see the module docstring); a ``RingView``."""
 
     def __init__(self, *, plan: RoundPlan, previous_plan: Optional[RoundPlan], position: Position,
-                 capability: Capability, store, handle: RingHandle, monitors: Monitors,
-                 config: WorkerConfig, events: EventLog, etcd: Optional[Etcd]):
+                 capability: Capability, handle: RingHandle, monitors: Monitors,
+                 config: WorkerConfig, events: EventLog, etcd: Optional[Etcd],
+                 exchange: Callable[[list], list] = switch_points.ring_exchange):
         self.plan = plan
         self.previous_plan = previous_plan
         self.round = plan.round
@@ -50,8 +51,8 @@ class Ring:
         self.events = events
         self._etcd = etcd
         self._monitors = monitors
-        self._gate = CommitGate(monitors, store, plan, position.rank, handle,
-                                drains=device_commit.drains_at_commit(capability))
+        self._gate = CommitGate(monitors, plan, position.rank, handle,
+                                drains=device_commit.drains_at_commit(capability), exchange=exchange)
 
     @property
     def backend(self) -> str:

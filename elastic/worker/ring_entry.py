@@ -342,7 +342,7 @@ class RingEntry:
             # noticed: the formed ring is broken too.
             handle.abort()
         ring = Ring(plan=plan, previous_plan=previous_plan, position=self._take_position(plan),
-                    capability=capability, store=arrival.store, handle=handle, monitors=self._monitors,
+                    capability=capability, handle=handle, monitors=self._monitors,
                     config=cfg, events=self._events, etcd=self._etcd)
         # A loss delivered between the check above and now aborted the forming handle
         # too late for it: the control channel holds that plan already, so holding the

@@ -1,25 +1,20 @@
 """Which commits of a round may be switch points (a join, a graceful leave, a stop).
 
-Rank 0 decides a switch when its view of etcd shows a newer plan (or a stop) and
-writes ``switch_at`` into the round's store; every other worker must read it before
-its own commit of that number, and reading it is a round trip to rank 0's agent.
-Asked at every commit, that look was the largest cost of a commit after the copy of
-the state (measured: 1.3-1.9 ms mean per commit, with 40 ms steps on 4 workers
-sharing 2 cores, against 0.03 ms on rank 0, which only reads its own memory).
+At a switch point rank 0 decides whether the ring switches or stops, and every rank
+takes its word in one broadcast of two int64s over the ring (``agree``, below): the
+same commit on every rank, so the whole ring acts there together. Asked at every
+commit, any such look costs (a store look per commit was the largest cost of a commit
+after the copy of the state: 1.3-1.9 ms mean per commit, with 40 ms steps on 4 workers
+sharing 2 cores).
 
 So switch points are spaced: every ``every``-th commit from an ``origin`` commit.
 A round starts with every commit a point. At each exchange of the straggler watch
 (stragglers.py: one all_gather at the same commit everywhere, about every 2 s) all
 ranks learn the same pace, and from that commit on the points are ``SPACING_S`` of
-steps apart at that pace (at most ``MAX_EVERY`` commits). Rank 0 schedules a switch
-at the first point after the commit where it decides, and the others look only at
-points. Why that is enough: rank 0 writes ``switch_at`` during its commit c, before
-the point p > c; a worker that reaches its commit p has finished step p's
-collectives, which rank 0 joined only after its commit p - 1 >= c. Both sides count
-points alike, and a change of spacing never skips a scheduled switch: every
-exchange comes at a point of the spacing before it (the watch rounds its next
-exchange up to one), so a switch scheduled before the exchange is at or before it,
-and the exchange's commit is a point of the new spacing too.
+steps apart at that pace (at most ``MAX_EVERY`` commits). Both sides count points
+alike, and every exchange comes at a point of the spacing before it (the watch rounds
+its next exchange up to one), and the exchange's commit is a point of the new spacing
+too, so the ranks never disagree on which commit is a point.
 
 The cost: a switch comes up to ``SPACING_S`` later (a joiner starts training a
 little later, a graceful leave takes a little longer); nothing is rolled back.
@@ -27,56 +22,12 @@ little later, a graceful leave takes a little longer); nothing is rolled back.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
-
-from elastic.rendezvous import STOPPING
 
 from ..contract.errors import PeerDataInvalid
 
 SPACING_S = 0.25  # seconds of steps between two switch points, at the agreed pace
 MAX_EVERY = 16  # the most commits between two switch points
-ACTIONS = ("switch", "stop")
-# How long a worker waits for its own view of etcd to show why rank 0 decided a switch
-# (a newer plan) or a stop (the job's status). Both watch the same keys: the lag is
-# milliseconds, unless this worker is cut off from etcd.
-CONFIRM_S = 5.0
-
-
-def parse_switch_at(value: bytes, commits: int) -> tuple[int, str]:
-    """(commit, action) of a ``switch_at`` value read at this worker's commit ``commits``.
-
-    The round's store is reachable by more than the ring, so the value is checked:
-    "<commit> <switch|stop>" with a commit this worker has not passed (it reads at
-    every point, so it sees rank 0's value at or before the point it names)."""
-    try:
-        at, action = value.decode("ascii").split()
-        at = int(at)
-    except (UnicodeDecodeError, ValueError):
-        raise PeerDataInvalid(f"switch_at in the round's store is malformed: {value[:40]!r}") from None
-    if action not in ACTIONS or at < commits:
-        raise PeerDataInvalid(f"switch_at in the round's store is impossible at commit {commits}: {value[:40]!r}")
-    return at, action
-
-
-def has_grounds(action: str, control, current_round: int) -> bool:
-    """Whether this worker's own view of etcd (``control``) shows why rank 0 would decide
-    ``action``: the job stopping (or over) for a stop, a newer plan for a switch."""
-    if action == "stop":
-        return control.status.state == STOPPING or control.status.over
-    newest = control.plan
-    return newest is not None and newest.round > current_round
-
-
-def confirm(action: str, grounds: Callable[[], bool], timeout_s: Optional[float] = None, poll_s: float = 0.01) -> None:
-    """Return once ``grounds()`` (this worker's own view of etcd) shows the reason for
-    ``action``; PeerDataInvalid after ``timeout_s`` (``CONFIRM_S``): rank 0 did not write it."""
-    timeout_s = CONFIRM_S if timeout_s is None else timeout_s
-    deadline = time.monotonic() + timeout_s
-    while not grounds():
-        if time.monotonic() > deadline:
-            raise PeerDataInvalid(f"the round's store says {action}, but etcd shows no reason to within {timeout_s:g}s")
-        time.sleep(poll_s)
 
 
 class SwitchPoints:
@@ -96,12 +47,6 @@ class SwitchPoints:
 
     def is_point(self, commits: int) -> bool:
         return commits >= self.origin and (commits - self.origin) % self.every == 0
-
-    def next_point(self, after: int) -> int:
-        """The first switch point after commit ``after``."""
-        if after < self.origin:
-            return after + 1  # (not reached: a spacing is agreed at a commit both sides are at)
-        return self.origin + ((after - self.origin) // self.every + 1) * self.every
 
 
 # -- the decision agreed in the ring (security review 2, H4) -----------------------------

@@ -141,16 +141,16 @@ class DictStore:
 
 
 def real_ring(handle=None, *, round_plan: Optional[RoundPlan] = None, rank: int = 0, backend: str = "gloo",
-              control: Optional[FakeControl] = None, store=None, events=None, config: WorkerConfig = TEST_CONFIG,
-              etcd=None) -> Ring:
+              control: Optional[FakeControl] = None, events=None, config: WorkerConfig = TEST_CONFIG,
+              etcd=None, exchange=lambda words: words) -> Ring:
     """A ``Ring`` with ``handle`` (a ``RingHandle``; default: one without connections) on a
-    fake control channel and store (``etcd``: for its publish check)."""
+    fake control channel (``etcd``: for its publish check); ``exchange`` stands for the
+    switch point's broadcast (default: a world whose rank 0 hears itself)."""
     round_plan = round_plan or plan(1)
     events = events if events is not None else EventLog(None, host="test")
     steps = StepLog(events, config.worker_id)
     monitors = Monitors(steps, control=control or FakeControl(round_plan))
     position = Position(round_plan, rank, round_plan.world_size, 0, round_plan.world_size)
     return Ring(plan=round_plan, previous_plan=None, position=position, capability=capability(backend),
-                store=store if store is not None else DictStore(),
                 handle=handle if handle is not None else RingHandle(frozenset()), monitors=monitors,
-                config=config, events=events, etcd=etcd)
+                config=config, events=events, etcd=etcd, exchange=exchange)

@@ -80,8 +80,6 @@ def test_a_planted_round_key_and_a_store_flood_leave_the_job_training(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="H4 wiring left to the lead: commit_gate.verdict must agree the switch in "
-                                      "the ring (switch_points.agree) instead of reading switch_at from the store")
 def test_switch_at_values_written_ahead_spend_no_reset_and_decide_nothing(tmp_path, etcd_server):
     # Review 2, H4: switch_at='x' written for the next rounds made each one a ring failure,
     # spending every worker's --max-resets: the job ended with ResetLimitExceeded.
