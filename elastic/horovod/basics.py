@@ -32,12 +32,12 @@ def init(comm=None, process_sets=None) -> None:
     if process_sets not in (None, [], ()):
         raise NotImplementedError("hvd.init(process_sets=...): process sets are not supported under elastic-run")
     lifecycle.start()
-    session = lifecycle.current()
-    if session.config.restarted_all and session.joining_round is not None:
+    found = session()
+    if found.config.restarted_all and found.joining_round is not None:
         # Every worker was restarted for this round (a script without hvd.elastic.run, its
         # agent restarting them all, as torchrun): nobody runs a ring to join, so the round
         # is entered now, as the job's first one, for broadcast_parameters to run on it.
-        session.entry.enter(session.entry.joining_plan(), previous_plan=None)
+        found.entry.enter(found.entry.joining_plan(), previous_plan=None)
     _initialized = True
     _set_launcher_environment()
 
@@ -51,7 +51,7 @@ def follows_rounds(yes: bool) -> None:
     ``hvd.elastic.run`` says yes again."""
     global _plain
     try:
-        config = lifecycle.current().config
+        config = session().config
     except ElasticError:
         return  # hvd.init() not called: run() says so itself
     marker = config.marker_file

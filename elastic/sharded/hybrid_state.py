@@ -37,7 +37,7 @@ from ..commit_book import values_of
 from ..contract.console import FILE_ONLY
 from ..contract.errors import ElasticError, PeerDataInvalid
 from ..worker import wire
-from ..worker.commit_gate import Verdict, act_on
+from ..worker.commit_gate import Verdict
 from ..worker import lifecycle
 from ..worker.ring_view import RingView
 from ..worker.state_transfer import wire_device
@@ -128,16 +128,13 @@ class HybridShardedState(ShardedState):
         return self._hybrid.plan
 
     # -- commit -------------------------------------------------------------------
-    def commit(self) -> None:
+    def _after_gate(self, verdict: Verdict) -> None:
         hyb = self._hybrid
-        verdict = lifecycle.ring().commit(self._capture)
         if hyb.ticks is not None:
             hyb.ticks.answered()  # rank 0 may be a spare: its switch decision is made (spares.py)
-        if verdict is not Verdict.CONTINUE:
-            self._finish_replication(None, raise_errors=True)
+        super()._after_gate(verdict)
         if verdict is Verdict.STOP:
             hyb.stopping = True  # the spares stop at this commit by themselves
-        act_on(verdict, self._book.count)
 
     def _capture(self, ring: RingView) -> int:
         count = super()._capture(ring)

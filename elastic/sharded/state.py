@@ -92,9 +92,13 @@ class ShardedState:
         """Snapshot this worker's shards and start their replication; raise HostsUpdatedInterrupt
         if the ring changes here (after the copies have arrived: the new ring needs them)."""
         verdict = lifecycle.ring().commit(self._capture)
+        self._after_gate(verdict)
+        act_on(verdict, self._book.count)
+
+    def _after_gate(self, verdict: Verdict) -> None:
+        """Between the ring's verdict and acting on it: a ring that changes needs the copies."""
         if verdict is not Verdict.CONTINUE:
             self._finish_replication(None, raise_errors=True)
-        act_on(verdict, self._book.count)
 
     def _capture(self, ring: RingView) -> int:
         book = self._book
