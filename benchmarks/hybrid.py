@@ -93,7 +93,7 @@ def elastic_worker(args) -> None:
             if (state.step + 1 == args.kill_step and os.environ.get("BENCH_HOST") == "b"
                     and not os.path.exists(os.path.join(args.dir, "killed"))):
                 Path(args.dir, "killed").write_text(str(time.time()))
-                os.kill(os.getppid(), signal.SIGKILL)  # the agent: host b is gone
+                os.kill(int(os.environ["ELASTIC_WORKER_AGENT_PID"]), signal.SIGKILL)  # the agent (not our parent: a template): host b is gone
                 os.kill(os.getpid(), signal.SIGKILL)
             state.step += 1
             trained = time.monotonic()

@@ -176,7 +176,7 @@ class EmbeddedEtcd:
         if self.running:
             raise RendezvousError(f"embedded etcd already running at {self.endpoint}")
         self.binary = self.binary or find_etcd_binary()
-        warn_if_outdated(self.binary)
+        warn_if_outdated(self.binary, self.host)
         if self._work_dir is None and (self._data_dir is None or self._log_path is None or self.security):
             # 0700, in the process's private directory, which goes even when the process is
             # SIGKILLed: the keys, the CA and the password with security, and the data and log

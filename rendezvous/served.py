@@ -28,7 +28,6 @@ remove a member.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import logging
 import os
@@ -90,7 +89,7 @@ class ServedMember(EmbeddedEtcd):
         if not self._fixed_peer:
             super().start(timeout)
             return self
-        self.binary = self.binary or _binary()
+        self.binary = self.binary or _binary(self._public)
         import tempfile
 
         self._work_dir = tempfile.mkdtemp(prefix="elastic-etcd-", dir=process_dir())
@@ -142,11 +141,11 @@ class ServedMember(EmbeddedEtcd):
             time.sleep(0.05)
 
 
-def _binary() -> str:
+def _binary(host: str) -> str:
     from .etcd_binary import find_etcd_binary, warn_if_outdated
 
     binary = find_etcd_binary()
-    warn_if_outdated(binary)
+    warn_if_outdated(binary, host)
     return binary
 
 
@@ -352,9 +351,3 @@ class ServedRendezvous:
             log.info("served etcd: member %s not removed on leaving: %s", self._name, exc)
         member.stop()
 
-
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"

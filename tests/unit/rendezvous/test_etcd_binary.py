@@ -29,3 +29,16 @@ def test_the_binary_found_says_its_version_and_an_old_one_is_warned_of_once(tmp_
         embedded.warn_if_outdated(str(fake))
     lines = [r.getMessage() for r in caplog.records if "CVE-2023-32082" in r.getMessage()]
     assert len(lines) == 1 and "etcd 3.5.1" in lines[0] and "3.5.9+" in lines[0], lines
+
+
+def test_an_old_etcd_on_loopback_is_a_debug_line_and_beyond_it_a_warning(tmp_path, caplog):
+    """The CVE shows key names to a logged-in user; on loopback the only users are root and the
+    job's, so a single-host run does not warn on every start (the c10d-style newcomer path)."""
+    fake = tmp_path / "etcd"
+    fake.write_text("#!/bin/sh\necho 'etcd Version: 3.4.23'\n")
+    fake.chmod(0o755)
+    with caplog.at_level(logging.DEBUG):
+        embedded.warn_if_outdated(str(fake), "127.0.0.1")
+        embedded.warn_if_outdated(str(fake), "10.0.0.7")
+    levels = [r.levelno for r in caplog.records if "CVE-2023-32082" in r.getMessage()]
+    assert levels == [logging.DEBUG, logging.WARNING], levels
