@@ -37,7 +37,7 @@ def test_an_old_etcd_on_loopback_is_a_debug_line_and_beyond_it_a_warning(tmp_pat
     fake = tmp_path / "etcd"
     fake.write_text("#!/bin/sh\necho 'etcd Version: 3.4.23'\n")
     fake.chmod(0o755)
-    with caplog.at_level(logging.DEBUG):
+    with caplog.at_level(logging.DEBUG, logger=embedded.log.name):  # another test may have set its level
         embedded.warn_if_outdated(str(fake), "127.0.0.1")
         embedded.warn_if_outdated(str(fake), "10.0.0.7")
     levels = [r.levelno for r in caplog.records if "CVE-2023-32082" in r.getMessage()]
