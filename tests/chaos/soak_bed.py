@@ -77,14 +77,19 @@ class Agent:
         return self.job.proc.pid
 
     def worker_pids(self) -> list[int]:
-        """Live children of the agent (its workers). ``ip netns exec`` execs, so the
+        """Live descendants of the agent (its workers, and the template that forks them:
+        warm starts make a worker the agent's grandchild). ``ip netns exec`` execs, so the
         agent's pid is the Popen's."""
-        found = []
-        for task in Path(f"/proc/{self.pid}/task").glob("*"):
-            try:
-                found += [int(p) for p in (task / "children").read_text().split()]
-            except OSError:
-                pass
+        found, parents = [], [self.pid]
+        while parents:
+            parent = parents.pop()
+            for task in Path(f"/proc/{parent}/task").glob("*"):
+                try:
+                    children = [int(p) for p in (task / "children").read_text().split()]
+                except OSError:
+                    continue
+                found += children
+                parents += children
         return found
 
 
