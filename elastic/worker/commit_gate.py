@@ -13,11 +13,13 @@
 5. **pace exchange**: every few commits one small ``all_gather`` of step times
    (``stragglers.py``); its pace spaces the switch points (``switch_points.py``), so it
    runs before the switch decision, at the same commit on every rank;
-6. **switch decision**: at a switch point rank 0 decides (``decide_switch``, a pure
-   function) and every rank takes its word in one tiny broadcast over the ring
-   (``switch_points.agree``); the ring acts at that same commit. The decision never
-   travels through the round's store, which more than the ring can reach: nothing a
-   stranger writes there can switch, stop or break the ring.
+6. **switch decision**: at a switch point every rank takes the word rank 0 posted at
+   the point before (one tiny broadcast over the ring, ``switch_points.ring_exchange``)
+   and the whole ring acts on it there; then rank 0 decides (``decide_switch``, a pure
+   function) and posts its word for the next point. Posted, not awaited: a commit never
+   waits for its peers' commits. The decision never travels through the round's store,
+   which more than the ring can reach: nothing a stranger writes there can switch, stop
+   or break the ring.
 
 Only the ring check and the capture cost anything per commit in a steady round; the
 exchange and the switch point's broadcast come every few commits. A gate is built with its ring and
@@ -82,8 +84,8 @@ def decide_switch(*, stopping: bool, pending: bool, joiners_ready: Callable[[], 
                   commits: int) -> Optional[SwitchAt]:
     """Rank 0's choice at its switch point ``commits``: stop when the job stops; switch to
     a pending round once its joiners have arrived (``joiners_ready`` is asked only then,
-    it reads the store); else nothing. The whole ring learns it at this same commit (the
-    point's broadcast), so it acts there."""
+    it reads the store); else nothing. The whole ring takes it at the next point (the
+    broadcast posted here), and acts there."""
     if stopping:
         return SwitchAt(commits, Verdict.STOP)
     if pending and joiners_ready():
@@ -96,13 +98,14 @@ class CommitGate:
 
     def __init__(self, monitors: Monitors, plan: Optional[RoundPlan], rank: int,
                  handle: Optional[RingHandle] = None, *, drains: bool = False,
-                 exchange: Callable[[list], list] = switch_points.ring_exchange):
+                 exchange: switch_points.Exchange = switch_points.ring_exchange):
         self._monitors = monitors
         self._plan = plan
         self._rank = rank
         self._handle = handle  # the ring's, for the ring check
         self._drains = drains  # sync the device before the ring check (NCCL: device_commit.py)
         self._exchange = exchange  # rank 0's word to the ring at a switch point (a broadcast)
+        self._posted: Optional[Callable[[], list]] = None  # the last point's word, taken at the next
         self.points = SwitchPoints()  # the commits where the ring may act
         self.commits = 0  # commits in this ring
         self._joiners = JoinerWatch()  # rank 0's look at a pending round's joiners
@@ -141,17 +144,22 @@ class CommitGate:
 
     def verdict(self) -> Verdict:
         """Whether the ring acts at its commit ``self.commits``. At a switch point every rank
-        takes rank 0's word (a collective: the same points on every rank), so every worker
-        does what rank 0 decided, never what its own copy of the status says."""
+        takes the word rank 0 posted at the point before (a collective: the same points on
+        every rank), so every worker does what rank 0 decided, never what its own copy of
+        the status says, and all do it at this same commit."""
         commits = self.commits
         if self.switch is None and self.points.is_point(commits):
-            decided = None
-            if self._rank == 0:
-                choice = self._decide(commits)
-                decided = (choice.commit, choice.verdict.value) if choice is not None else None
-            agreed = switch_points.agree(decided, commits, self._rank, self._exchange)
-            if agreed is not None:
-                self.switch = SwitchAt(agreed[0], Verdict(agreed[1]))
+            if self._posted is not None:
+                action = switch_points.read_decision(self._posted(), commits)
+                self._posted = None
+                if action is not None:
+                    self.switch = SwitchAt(commits, Verdict(action))
+            if self.switch is None:
+                decided = None
+                if self._rank == 0:
+                    choice = self._decide(commits)
+                    decided = (choice.commit, choice.verdict.value) if choice is not None else None
+                self._posted = self._exchange(switch_points.decision_words(decided))
         if self.switch is not None and commits >= self.switch.commit:
             return self.switch.verdict
         return Verdict.CONTINUE

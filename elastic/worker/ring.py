@@ -38,7 +38,7 @@ class Ring:
     def __init__(self, *, plan: RoundPlan, previous_plan: Optional[RoundPlan], position: Position,
                  capability: Capability, handle: RingHandle, monitors: Monitors,
                  config: WorkerConfig, events: EventLog, etcd: Optional[Etcd],
-                 exchange: Callable[[list], list] = switch_points.ring_exchange):
+                 exchange: switch_points.Exchange = switch_points.ring_exchange):
         self.plan = plan
         self.previous_plan = previous_plan
         self.round = plan.round

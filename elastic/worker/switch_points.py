@@ -57,50 +57,57 @@ class SwitchPoints:
 # not travel through the store: at each switch point every rank joins one broadcast of two
 # int64s from rank 0 (its decision, or none), over the ring's own connections, which only
 # the plan's members hold. Nothing a stranger writes into the store is read for it, so
-# nothing there can decide a switch or spend the budget. The cost is one tiny collective
-# per point (points are SPACING_S apart, every commit until the first pace exchange), in
-# place of a store look per point on every rank but 0 (1.3-1.9 ms each, measured).
+# nothing there can decide a switch or spend the budget.
+#
+# The broadcast is posted at a point and taken at the next one, where the whole ring acts
+# on it: a commit never waits for its peers' commits. Taken at once, a commit at a point
+# was a barrier: rank 0's commit returned only once every rank had reached its own, so a
+# worker that died between rank 0's commit and its own hung the others' commits until the
+# hang bound (tests/integration/test_kill_points.py), and every point cost the ranks' skew.
+# The cost: a switch or a stop comes one point later (SPACING_S at most, or one commit at
+# the start of a round); nothing is rolled back.
 _NO_DECISION = 0
 _CODES = {"switch": 1, "stop": 2}
 _ACTIONS = {code: action for action, code in _CODES.items()}
 
+Exchange = Callable[[list[int]], Callable[[], list[int]]]  # post rank 0's words; take them later
+
 
 def decision_words(decided: Optional[tuple[int, str]]) -> list[int]:
-    """What rank 0 sends at a point: [commit, action code], or [-1, 0] for none."""
+    """What rank 0 posts at a point: [that commit, action code], or [-1, 0] for none."""
     if decided is None:
         return [-1, _NO_DECISION]
     commit, action = decided
     return [int(commit), _CODES[action]]
 
 
-def read_decision(words: list[int], commits: int) -> Optional[tuple[int, str]]:
-    """The (commit, action) rank 0 sent, or None. A decision for a commit already passed
-    is impossible from a rank 0 that counts points as we do (PeerDataInvalid: the ring's
-    own member said it, so it is a ring fault, not a stranger's word)."""
+def read_decision(words: list[int], commits: int) -> Optional[str]:
+    """The action rank 0 posted at an earlier point, taken at the point ``commits``; None
+    for none. A decision from this point or a later one, or an unknown action, is
+    impossible from a rank 0 that counts points as we do (PeerDataInvalid: the ring's own
+    member said it, so it is a ring fault, not a stranger's word)."""
     commit, code = words
     if code == _NO_DECISION:
         return None
-    if code not in _ACTIONS or commit < commits:
+    if code not in _ACTIONS or not 0 <= commit < commits:
         raise PeerDataInvalid(f"rank 0's switch decision {words} is impossible at commit {commits}")
-    return commit, _ACTIONS[code]
+    return _ACTIONS[code]
 
 
-def agree(decided: Optional[tuple[int, str]], commits: int, rank: int,
-          exchange: Callable[[list[int]], list[int]]) -> Optional[tuple[int, str]]:
-    """At every switch point, on every rank of the ring (a collective: all or none): rank 0
-    brings ``decided`` (its choice, ``decide_switch``'s), the others None; returns what the
-    ring acts on. ``exchange`` broadcasts rank 0's words (``ring_exchange``)."""
-    return read_decision(exchange(decision_words(decided if rank == 0 else None)), commits)
-
-
-def ring_exchange(words: list[int]) -> list[int]:
-    """Rank 0's ``words`` on every rank, by one broadcast on the default process group
-    (on the device the ring's wire uses: a host tensor for gloo, CUDA for NCCL alone)."""
+def ring_exchange(words: list[int]) -> Callable[[], list[int]]:
+    """Post rank 0's ``words`` to every rank, one asynchronous broadcast on the default
+    process group (on the device the ring's wire uses: a host tensor for gloo, CUDA for
+    NCCL alone); the callable returned waits for them. Every rank posts at the same commit,
+    so the collectives keep one order on every rank."""
     import torch
     import torch.distributed as dist
 
     from ..contract.devices import capability
 
     tensor = torch.tensor(words, dtype=torch.int64, device=capability(str(dist.get_backend())).wire_device)
-    dist.broadcast(tensor, src=0)  # a broken ring raises here, like any collective
-    return [int(v) for v in tensor.tolist()]
+    work = dist.broadcast(tensor, src=0, async_op=True)
+
+    def take() -> list[int]:
+        work.wait()  # a broken ring raises here, like any collective
+        return [int(v) for v in tensor.tolist()]
+    return take

@@ -142,7 +142,7 @@ class DictStore:
 
 def real_ring(handle=None, *, round_plan: Optional[RoundPlan] = None, rank: int = 0, backend: str = "gloo",
               control: Optional[FakeControl] = None, events=None, config: WorkerConfig = TEST_CONFIG,
-              etcd=None, exchange=lambda words: words) -> Ring:
+              etcd=None, exchange=lambda words: lambda: words) -> Ring:
     """A ``Ring`` with ``handle`` (a ``RingHandle``; default: one without connections) on a
     fake control channel (``etcd``: for its publish check); ``exchange`` stands for the
     switch point's broadcast (default: a world whose rank 0 hears itself)."""

@@ -31,17 +31,18 @@ def plan(round_number, workers):
 
 
 class Wire:
-    """The switch point's broadcast between two gates: rank 0's words, as each point's."""
+    """The switch point's broadcast between two gates: rank 0's words as posted at each
+    point, taken at the next."""
 
     def __init__(self):
         self.sent: dict[int, list] = {}  # point number -> rank 0's words
 
     def exchange(self, rank, gate):
         def exchange(words):
+            point = gate.commits
             if rank == 0:
-                self.sent[gate.commits] = words
-                return words
-            return self.sent[gate.commits]
+                self.sent[point] = words
+            return lambda: self.sent[point]
         return exchange
 
 
@@ -80,8 +81,8 @@ def test_the_other_ranks_do_what_rank_0_decided_not_what_their_own_status_says(r
     rank0 = Ring(0, wire, Control(pending, JobStatus(STOPPING if rank0_sees_stop else "running")), CURRENT)
     other = Ring(1, wire, Control(pending, JobStatus(STOPPING if other_sees_stop else "running")), CURRENT)
     expected = "stop" if rank0_sees_stop else "switch"
-    # Every commit of a fresh round is a point: decided and acted on at the first.
-    assert first_acting(rank0, other) == (1, expected, expected)
+    # Every commit of a fresh round is a point: decided at the first, acted on at the second.
+    assert first_acting(rank0, other) == (2, expected, expected)
 
 
 def test_nothing_happens_while_rank_0_sees_neither_a_stop_nor_a_round():
@@ -99,17 +100,21 @@ def test_between_points_nobody_decides_and_nothing_is_exchanged():
     for ring in (rank0, other):
         ring.gate.points.agree(0, 0.05)  # a point every 5 commits (0.25 s of 50 ms steps)
     assert first_acting(rank0, other, limit=3) is None
-    rank0.control.plan = pending  # rank 0 sees the round at commit 4: the ring acts at the point 5
-    assert (rank0.acts(4), other.acts(4)) == (Verdict.CONTINUE, Verdict.CONTINUE)
-    assert (rank0.acts(5), other.acts(5)) == (Verdict.SWITCH, Verdict.SWITCH)
-    assert sorted(wire.sent) == [5]
+    rank0.control.plan = pending  # rank 0 sees the round at commit 4: decides at the point 5, acts at 10
+    for commits in range(4, 10):
+        assert (rank0.acts(commits), other.acts(commits)) == (Verdict.CONTINUE, Verdict.CONTINUE), commits
+    assert (rank0.acts(10), other.acts(10)) == (Verdict.SWITCH, Verdict.SWITCH)
+    assert sorted(wire.sent) == [5]  # nothing posted at the point the ring acts
 
 
 def test_an_impossible_word_from_rank_0_is_a_ring_failure_not_a_stop():
     # Rank 0 is a member of the ring: a word it could not have sent is a ring fault (the
     # ring re-forms), never the user's error and never a stop.
-    other = CommitGate(Monitors(steps=None, control=Control(CURRENT)), CURRENT, 1, exchange=lambda words: [0, 2])
+    other = CommitGate(Monitors(steps=None, control=Control(CURRENT)), CURRENT, 1,
+                       exchange=lambda words: lambda: [9, 2])  # a stop decided at a later point
     other.commits = 3
+    assert other.verdict() is Verdict.CONTINUE  # posted at 3
+    other.commits = 4
     with pytest.raises(PeerDataInvalid) as raised:
         other.verdict()
     assert classify(raised.value).kind == RING
@@ -121,7 +126,7 @@ def test_an_impossible_word_from_rank_0_is_a_ring_failure_not_a_stop():
 @pytest.mark.parametrize("stopping, pending, ready, commits, expected", [
     (False, False, True, 5, None),  # nothing to do
     (False, True, False, 5, None),  # a round pending, its joiners not yet arrived
-    (False, True, True, 5, SwitchAt(5, Verdict.SWITCH)),  # at this point: the ring hears it now
+    (False, True, True, 5, SwitchAt(5, Verdict.SWITCH)),  # at this point: the ring hears it at the next
     (True, False, False, 5, SwitchAt(5, Verdict.STOP)),
     (True, True, True, 8, SwitchAt(8, Verdict.STOP)),  # a stop wins over a pending round
 ])
