@@ -117,11 +117,15 @@ def test_three_hosts_spare_refill_host_loss_then_the_flat_fallback(tmp_path, etc
     shapes = [m.split(": ", 1)[1] for m in meshes[-5:]]
     assert shapes == ["3x2 groups [[0, 1], [2, 3], [4, 5]]", "2x2 groups [[0, 1], [3, 4]], spares [2]",
                       "3x2 groups [[0, 1], [2, 5], [3, 4]]", "2x2 groups [[0, 1], [2, 3]]", "flat 1-D mesh of 2"], meshes
-    # The kill and the host loss moved nothing; the refill gave b's pair its shards from a and c.
-    on_a = restored(a)
-    assert all(mb == 0.0 for *_, mb in on_a), on_a
+    # The refill gave b's pair its shards from a and c; the kill and the host loss moved
+    # nothing, but for one race: a survivor whose ring was aborted before it made the commit
+    # the killed worker never made (the kill comes between step 3 and its commit) has no
+    # copy of it and takes its own shard of it from its replica, at most one worker's shard.
     refill = [r for r in restored(b) if r[1].startswith("3x2")]
     assert len(refill) == 2 and all(mb > 0 for *_, mb in refill), b.text()[-3000:]
+    on_a = restored(a)
+    moved = [r for r in on_a if r[2] > 0]
+    assert len(moved) <= 1 and all(mb <= max(r[2] for r in refill) for *_, mb in moved), on_a
     assert "waits as a spare" in (tmp_path / "logs").joinpath(
         next(p.name for p in (tmp_path / "logs").iterdir() if p.name.endswith("w0.log") and "host-b" in p.name)
     ).read_text()
