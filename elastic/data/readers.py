@@ -143,7 +143,7 @@ class ParquetReader(_PerProcess):
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ImportError("ParquetReader needs pyarrow: pip install 'elastic-run[parquet]'") from None
+            raise ImportError("ParquetReader needs pyarrow: pip install pyarrow (in a checkout: pip install -e '.[parquet]')") from None
         return pq
 
     def _file(self, shard: str):
