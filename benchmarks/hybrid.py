@@ -60,9 +60,9 @@ def elastic_worker(args) -> None:
     syncs: list[dict] = []
 
     class MeasuredState(elastic.HybridShardedState):
-        def sync(self):
+        def sync(self, ring):
             started = time.time()
-            plan = super().sync()
+            plan = super().sync(ring)
             syncs.append({"started": started, "sync_s": time.time() - started, **self._hybrid.last})
             return plan
 
