@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.sharded_figures import build_model, timeout_for, width_for
+from benchmarks.sharded_figures import build_model, fsdp_from_newest, newest_checkpoint, timeout_for, width_for
 
 NPROC = 2  # per host
 
@@ -198,31 +198,15 @@ def torchrun_worker(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo")
     world, width, root = dist.get_world_size(), width_for(args.size_mb), Path(args.dir, "ckpt")
-    done = [p for p in root.glob("*") if p.name.isdigit() and (p / ".metadata").exists()] if root.exists() else []
-    newest = max(done, key=lambda p: int(p.name), default=None)
+    newest = newest_checkpoint(root)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    with torch.device("meta" if newest is not None else "cpu"):
-        model = build_model(width)
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if newest is not None:
-        model.to_empty(device="cpu")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    step = 0
-    if newest is not None:
-        msd, osd = get_state_dict(model, opt)
-        loaded = {"model": msd, "optim": osd}
-        dcp.load(loaded, checkpoint_id=str(newest))
-        set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-        step = int(newest.name)
+    model, opt, step = fsdp_from_newest(width, mesh, newest)
     note(args.dir, event="entered", rank=rank, world=world, restart=restart)
     x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
     while step < args.steps:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 LAYERS = 4
@@ -38,6 +39,38 @@ def build_model(width: int):
 
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(LAYERS)])
+
+
+def newest_checkpoint(root: Path) -> Optional[Path]:
+    """The newest checkpoint directory DCP finished (its ``.metadata`` is written last)."""
+    done = [p for p in root.glob("*") if p.name.isdigit() and (p / ".metadata").exists()] if root.exists() else []
+    return max(done, key=lambda p: int(p.name), default=None)
+
+
+def fsdp_from_newest(width: int, mesh, newest: Optional[Path]):
+    """torchrun + DCP's worker start: ``build_model`` sharded by FSDP2 on ``mesh`` (per layer,
+    then the root) and Adam; with a checkpoint, built on the meta device and loaded from it.
+    Returns (model, optimizer, step)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta" if newest is not None else "cpu"):
+        model = build_model(width)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if newest is not None:
+        model.to_empty(device="cpu")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if newest is None:
+        return model, opt, 0
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(newest))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, opt, int(newest.name)
 
 
 def steps_for(size_mb: float, steps: int, kill_step: int, big_steps: int, big_kill_step: int,

@@ -35,26 +35,19 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.sharded_figures import (build_model, proc_memory_mb, recovery_figures, reset_peak_memory,  # noqa: E402
-                                        timeout_for, width_for)
+from benchmarks.sharded_figures import (fsdp_from_newest, newest_checkpoint, proc_memory_mb,  # noqa: E402
+                                        recovery_figures, reset_peak_memory, timeout_for, width_for)
 
 KILLED_RANK, NPROC = 2, 4
 KEEP = 2  # checkpoints kept: the newest complete one survives a save that a kill interrupts
-
-
-def newest_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint directory DCP finished (its ``.metadata`` is written last)."""
-    done = [p for p in root.glob("*") if p.name.isdigit() and (p / ".metadata").exists()] if root.exists() else []
-    return max(done, key=lambda p: int(p.name), default=None)
 
 
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from benchmarks.sharded import copy_floor
 
@@ -76,24 +69,7 @@ def worker(args) -> None:
     began = time.time()
     newest = newest_checkpoint(root)
     mesh = init_device_mesh("cpu", (world,))
-    if newest is not None:
-        with torch.device("meta"):
-            model = build_model(width)
-    else:
-        model = build_model(width)
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if newest is not None:
-        model.to_empty(device="cpu")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    step = 0
-    if newest is not None:
-        model_state, optim_state = get_state_dict(model, opt)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(newest))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        step = int(newest.name)
+    model, opt, step = fsdp_from_newest(width, mesh, newest)
     memory = proc_memory_mb()
     local = [t.to_local() for t in model.parameters()] + [
         v.to_local() for s in opt.state.values() for v in s.values() if hasattr(v, "to_local")]
