@@ -345,6 +345,7 @@ class Agent:
             os.environ, plan=plan, worker_id=worker_id, member_id=self.member_id, nproc_per_node=cfg.nproc_per_node,
             master=self._torchrun_store(plan), worker_config=worker_config, socket_ifname=cfg.socket_ifname,
             restart_count=self.budgets.restarts, max_restarts=cfg.max_restarts, device_slot=slot,
+            max_world_size=cfg.settings.max_np,  # NCCL's waits follow the largest world the job may reach
         )
         proc = WorkerProcess(
             worker_id,

@@ -5,8 +5,11 @@ host that lost a GPU, or sees fewer through CUDA_VISIBLE_DEVICES, would pick glo
 the others pick ``cpu:gloo,cuda:nccl``, and ranks that call ``init_process_group`` with
 different backends never form a ring (gpu review G7). So the first agent records its
 resolved backend in the job's keys (one create-if-absent transaction), and each later
-agent compares: the same backend is fine; a GPU host asked for ``auto`` in a gloo job
-runs gloo too (any host can); any other difference refuses to start with one line.
+agent compares: the same backend is fine; any difference refuses to start with one line.
+That includes a GPU host in a job recorded as gloo (gpu review N9): it could run gloo, but
+a first host that saw no GPU per worker (a lost one, CUDA_VISIBLE_DEVICES) would then turn
+the whole GPU job into a gloo one, several times slower, without a word. A job meant for
+gloo says so with ``--backend gloo`` on every host, and then every host records and reads gloo.
 The record hangs on the job lease (rendezvous/job_lease.py), like the plans, so that
 the key of a job whose agents all died expires with the job's other keys. A record on
 another lease is an ended job's history (history.py): a new job of that id starts afresh.
@@ -27,19 +30,25 @@ from ..contract.devices import CPU_AND_CUDA
 
 
 def agree(mine: str, recorded: Optional[tuple[str, str]]) -> str:
-    """The backend this host's workers use: ``recorded`` (backend, host that chose it) if
-    this host can run it, else ConfigError (one line). ``mine``: this host's resolved one."""
+    """The backend this host's workers use: ``mine`` (this host's resolved one) when it is
+    the job's ``recorded`` one (backend, host that chose it) or none is recorded, else
+    ConfigError (one line)."""
     if recorded is None or recorded[0] == mine:
         return mine
     theirs, host = recorded
+    remedy = "fix the host or give --backend gloo to every host"
     if theirs == "gloo" and mine == CPU_AND_CUDA:
-        return "gloo"  # auto on a GPU host, in a job whose first host had no GPU per worker
-    if mine == "gloo" and theirs == CPU_AND_CUDA:
+        # This host was not given --backend gloo (that resolves to gloo, never to this), and
+        # the first host may have been a degraded GPU host: running gloo here would be silent.
+        why = (f"this GPU host would run on gloo, several times slower, unasked (host {host} may see no GPU "
+               f"for each of its workers: CUDA_VISIBLE_DEVICES, a lost GPU?)")
+        remedy = f"fix host {host}, or give --backend gloo to every host to run the job on gloo"
+    elif mine == "gloo" and theirs == CPU_AND_CUDA:
         why = "this host cannot give each of its workers a GPU of its own (CUDA_VISIBLE_DEVICES, a lost GPU?)"
     else:
         why = "every host of a job must use one backend"
     raise ConfigError(f"--backend: the job runs {theirs} (chosen by host {host}) but this host resolved {mine}: "
-                      f"{why}; fix the host or give --backend gloo to every host")
+                      f"{why}; {remedy}")
 
 
 def settle(etcd: Etcd, keys: JobKeys, mine: str, host: str, *, deadline: float = 30.0,

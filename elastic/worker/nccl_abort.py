@@ -40,8 +40,13 @@ log = logging.getLogger(__name__)
 
 # How long an NCCL abort may take before the process counts as broken. ncclCommAbort
 # of a healthy driver returns in well under a second even with a dead peer (NCCL >= 2.25,
-# non-blocking communicators); a minute leaves room for a loaded host.
-ABORT_DEADLINE_S = 60.0
+# non-blocking communicators), but an abort may first wait for a collective that holds
+# a forming communicator's lock through TORCH_NCCL_NONBLOCKING_TIMEOUT, and leave_aborted
+# for a group's destructor that joins the heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC).
+# Both grow with --max-np, up to 120 s and 135 s (agent/worker_env.py nccl_waits; its copy
+# of this value, WORKER_ABORT_DEADLINE_S, is tested equal): the deadline lies above both,
+# so that a healthy abort is never taken for a broken process (gpu review N5, N6).
+ABORT_DEADLINE_S = 150.0
 
 
 def exit_broken(why: str) -> None:

@@ -16,7 +16,9 @@ from elastic.rendezvous import ConfigError
     (CPU_AND_CUDA, (CPU_AND_CUDA, "a"), CPU_AND_CUDA),
     ("gloo", ("gloo", "a"), "gloo"),
     ("nccl", ("nccl", "a"), "nccl"),
-    (CPU_AND_CUDA, ("gloo", "a"), "gloo"),  # auto on a GPU host in a gloo job: any host runs gloo
+    # --backend gloo given here (it never resolves to anything else) in a gloo job, whether
+    # its first host was given gloo or had no GPU per worker: the user asked for gloo.
+    ("gloo", ("gloo", "degraded"), "gloo"),
 ])
 def test_a_host_uses_the_jobs_backend_when_it_can(mine, recorded, expected):
     assert agree(mine, recorded) == expected
@@ -27,8 +29,20 @@ def test_a_host_uses_the_jobs_backend_when_it_can(mine, recorded, expected):
     ("nccl", ("gloo", "a"), "every host of a job must use one backend"),
     ("gloo", ("nccl", "a"), "every host of a job must use one backend"),
     (CPU_AND_CUDA, ("nccl", "a"), "every host of a job must use one backend"),
+    # gpu review N9: auto on a GPU host in a job whose first host recorded gloo (it saw no GPU
+    # per worker, or was given --backend gloo) is not silently turned into gloo.
+    (CPU_AND_CUDA, ("gloo", "a"), "this GPU host would run on gloo, several times slower, unasked"),
 ])
 def test_a_host_that_cannot_is_refused_in_one_line(mine, recorded, message):
     with pytest.raises(ConfigError, match=message) as caught:
         agree(mine, recorded)
     assert "\n" not in str(caught.value) and "chosen by host a" in str(caught.value)
+
+
+def test_a_gpu_host_in_a_gloo_job_names_both_choices_and_how_to_run_on_gloo():
+    with pytest.raises(ConfigError) as caught:
+        agree(CPU_AND_CUDA, ("gloo", "gpu07"))
+    said = str(caught.value)
+    assert said.startswith("--backend: the job runs gloo (chosen by host gpu07) but this host resolved "
+                           f"{CPU_AND_CUDA}: ")
+    assert said.endswith("fix host gpu07, or give --backend gloo to every host to run the job on gloo")

@@ -78,7 +78,7 @@ def marks(*pairs, extra=""):
 
 @pytest.mark.parametrize("busy, ok, says", [
     # The review's expectation with the fix: the waiting collective raises at the
-    # non-blocking timeout (30 s), then the abort goes through, before its 60 s deadline.
+    # non-blocking timeout (30 s), then the abort goes through, before its deadline.
     (marks(("init_returned", 3.0), ("abort_called", 5.0), ("all_reduce_raised", 33.0), ("abort_returned", 33.5),
            extra="error DistBackendError NCCL communicator timed out\n"), True, "behind a collective 28.5s"),
     # Today's (no TORCH_NCCL_NONBLOCKING_TIMEOUT): killed at the bound with the abort pending.
