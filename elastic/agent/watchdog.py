@@ -46,7 +46,10 @@ heartbeat rule already holds.
 A worker declared hung is asked for the stack of every thread (SIGUSR1 to
 faulthandler), given ``grace`` seconds to write it (none when it is stopped: it
 cannot run the handler), then killed with SIGKILL (which works on a stopped
-process too); its exit is then reported like a crash.
+process too); its exit is then reported like a crash. A worker whose torch has NCCL
+also writes its NCCL flight recorder on that signal (``progress.NcclTrace``): within
+the same ``grace`` the agent waits for it too, and keeps it beside the worker's log
+(``worker-<id>.nccl-trace``) for whoever looks for the rank a GPU hang began on.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -62,7 +66,7 @@ from typing import Callable, Optional
 
 from ..contract.devices import uses_nccl
 from ..contract.events import EventLog
-from ..contract.progress import Marks, ProgressBoard
+from ..contract.progress import Marks, ProgressBoard, nccl_trace_path
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +246,7 @@ class Watchdog:
             dump = dumps[worker_id]
             where = verdict.where or "unknown"
             shown = self._keep_stacks(worker_id, f"(rank {rank}), declared hung", dump)
+            trace = self._keep_nccl_trace(worker_id)
             self._events.emit(
                 "hang_detected", worker=worker_id, rank=rank, round=round_, kind=verdict.kind,
                 stalled_s=round(verdict.stalled_s, 2), timeout_s=round(verdict.timeout_s, 2), where=where,
@@ -250,9 +255,10 @@ class Watchdog:
             log.warning(
                 "worker %s (rank %s, round %s) hung (%s): no progress for %.1fs (timeout %.1fs) at %s; %s; killed",
                 worker_id, rank, round_, verdict.kind, verdict.stalled_s, verdict.timeout_s, where,
-                f"stacks in {shown}" if dump else (
+                (f"stacks in {shown}" if dump else (
                     "no stacks (a stopped process cannot answer)" if state in STOPPED
-                    else f"no stacks within {self.policy.grace:g}s (a frozen process cannot answer)"),
+                    else f"no stacks within {self.policy.grace:g}s (a frozen process cannot answer)"))
+                + (f", NCCL flight recorder in {trace}" if trace else ""),
             )
 
     def _warn(self, suspects: list, plan) -> None:
@@ -262,7 +268,7 @@ class Watchdog:
         wait for the verdict to see where it is."""
         for _, proc, _ in suspects:
             self._warned.add(proc.pid)
-        dumps = self._ask_stacks(suspects)
+        dumps = self._ask_stacks(suspects, nccl_traces=False)  # its silent heartbeat would write none
         for worker_id, proc, silent in suspects:
             rank = plan.rank_of(worker_id) if plan is not None else None
             shown = self._keep_stacks(worker_id, f"(rank {rank}), heartbeat silent {silent:.1f}s", dumps[worker_id])
@@ -272,10 +278,23 @@ class Watchdog:
                 "GIL); %s; declared hung if it lasts %.0fs", worker_id, rank, silent,
                 f"stacks in {shown}" if shown else "no stacks", self.policy.bound(0.0, stuck=True))
 
-    def _ask_stacks(self, entries: list) -> dict:
+    def _ask_stacks(self, entries: list, nccl_traces: bool = True) -> dict:
         """{worker id: its stacks, or ""} for (worker id, process, kernel state) triples."""
         return ask_stacks({w: (proc.pid, os.path.join(self._scratch, f"{w}.stacks"), state not in STOPPED)
-                           for w, proc, state in entries}, self.policy.grace, self._clock)
+                           for w, proc, state in entries}, self.policy.grace, self._clock, nccl_traces=nccl_traces)
+
+    def _keep_nccl_trace(self, worker_id: str) -> Optional[str]:
+        """Move the NCCL flight recorder a hung worker wrote for the kill out of the scratch
+        directory (gone with the agent) to beside its log; where it went, or None."""
+        trace = nccl_trace_path(os.path.join(self._scratch, f"{worker_id}.stacks"))
+        if not self._log_dir or _size(trace) == 0:  # none announced, or not written in time
+            return None
+        kept = os.path.join(self._log_dir, f"worker-{worker_id}.nccl-trace")
+        try:
+            shutil.move(trace, kept)
+        except OSError:
+            return None
+        return kept
 
     def _keep_stacks(self, worker_id: str, why: str, dump: str) -> Optional[str]:
         """Put the dump where the user looks: the worker's log, else the console."""
@@ -291,15 +310,21 @@ class Watchdog:
         return "stderr"
 
 
-def ask_stacks(targets: dict, grace: float, clock: Callable[[], float] = time.monotonic) -> dict:
+def ask_stacks(targets: dict, grace: float, clock: Callable[[], float] = time.monotonic, *,
+               nccl_traces: bool = True) -> dict:
     """Every thread's stack of some workers, from the faulthandler that elastic/contract/progress.py
     registers for SIGUSR1 (it writes without the GIL, so a deadlocked worker answers too).
 
     ``targets`` maps a key to (pid, the worker's stacks file, whether it can answer: a
     stopped process runs no handler before SIGCONT, so it is not waited for). Waits up to
     ``grace`` seconds in all; returns {key: the dump written now, or ""}. Earlier dumps
-    stay in the file: only what follows them is read."""
+    stay in the file: only what follows them is read. A worker that announced an NCCL
+    flight recorder (``progress.NcclTrace``: its file exists) is also waited for until
+    that file is replaced, within the same ``grace`` (unless ``nccl_traces`` is False):
+    written by its heartbeat thread a moment after the stacks, it would otherwise die
+    with the SIGKILL that follows."""
     before = {key: _size(path) for key, (_, path, _) in targets.items()}
+    traces = {key: _identity(nccl_trace_path(path)) if nccl_traces else None for key, (_, path, _) in targets.items()}
     answering = []
     for key, (pid, _, answers) in targets.items():
         if not answers:
@@ -310,7 +335,13 @@ def ask_stacks(targets: dict, grace: float, clock: Callable[[], float] = time.mo
         except ProcessLookupError:
             pass
     deadline = clock() + grace
-    while answering and clock() < deadline and not all(_size(targets[k][1]) > before[k] for k in answering):
+
+    def answered(key) -> bool:
+        path = targets[key][1]
+        announced = traces[key] is not None
+        return _size(path) > before[key] and (not announced or _identity(nccl_trace_path(path)) != traces[key])
+
+    while answering and clock() < deadline and not all(answered(k) for k in answering):
         time.sleep(0.02)
     if answering:
         time.sleep(0.05)  # a dump that started is written in one go; let it end
@@ -345,6 +376,15 @@ def _proc_state(pid: int) -> str:
     if states[0] not in ("T", "t") and RUNNING in states:
         return RUNNING
     return states[0]
+
+
+def _identity(path: str) -> Optional[tuple]:
+    """What changes when ``path`` is replaced (a rename onto it), or None if there is no file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _size(path: str) -> int:

@@ -30,12 +30,22 @@ into the mapping: no system call (the kernel writes the page back when it likes)
 
 The worker also asks ``faulthandler`` to dump every thread's stack into a file
 on SIGUSR1: the agent asks for it before it kills a worker it declared hung.
+
+Beside that file a worker whose torch has NCCL writes NCCL's flight recorder on the
+same signal (``NcclTrace``; gpu review gpu-3 N13): the collectives each of its groups
+queued, started and completed, which tells the rank a GPU hang began on from the ranks
+waiting for it. faulthandler's handler is C code and runs no Python, and a Python
+signal handler runs only on the main thread, which a hang holds in C code (a stream
+sync). So the heartbeat thread notices the stack file grow and a thread of its own
+writes the dump: the recorder's lock may be held by NCCL's stuck watchdog, and no
+heartbeat may wait for it.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import gc
+import json
 import mmap
 import os
 import signal
@@ -45,7 +55,7 @@ import sysconfig
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 BOARD_SIZE = 256
 # Slots (little-endian, 8 bytes each), then the text of ``where``.
@@ -267,9 +277,11 @@ def main_thread_frames(main_ident: int, limit: int = 64) -> list[Frame]:
 class Heartbeat:
     """Daemon thread: beat every ``interval``, and watch where the main thread is."""
 
-    def __init__(self, board: ProgressBoard, interval: float = HEARTBEAT_INTERVAL):
+    def __init__(self, board: ProgressBoard, interval: float = HEARTBEAT_INTERVAL,
+                 on_beat: Optional[Callable[[], None]] = None):
         self._board = board
         self._interval = interval
+        self._on_beat = on_beat  # also called every beat (NcclTrace.poll); must not block
         self._stop = threading.Event()
         self._stdlib = stdlib_prefixes()
         self._main = threading.main_thread().ident
@@ -301,8 +313,97 @@ class Heartbeat:
             else:
                 user_since = 0.0
             self._board.beat(now, user_since, where)
+            if self._on_beat is not None:
+                try:
+                    self._on_beat()
+                except Exception:  # noqa: BLE001 - the heartbeat itself must go on
+                    pass
             if self._stop.wait(self._interval):
                 return
+
+
+NCCL_TRACE_SUFFIX = ".nccl-trace"
+
+
+def nccl_trace_path(stacks_path: str) -> str:
+    """Where a worker writes its NCCL flight recorder, beside its stack dump (the agent
+    waits for it there)."""
+    return stacks_path + NCCL_TRACE_SUFFIX
+
+
+def nccl_flight_recorder(c10d=None) -> Optional[Callable[[], object]]:
+    """The call that returns this process's NCCL flight-recorder dump, or None where
+    there is none: a torch without NCCL (CPU builds lack the functions), or a process
+    that never imported torch (then it has no NCCL group either; this module does not
+    import it). JSON where torch has it (2.5 and later: readable, no unpickling), else
+    torch's pickle. ``c10d``: the ``torch._C._distributed_c10d`` to ask (tests)."""
+    if c10d is None:
+        torch = sys.modules.get("torch")
+        c10d = getattr(getattr(torch, "_C", None), "_distributed_c10d", None)
+    for name in ("_dump_nccl_trace_json", "_dump_nccl_trace"):
+        dump = getattr(c10d, name, None)
+        if callable(dump):
+            return dump
+    return None
+
+
+def write_nccl_trace(path: str, dump: Callable[[], object]) -> Optional[str]:
+    """Write ``dump()`` to ``path`` whole or not at all (a temporary file renamed, so
+    the agent never reads half of it). If the dump fails, its error is written there
+    instead (the agent stops waiting all the same) and returned; None when it worked."""
+    try:
+        data = dump()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - a broken recorder must not kill the worker
+        error = f"{type(exc).__name__}: {exc}"
+        data = json.dumps({"dump_failed": error})
+    if isinstance(data, str):
+        data = data.encode()
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(bytes(data))
+        os.replace(temporary, path)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return error
+
+
+class NcclTrace:
+    """Writes the NCCL flight recorder beside the stack dump each time SIGUSR1 made
+    faulthandler write to it (``poll``, from the heartbeat thread: cheap, never blocks).
+
+    The dump queries the recorded collectives' CUDA events from a thread whose current
+    device is 0, which may make a context there on a worker of another GPU (gpu-3 N7).
+    Accepted: the agent asks right before it kills the worker, or while its heartbeat
+    is silent (then this runs only if the worker recovers: once, on a rare path)."""
+
+    def __init__(self, stacks, path: str, dump: Callable[[], object]):
+        self._fd = stacks.fileno()
+        self._path = path
+        self._dump = dump
+        self._seen = os.fstat(self._fd).st_size
+        self._writer: Optional[threading.Thread] = None
+        # An empty file says that a trace follows each stack dump: the agent waits for
+        # its replacement after the stacks (watchdog.ask_stacks), and for none without it.
+        with open(path, "wb"):
+            pass
+
+    def poll(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size <= self._seen:
+            return
+        self._seen = size
+        if self._writer is not None and self._writer.is_alive():
+            return  # the previous dump is still stuck: one at a time
+        self._writer = threading.Thread(target=write_nccl_trace, args=(self._path, self._dump),
+                                        name="elastic-nccl-trace", daemon=True)
+        self._writer.start()
+
+    def wait(self, timeout: float) -> None:
+        """Tests: let the dump in flight end."""
+        if self._writer is not None:
+            self._writer.join(timeout)
 
 
 class Progress:
@@ -318,7 +419,12 @@ class Progress:
             # in C code holding it gets its stack shown).
             self._stacks = open(stacks_path, "w")
             faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
-        self._heartbeat = Heartbeat(self.board).start()
+        self.nccl_trace: Optional[NcclTrace] = None
+        dump = nccl_flight_recorder() if stacks_path else None
+        if dump is not None:
+            self.nccl_trace = NcclTrace(self._stacks, nccl_trace_path(stacks_path), dump)
+        on_beat = self.nccl_trace.poll if self.nccl_trace is not None else None
+        self._heartbeat = Heartbeat(self.board, on_beat=on_beat).start()
 
     def mark(self, *, interval: bool, commit: bool = False) -> None:
         self.board.mark(time.monotonic(), interval=interval, commit=commit)

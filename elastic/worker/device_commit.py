@@ -5,6 +5,11 @@ step. The worker's part: which ring a capture is made on (asked again when its c
 completed), no device sync in the commit's ring check, and one sync at a commit where
 the ring is left on purpose (a planned switch or stop), so that the ring's abort there
 (ring_abort.leave_ring) never ends a kernel of the committed step.
+
+Whether a given commit's copy may overlap at all (a CUDA-graph capture or replay of the
+step would write past the optimizer's step pre-hook: gpu-3 N8) is decided at each copy
+by ``device_snapshot.copy_mode``; ``prepare`` tells it whether the optimizer's step can be
+captured (``device_snapshot.replayable``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ def prepare(snapshot, optimizer, ring: Callable[[], object]) -> None:
         return
     overlap = snapshot.overlap or device_snapshot.OverlappedCopy()
     overlap.guarded = device_snapshot.guarded_pointers(optimizer)
-    overlap.install(optimizer)
+    overlap.install(optimizer)  # also reads whether its steps can be captured and replayed
     overlap.ring_of_capture = lambda handle=ring().handle: ring_state(handle)
     snapshot.overlap = overlap
 

@@ -127,6 +127,13 @@ def test_an_overlapped_commit_holds_the_committed_values_while_the_next_step_wri
     snapshot = Snapshot()
     device_commit.prepare(snapshot, optimizer, lambda: ring)
     assert snapshot.overlap is not None
+    # SGD's step can be replayed as a CUDA graph, so a commit overlaps only once a step
+    # went through the hook since the commit before (gpu review 3, N8): a first commit
+    # (it drains) and one hooked step first.
+    snapshot.capture({"model": model.state_dict()})
+    model.weight.grad = torch.zeros_like(model.weight)
+    optimizer.step()
+    device_commit.prepare(snapshot, optimizer, lambda: ring)
     with torch.no_grad():
         model.weight.fill_(1.0)
     torch.cuda._sleep(2 * CYCLES_PER_S)  # the step's kernels: the copy must come after them
@@ -135,6 +142,7 @@ def test_an_overlapped_commit_holds_the_committed_values_while_the_next_step_wri
     snapshot.capture({"model": model.state_dict()})
     model.weight.grad = torch.ones_like(model.weight)
     optimizer.step()  # the next step's write: waits for the copy on the device, not the host
+    assert snapshot.overlap.last_mode == "overlap"
     committed = snapshot.tree()["model"]["weight"]
     assert torch.all(committed == 2.0)
     assert torch.all(model.weight.detach() == 1.0)
