@@ -95,15 +95,16 @@ def _dir_size(path: str) -> int:
     return total
 
 
-def _inspect(step: int, path: str) -> Optional[CheckpointInfo]:
-    """What ``path`` is as a checkpoint; None when it is not a directory (not one)."""
+def _inspect(step: int, path: str, hashes: bool = True) -> Optional[CheckpointInfo]:
+    """What ``path`` is as a checkpoint; None when it is not a directory (not one).
+    ``hashes=False``: its files' sizes are checked, not their checksums."""
     manifest, unreadable = None, False
     try:
         if not os.path.isdir(path):
             os.stat(path)  # isdir hides why: a file, or a stat that fails (EIO, ESTALE)?
             return None
         manifest = mf.read_manifest(path)
-        reason = mf.verify_files(path, manifest)
+        reason = mf.verify_files(path, manifest, hashes=hashes)
         if reason is None and manifest["step"] != step:
             reason = f"manifest step {manifest['step']} does not match the directory name"
     except FileNotFoundError:
@@ -138,7 +139,7 @@ def list_checkpoints(directory: str) -> list[CheckpointInfo]:
 
 def find_newest(directory: str, *, accept: Callable[[CheckpointInfo], Optional[str]] = lambda info: None,
                 load: Callable[[CheckpointInfo], Any] = lambda info: None,
-                skip_unreadable: bool = False) -> Optional[tuple[CheckpointInfo, Any]]:
+                skip_unreadable: bool = False, hashes: bool = True) -> Optional[tuple[CheckpointInfo, Any]]:
     """(info, load(info)) of the newest valid checkpoint that ``accept``s (returns no
     reason against it) and loads, or None. One scan, no retries (``with_retries``).
 
@@ -146,11 +147,13 @@ def find_newest(directory: str, *, accept: Callable[[CheckpointInfo], Optional[s
     each. An unreadable one newer than it raises ``CheckpointsUnreadable`` naming
     every unreadable one seen, unless ``skip_unreadable``; the older valid checkpoint
     is then not loaded (nor its data read): only verified. ``load`` raising OSError
-    counts as unreadable, anything else as corrupt.
+    counts as unreadable, anything else as corrupt. ``hashes=False`` checks the manifest
+    and the files' sizes only, for a caller that verifies the checksums itself, off the
+    path every worker waits on (a sharded resume: elastic/sharded/durable.py).
     """
     unreadable: list[tuple[str, str]] = []
     for step, path in _candidates(directory):
-        info = _inspect(step, path)
+        info = _inspect(step, path, hashes)
         if info is None:
             continue
         reason = info.reason if not info.valid else accept(info)

@@ -61,7 +61,7 @@ _COMMIT_ROUND = "commit_round"  # key of the round the commit was made in
 _OBJECTS = "objects"  # key of the state_dicts of a TorchState's stateful objects (elastic/stateful.py)
 
 
-def _durable_wait(ring: RingView) -> float:
+def durable_load_wait(ring: RingView) -> float:
     """How long receivers wait for holders[0]'s durable load: it may take as long as a
     rendezvous or a collective may, whichever is longer."""
     return max(ring.config.rdzv_timeout, ring.config.collective_timeout)
@@ -207,7 +207,7 @@ class State:
                 send_layout(layout, receivers, ring.backend)
         else:
             # Nobody holds a commit: holders[0] loads the durable one first (--rdzv-timeout bounds it).
-            wait_s = _durable_wait(ring) if newest is None else None
+            wait_s = durable_load_wait(ring) if newest is None else None
             layout = receive_layout(holders[0], ring.backend, wait_s=wait_s)
         plan = plan_sync(holdings, [(n, dtype.itemsize) for dtype, _, n in layout.buffers], CHUNK_BYTES)
         if ring.rank in holders:

@@ -6,11 +6,15 @@
 
 Every worker writes its own shards with ``dcp.async_save`` on a process group of its
 own (so the writes' collectives never interleave with the training's), from a copy
-taken at the commit; the step trains on meanwhile. Rank 0 finishes the write (DCP's
-metadata comes after every rank's data), then adds the values and the manifest and
-publishes the directory with one rename: a checkpoint exists only once complete, and
-``elastic-run checkpoints DIR`` lists and verifies it like any other. Any world size
-loads it, and so does a plain FSDP2 script:
+taken at the commit; the step trains on meanwhile. A state on CUDA is copied into
+pinned host memory that is kept for the ring's next writes (``_pinned_stager``): the
+copy runs at the device's bandwidth and allocates nothing after the ring's first
+write, at the price of holding one pinned copy of the worker's shards while the ring
+lasts (a pageable copy was allocated for each write and lived until it was written).
+Rank 0 finishes the write (DCP's metadata comes after every rank's data), then adds
+the values and the manifest and publishes the directory with one rename: a checkpoint
+exists only once complete, and ``elastic-run checkpoints DIR`` lists and verifies it
+like any other. Any world size loads it, and so does a plain FSDP2 script:
 
     model = build(); fully_shard(...); opt = make_optimizer(model)
     msd, osd = get_state_dict(model, opt)
@@ -26,6 +30,7 @@ it; a prune goes by name (checkpoint/retention.py), never re-reading a checkpoin
 never deletes or supersedes an earlier run's step above the one this run resumed from.
 Checkpoints that exist but cannot be read at a resume are retried, then fail the job
 (checkpoint/restore.py), unless the policy skips them.
+A resume's choice of checkpoint and its verification: ``resume_check.py``.
 """
 
 from __future__ import annotations
@@ -41,13 +46,12 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, PublishRefusal
+from elastic.checkpoint import CheckpointPolicy, PublishRefusal
+from elastic.checkpoint import host_pinning
 from elastic.checkpoint import manifest as mf
 from elastic.checkpoint import owner as ownership
-from elastic.checkpoint.restore import find_newest, with_retries
 from elastic.checkpoint.retention import checkpoint_names, names_to_prune, remove_stale_tmps, superseded_step
 
-from ..state import UNREADABLE_ADVICE
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,7 @@ class ShardedCheckpoints:
         # running job. The directory's steps above it are an earlier run's (retention.py).
         self.resumed_from: Optional[int] = None
         self.last_error: Optional[BaseException] = None
+        self._stager = None  # DCP's stager into pinned memory for a state on CUDA (_stager_for)
 
     def due(self, commits: int) -> bool:
         """Every rank decides alike (same commit counts; a time rule asks rank 0)."""
@@ -114,8 +119,9 @@ class ShardedCheckpoints:
         msd, osd = get_state_dict(model, optimizer)
         # A copy taken now: the step after the commit changes the live tensors. Host copies
         # only: dcp.async_save stages device tensors to host memory before it returns (its
-        # default stager is synchronous), so a clone on the GPU would cost +1x the shards'
-        # memory there for nothing, an OOM for the memory-tight jobs FSDP is for (gpu review G11).
+        # default stager is synchronous, and so is ours, _pinned_stager), so a clone on the
+        # GPU would cost +1x the shards' memory there for nothing, an OOM for the
+        # memory-tight jobs FSDP is for (gpu review G11).
         state = {"model": _cloned(msd), "optim": _cloned(osd)}
         rank, group, lead = dist.get_rank(), self.group(round_number), self._lead
         if rank == lead:
@@ -125,7 +131,15 @@ class ShardedCheckpoints:
         writer = _broadcast_text(f"{socket.gethostname()}:{os.getpid()}" if rank == lead else "", group, lead)
         temporary = os.path.join(self.policy.directory,
                                  f"{mf.TMP_PREFIX}{mf.step_dirname(step)}-r{round_number}@{writer}")
-        future = dcp.async_save(state, checkpoint_id=temporary, process_group=group)
+        stager = self._stager_for(state)
+        if stager is None:
+            future = dcp.async_save(state, checkpoint_id=temporary, process_group=group)
+        else:
+            try:
+                future = dcp.async_save(state, checkpoint_id=temporary, process_group=group, async_stager=stager)
+            except Exception as exc:  # noqa: BLE001 - staging (before any write) failed: stage as before
+                self._refuse_pinned_staging(exc)
+                future = dcp.async_save(state, checkpoint_id=temporary, process_group=group)
         publisher = None
         if rank == lead:
             publisher = threading.Thread(target=self._publish, args=(future, temporary, values, step, round_number,
@@ -137,6 +151,37 @@ class ShardedCheckpoints:
     def abandon(self) -> None:
         """Forget the write in flight: its ring broke (rank 0 still publishes it if it completes)."""
         self._pending = None
+        # The next write may not stage into the buffers this one may still be writing from,
+        # and the new ring's model has new storages anyway: the old ones' copies go.
+        self._drop_stager()
+
+    def _stager_for(self, state) -> Optional[object]:
+        """DCP's stager that copies ``state`` into pinned host memory, kept across this
+        ring's writes (its copies are reused: one allocation per ring, not per write), or
+        None to stage as ``async_save`` does by default (freshly allocated pageable memory,
+        which is all a host state needs)."""
+        if _pinned_staging_refused is not None or host_pinning.refused() is not None or not _on_cuda(state):
+            return None
+        if self._stager is None:
+            self._stager = _pinned_stager()
+        return self._stager
+
+    def _drop_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()  # its copies go once no write uses them
+            self._stager = None
+
+    def _refuse_pinned_staging(self, exc: BaseException) -> None:
+        """Staging into pinned memory failed: from now on this process stages as before.
+        DCP pins with cudaHostRegister, whose refusal stays CUDA's "last error" on this
+        thread and would fail an unrelated kernel launch later (gpu review 3, N3): cleared."""
+        global _pinned_staging_refused
+        if host_pinning.clear_last_error_with_library() is None:
+            host_pinning.clear_last_error_with_kernel()  # raises if the error is sticky: a broken device
+        _pinned_staging_refused = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+        log.warning("durable checkpoints stage into pageable memory from now on: staging into pinned memory "
+                    "failed (%s)", _pinned_staging_refused)
+        self._drop_stager()
 
     def flush(self) -> None:
         """Wait for the write in flight, if any (every rank: the next one's collectives follow it)."""
@@ -243,27 +288,6 @@ class ShardedCheckpoints:
             shutil.rmtree(os.path.join(self.policy.directory, name), ignore_errors=True)
 
 
-def newest_valid(directory: str, *, skip_unreadable: bool = False, **retries) -> Optional[tuple[str, dict]]:
-    """(path, manifest) of the newest complete sharded checkpoint whose checksums hold.
-
-    Checkpoints that cannot be read are scanned for again, then ``CheckpointsUnreadable``
-    (checkpoint/restore.py) names them, unless ``skip_unreadable``. ``retries``:
-    ``with_retries``'s ``delays`` and ``sleep``."""
-    def sharded(info) -> Optional[str]:
-        return None if (info.manifest.get("meta") or {}).get("format") == FORMAT else "not a sharded (DCP) checkpoint"
-
-    found = with_retries(lambda: find_newest(directory, accept=sharded, skip_unreadable=skip_unreadable), **retries)
-    return (found[0].path, found[0].manifest) if found is not None else None
-
-
-def newest_for_resume(policy: CheckpointPolicy) -> Optional[tuple[str, dict]]:
-    """Rank 0 at a resume: ``newest_valid`` per the policy; unreadable checkpoints fail the job (exit 1)."""
-    try:
-        return newest_valid(policy.directory, skip_unreadable=policy.skip_unreadable)
-    except CheckpointsUnreadable as exc:
-        raise CheckpointsUnreadable(exc.directory, exc.unreadable, advice=UNREADABLE_ADVICE) from None
-
-
 def load_into(path: str, model, optimizer, group) -> dict:
     """Load the checkpoint at ``path`` into the (sharded) model and optimizer, at any world size;
     returns its plain values."""
@@ -284,6 +308,37 @@ def _broadcast_text(text: str, group, src: int = 0) -> str:
         data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
     dist.broadcast(data, src=src, group=group)
     return bytes(data.tolist()).decode()
+
+
+_pinned_staging_refused: Optional[str] = None  # why this process stages into pageable memory, once it does
+
+
+def _pinned_stager():
+    """A synchronous DCP stager into pinned host memory that keeps its copies for the next
+    write, or None where this torch has none. Synchronous, as ``async_save``'s default:
+    the copy is complete when ``submit`` returns, so the next step may change the live
+    tensors at once. Staging in the background as well would need the optimizer's step
+    to wait for it, and blocking copies need no device-wide synchronisation (which
+    would also wait for an NCCL kernel blocked on a peer)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=False))
+    except Exception as exc:  # noqa: BLE001 - an older torch: its default staging then
+        log.debug("no pinned staging for durable checkpoints: %s", exc)
+        return None
+
+
+def _on_cuda(tree) -> bool:
+    """Whether ``tree`` holds a CUDA tensor."""
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type == "cuda"
+    if isinstance(tree, dict):
+        return any(_on_cuda(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_on_cuda(value) for value in tree)
+    return False
 
 
 def _cloned(tree):

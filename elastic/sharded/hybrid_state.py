@@ -42,12 +42,12 @@ from ..worker import lifecycle
 from ..worker.ring_view import RingView
 from ..worker.state_transfer import wire_device
 from ..worker.sync_plan import CommitId, SyncPlan
-from . import durable, meta_wire, modules
+from . import durable, meta_wire, modules, resume_check
 from ..worker.ring_abort import socket_snapshot
 from .hybrid_mesh import adopt_connections, build_mesh, default_shard_size, remember, round_facts
 from .hybrid_plan import FLAT, NONE, HybridShape, MeshPlan, data_share, plan_mesh
 from .hybrid_refill import finish_refill, group_slot, local_layout, post_refill
-from .live_shards import live_shards
+from .live_shards import free_storage, live_shards
 from .mesh import device_type
 from .pieces import run_pieces
 from .reshard_plan import plan_reshard
@@ -250,19 +250,25 @@ class HybridShardedState(ShardedState):
         self._hold_only(slots)
         self._free_model()
         if newest is None:
-            found = meta_wire.broadcast_found(durable.newest_for_resume(checkpoints.policy)
-                                              if checkpoints is not None and rank == 0 else None, rank, facts.backend)
-            if checkpoints is not None:
-                checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
-            if not first_start:
-                lost = max(worlds)[0]
+            rejected: list[str] = []  # checkpoints whose checksums did not verify at their load
+            while True:
+                found = resume_check.agree_on_newest(ring, checkpoints, rejected)
+                if checkpoints is not None:
+                    checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
+                if not first_start:
+                    lost = max(worlds)[0]
+                    if found is None:
+                        raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (every replica group "
+                                           f"holding it) and there is no durable checkpoint"
+                                           + (" that verifies" if rejected else ""))
+                    log.warning("round %d: every copy of a shard of commit %d is lost: resuming from durable checkpoint "
+                                "step %s in %s", facts.round, lost.count, found[1]["step"], found[0])
                 if found is None:
-                    raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (every replica group "
-                                       f"holding it) and there is no durable checkpoint")
-                log.warning("round %d: every copy of a shard of commit %d is lost: resuming from durable checkpoint "
-                            "step %s in %s", facts.round, lost.count, found[1]["step"], found[0])
-            if found is not None:
-                return self._resume_from_disk_hybrid(ring, facts, plan, mesh, group, found, started)
+                    break
+                resumed = self._resume_from_disk_hybrid(ring, facts, plan, mesh, group, found, started)
+                if resumed is not None:
+                    return resumed
+                rejected.append(found[0])
         sources: dict[int, ShardSlot] = {}
         if first_start:
             newest, meta, holders = CommitId(0, 0), None, {0: [0]}
@@ -376,17 +382,24 @@ class HybridShardedState(ShardedState):
         whole = book.model_factory()
         set_model_state_dict(model, whole.state_dict(), options=StateDictOptions(full_state_dict=True))
 
-    def _resume_from_disk_hybrid(self, ring, facts, plan, mesh, group, found, started) -> SyncPlan:
+    def _resume_from_disk_hybrid(self, ring, facts, plan, mesh, group, found, started) -> Optional[SyncPlan]:
         """The training workers load their shards of a durable checkpoint (any mesh shape
-        reads it); spares load nothing."""
+        reads it); spares load nothing, but verify their share of its checksums as every
+        rank does (``resume_check.load_verified``). None, on every rank, when they do not match."""
         book = self._book
         path, manifest = found
         self._hold_only([])
-        if plan.trains(facts.rank):
-            model = self._build(ring, mesh)
-            optimizer = book.optimizer_factory(model)
-            scheduler = book.scheduler_factory(optimizer) if book.scheduler_factory is not None else None
-            saved = durable.load_into(path, model, optimizer, group)
+        trains = plan.trains(facts.rank)
+        model = self._build(ring, mesh) if trains else None
+        optimizer = book.optimizer_factory(model) if trains else None
+        scheduler = book.scheduler_factory(optimizer) if trains and book.scheduler_factory is not None else None
+        verified, saved = resume_check.load_verified(ring, found, (lambda: durable.load_into(path, model, optimizer, group))
+                                                if trains else None, book.durable.policy.skip_unreadable)
+        if not verified:
+            if trains:  # not this one: its memory goes before an older one's model is built
+                free_storage(model, optimizer)
+            return None
+        if trains:
             modules.load_scheduler(scheduler, saved.get("scheduler"))
             for name, value in saved["values"].items():
                 setattr(self, name, value)

@@ -1,16 +1,21 @@
 """What a sharded re-shard exchanges besides the shards, as checked plain data (no pickle).
 
-Three messages: each rank's report of the shards it holds (all-gathered), the chosen
-commit's ``CommitMeta`` (broadcast from a rank that holds it) and the newest durable
-checkpoint rank 0 found (broadcast). Each travels as JSON through
-``elastic.worker.wire`` and is checked on arrival: a malformed or impossible one is
-``PeerDataInvalid``, a ring failure.
+Four messages: each rank's report of the shards it holds (all-gathered), the chosen
+commit's ``CommitMeta`` (broadcast from a rank that holds it), the newest durable
+checkpoint rank 0 found (sent to each rank) and, after a durable load, whether every
+rank's share of its checksums matched (gathered and sent back). The first three travel
+as JSON through ``elastic.worker.wire``, the last as one integer; each is checked on
+arrival: a malformed or impossible one is ``PeerDataInvalid``, a ring failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
 
 from ..contract.errors import PeerDataInvalid
 from ..worker import wire
@@ -21,6 +26,11 @@ from .reshard_plan import TensorLayout
 
 MAX_REPORT_BYTES = 16 << 20  # a rank's report: a few integers per shard it holds
 MAX_META_BYTES = 512 << 20  # module buffers and the optimizer's small state travel in the meta
+# A durable resume's point-to-point messages, tagged apart from the re-shard's (from 0 per
+# pair), a refill's (1 << 26), the spares' ((1 << 27) + 7), the replicas' (1 << 28) and
+# State's layout (1 << 30).
+_FOUND_TAG = 1 << 29
+_VERDICT_TAG = _FOUND_TAG + 2
 
 
 def _ints(value: Any, arity: int, what: str) -> tuple[int, ...]:
@@ -119,14 +129,55 @@ def decode_meta(body: bytes, src: int, current_round: int) -> Optional[CommitMet
         return None if value is None else _meta(value, current_round)
 
 
-def broadcast_found(found: Optional[tuple[str, dict]], rank: int, backend: str) -> Optional[tuple[str, dict]]:
-    """Rank 0's newest durable checkpoint, (path, manifest) or None, on every rank."""
-    data = wire.dumps(list(found) if found is not None else None) if rank == 0 else None
-    body = wire.broadcast_bytes(data, 0, rank, wire_device(backend), "durable checkpoint", MAX_REPORT_BYTES)
-    value = wire.loads(body, "durable checkpoint from rank 0", limit=MAX_REPORT_BYTES)
+def broadcast_found(found: Optional[tuple[str, dict]], rank: int, world: int, backend: str,
+                    wait_s: Optional[float] = None) -> Optional[tuple[str, dict]]:
+    """Rank 0's newest durable checkpoint, (path, manifest) or None, on every rank. ``wait_s``:
+    how long the others wait for it, instead of the group's timeout (--collective-timeout):
+    rank 0 scans the checkpoint directory first, and a file server that is slow to list
+    or stat outlasts a collective. Sent point to point because gloo honours a receive's
+    own timeout over the group's (wire.recv_bytes), not a broadcast's."""
+    device = wire_device(backend)
+    what = "durable checkpoint from rank 0"
+    if rank == 0:
+        body = wire.dumps(list(found) if found is not None else None)
+        # Blocking sends in rank order: every other rank already waits for exactly this message.
+        wire.send_bytes(body, range(1, world), device, _FOUND_TAG)
+    else:
+        body = wire.recv_bytes(0, device, _FOUND_TAG, what, MAX_REPORT_BYTES, wait_s=wait_s)
+    value = wire.loads(body, what, limit=MAX_REPORT_BYTES)
     if value is None:
         return None
     if type(value) is not list or len(value) != 2 or type(value[0]) is not str or type(value[1]) is not dict:
-        raise PeerDataInvalid("durable checkpoint from rank 0: expected [path, manifest]")
+        raise PeerDataInvalid(f"{what}: expected [path, manifest]")
     return value[0], value[1]
 
+
+def worst_verdict(verdict: int, rank: int, world: int, backend: str, wait_s: float, codes: int) -> int:
+    """The highest of every rank's ``verdict`` (a code below ``codes``) on every rank: rank 0
+    gathers them and sends the answer back. Each message may take ``wait_s`` (a rank that
+    verifies a large file takes that long, and gloo holds a point-to-point message's own
+    timeout, not a collective's); a code out of range is PeerDataInvalid."""
+    device = wire_device(backend)
+    timeout = datetime.timedelta(seconds=wait_s)
+
+    def checked(value: torch.Tensor, src: int) -> int:
+        code = int(value.item())
+        if not 0 <= code < codes:
+            raise PeerDataInvalid(f"checkpoint verification verdict from rank {src}: {code} is no verdict")
+        return code
+
+    if rank == 0:
+        theirs = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(1, world)]
+        works = [dist.irecv(t, src=peer, tag=_VERDICT_TAG) for peer, t in enumerate(theirs, start=1)]
+        worst = verdict
+        for peer, (work, value) in enumerate(zip(works, theirs), start=1):
+            work.wait(timeout)
+            worst = max(worst, checked(value, peer))
+        answer = torch.tensor([worst], dtype=torch.int64, device=device)
+        for work in [dist.isend(answer, dst=peer, tag=_VERDICT_TAG + 1) for peer in range(1, world)]:
+            work.wait(timeout)
+        return worst
+    dist.isend(torch.tensor([verdict], dtype=torch.int64, device=device), dst=0, tag=_VERDICT_TAG).wait(timeout)
+    answer = torch.empty(1, dtype=torch.int64, device=device)
+    dist.irecv(answer, src=0, tag=_VERDICT_TAG + 1).wait(timeout)
+    return checked(answer, 0)

@@ -83,22 +83,76 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+# Device tensors up to this size travel to the host together (``host_copies``); a larger
+# one is copied alone: its copy is long enough for one wait not to matter, and gathering
+# it would take as much device memory again.
+SMALL_BYTES = 1 << 20
+
+
+def gathered_groups(tensors: list[torch.Tensor], small_bytes: int = SMALL_BYTES) -> dict[torch.device, list[int]]:
+    """Device -> the indices of ``tensors`` that ``host_copies`` copies to the host together:
+    plain, strided, small ones off the CPU (a host tensor needs no transfer; a subclass
+    such as a DTensor, or a sparse or quantized tensor, keeps its own ``to``)."""
+    groups: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if (type(tensor) is torch.Tensor and tensor.device.type != "cpu" and tensor.layout == torch.strided
+                and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()
+                and tensor.numel() * tensor.element_size() <= small_bytes):
+            groups.setdefault(tensor.device, []).append(index)
+    return groups
+
+
+def copy_gathered(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` (one device, any dtypes and shapes) in one transfer: their
+    bytes concatenated where they are, copied to the host at once, then split into tensors
+    of their own (each with its own storage, as ``_host_copy`` gives)."""
+    if not tensors:
+        return []
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    host = torch.cat(flat).to("cpu")
+    out, start = [], 0
+    for tensor, part in zip(tensors, flat):
+        length = part.numel()
+        # The clone first: a piece of the joint buffer may start at an offset its dtype's
+        # size does not divide, which view(dtype) refuses.
+        out.append(host.narrow(0, start, length).clone().view(tensor.dtype).reshape(tensor.shape))
+        start += length
+    return out
+
+
+def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[_host_copy(t) for t in tensors]``, equal value for value, with one transfer (one
+    wait) per device for the small device tensors: Adam with ``fused`` or ``capturable``
+    keeps a ``step`` tensor per parameter on the device, hundreds of waits per commit
+    copied one by one (gpu review 3, N10)."""
+    out: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    for indices in gathered_groups(tensors).values():
+        for index, copy_ in zip(indices, copy_gathered([tensors[i] for i in indices])):
+            out[index] = copy_
+    return [copy_ if copy_ is not None else _host_copy(tensor) for copy_, tensor in zip(out, tensors)]
+
+
 def describe(commit: CommitId, world: int, model, optimizer, tensors, values: dict, sampler, *,
              layout: Optional[tuple[TensorLayout, ...]] = None, names: Optional[dict] = None) -> CommitMeta:
     """The commit's meta: the layout and every small replicated value (copies). ``layout``
     and ``names`` (parameter -> fqn), when the caller has them, save walking the model."""
+    buffers = dict(model.named_buffers())
+    # (fqn, name, value) of every optimizer value the meta carries: its tensors are copied with the buffers
+    plain: list[tuple[str, str, Any]] = []
     meta = CommitMeta(commit, world, layout if layout is not None else layout_of(tensors), copy.deepcopy(values),
-                      copy.deepcopy(sampler.state_dict()) if sampler is not None else None,
-                      {name: _host_copy(b) for name, b in model.named_buffers()})
+                      copy.deepcopy(sampler.state_dict()) if sampler is not None else None)
     if optimizer is not None:
         names = names if names is not None else {p: fqn for fqn, p in model.named_parameters()}
         meta.groups = [{**{k: copy.deepcopy(v) for k, v in group.items() if k != "params"},
                         "params": [names[p] for p in group["params"]]} for group in optimizer.param_groups]
         for p, entries in optimizer.state.items():
-            plain = {name: (_host_copy(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                     for name, v in entries.items() if f"optim.{names[p]}.{name}" not in tensors}
-            if plain:
-                meta.plain_state[names[p]] = plain
+            plain += [(names[p], name, v) for name, v in entries.items() if f"optim.{names[p]}.{name}" not in tensors]
+    held = list(buffers.values()) + [v for _, _, v in plain if isinstance(v, torch.Tensor)]
+    copies = iter(host_copies(held))
+    meta.buffers = {name: next(copies) for name in buffers}
+    for fqn, name, value in plain:
+        meta.plain_state.setdefault(fqn, {})[name] = next(copies) if isinstance(value, torch.Tensor) \
+            else copy.deepcopy(value)
     return meta
 
 

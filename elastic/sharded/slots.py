@@ -7,6 +7,13 @@ the shards it keeps for other ranks (replicas) in others. Slots are reused while
 layout stays (``reusable``): a commit every step allocates nothing, and the views of
 a slot shaped like the live local tensors are made once (``copy_from``).
 
+A slot that copies from CUDA tensors has its buffers page-locked at its first such copy
+(registered in place at their exact size: ``checkpoint/host_pinning.py``, the way
+snapshots do it; ``pin_memory=True`` would round each up to a power of two), so the
+copies run asynchronously at the device's bandwidth, and the slot waits once per commit
+for all of them instead of once per tensor. Where the driver refuses, the buffers stay
+pageable and the copies synchronous, as before.
+
 ``Replication`` moves a commit's shards to their replica holders in the background:
 every message is posted at the commit (``isend``/``irecv`` straight from and into the
 slots' buffers) and a thread waits for them, so the copy overlaps the next step; the
@@ -15,17 +22,24 @@ next commit waits for what is left. A copy counts only once its receive has comp
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from elastic.checkpoint import host_pinning
+
 from ..worker.sync_plan import CommitId
 from .reshard_plan import TensorLayout
 
+log = logging.getLogger(__name__)
+
 # Replica messages are tagged apart from a re-shard's (which count from 0 per pair).
 _REPLICA_TAG = 1 << 28
+_pageable_logged = False  # the fall-back to pageable slots said once per process
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -52,8 +66,10 @@ class ShardSlot:
             sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + length
         if reuse is not None and {d: b.numel() for d, b in reuse.flat.items()} == sizes:
             self.flat = reuse.flat
+            self._pins = reuse._pins  # the buffers' page-locking goes with them
         else:
             self.flat = {d: torch.empty(n, dtype=torch_dtype(d), device="cpu") for d, n in sorted(sizes.items())}
+            self._pins = HostPins()
 
     def reusable(self, layout: Sequence[TensorLayout], world: int, shard: int) -> bool:
         """Whether this slot can take shard ``shard`` of a commit of ``layout`` by ``world``."""
@@ -64,8 +80,15 @@ class ShardSlot:
         if self._shaped[0] is not live:
             views = [self.view(key).view(source.shape) for key, source in zip(live.tensors, live.sources)]
             self._shaped = (live, views)
+        devices = {source.device for source in live.sources if source.device.type == "cuda"}
+        if devices:
+            self._pins.pin(self.flat)
         with torch.no_grad():
-            torch._foreach_copy_(self._shaped[1], live.sources)
+            torch._foreach_copy_(self._shaped[1], live.sources, non_blocking=bool(devices))
+        # One wait per commit for every copy (each on its source device's current stream,
+        # after the step's kernels): the slot is complete, and may be sent, only after it.
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
 
     def forget_sources(self) -> None:
         """Drop the cached views and with them the live tensors they were made for: after
@@ -83,6 +106,48 @@ class ShardSlot:
     def messages(self) -> list[tuple[int, torch.Tensor]]:
         """(tag, buffer) per non-empty dtype buffer, the same order on both ends."""
         return [(_REPLICA_TAG + i, b) for i, (_, b) in enumerate(sorted(self.flat.items())) if b.numel()]
+
+
+class HostPins:
+    """Which of a set of slot buffers are page-locked (shared by the slots that share the
+    buffers). It holds them until it goes, then unlocks them before they can be freed: freed
+    memory that is still registered makes a later registration of it fail."""
+
+    def __init__(self):
+        self._registered: list[tuple[int, torch.Tensor]] = []
+        self._tried = False
+        weakref.finalize(self, _unpin, self._registered)
+
+    def pin(self, flat: dict[str, torch.Tensor]) -> None:
+        """Page-lock ``flat``'s buffers, once; they stay pageable where the driver refuses."""
+        global _pageable_logged
+        if self._tried:
+            return
+        self._tried = True
+        for buffer in flat.values():
+            if buffer.numel() == 0:
+                continue
+            if not host_pinning.register(buffer):
+                if not _pageable_logged:
+                    _pageable_logged = True
+                    log.debug("shard slots stay in pageable memory (host registration: %s): their device copies "
+                              "are synchronous", host_pinning.refused() or "not available")
+                return
+            self._registered.append((buffer.data_ptr(), buffer))
+
+    @property
+    def pinned(self) -> int:
+        """How many buffers are page-locked."""
+        return len(self._registered)
+
+
+def _unpin(registered: list) -> None:
+    while registered:
+        pointer, _buffer = registered.pop()  # held until unregistered
+        try:
+            torch.cuda.cudart().cudaHostUnregister(pointer)
+        except Exception:  # noqa: BLE001 - at exit CUDA may be gone already
+            pass
 
 
 def slot_for(previous: Optional[ShardSlot], layout: Sequence[TensorLayout], world: int, shard: int) -> ShardSlot:

@@ -50,7 +50,7 @@ from ..worker import lifecycle
 from ..worker.commit_gate import Verdict, act_on
 from ..worker.ring_view import RingView
 from ..worker.sync_plan import CommitId, SyncPlan
-from . import durable, meta_wire, modules
+from . import durable, meta_wire, modules, resume_check
 from .book import ShardBook
 from .mesh import device_mesh, device_type
 from .placement import replica_holders, replicas_of
@@ -240,22 +240,29 @@ class ShardedState:
         self._hold_only(slots)
         self._free_model()  # a planned switch's: the new one is built from the copies
         if newest is None:
-            found = meta_wire.broadcast_found(durable.newest_for_resume(checkpoints.policy)
-                                              if checkpoints is not None and rank == 0 else None, rank, ring.backend)
-            if checkpoints is not None:  # the directory's steps above it are an earlier run's
-                checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
             if not first_start:
-                lost = max(worlds)[0]
                 log.info("round %d: shards held (rank: (round, count, world, shard) ...): %s", ring.round,
                          {r: rep[0] for r, rep in enumerate(reports)}, extra=FILE_ONLY)
+            rejected: list[str] = []  # checkpoints whose checksums did not verify at their load
+            while True:
+                found = resume_check.agree_on_newest(ring, checkpoints, rejected)
+                if checkpoints is not None:  # the directory's steps above it are an earlier run's
+                    checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
+                if not first_start:
+                    lost = max(worlds)[0]
+                    if found is None:
+                        raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (more hosts than "
+                                           f"--shard-replicas covers) and there is no durable checkpoint"
+                                           + (" that verifies" if rejected else ""))
+                    log.warning("round %d: every copy of a shard of commit %d is lost (more hosts than "
+                                "--shard-replicas %d covers): resuming from durable checkpoint step %s in %s",
+                                ring.round, lost.count, self._replica_count(ring), found[1]["step"], found[0])
                 if found is None:
-                    raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (more hosts than "
-                                       f"--shard-replicas covers) and there is no durable checkpoint")
-                log.warning("round %d: every copy of a shard of commit %d is lost (more hosts than "
-                            "--shard-replicas %d covers): resuming from durable checkpoint step %s in %s",
-                            ring.round, lost.count, self._replica_count(ring), found[1]["step"], found[0])
-            if found is not None:
-                return self._resume_from_disk(ring, mesh, group, found, started)
+                    break
+                resumed = self._resume_from_disk(ring, mesh, group, found, started)
+                if resumed is not None:
+                    return resumed
+                rejected.append(found[0])
         sources: dict[int, ShardSlot] = {}
         if first_start:
             newest, meta = CommitId(0, 0), None
@@ -338,14 +345,19 @@ class ShardedState:
                 return slots, reports, held, worlds, chosen
             self._finish_replication(timeout=2.0)
 
-    def _resume_from_disk(self, ring: RingView, mesh, group, found, started: float) -> SyncPlan:
-        """Every rank loads its new shards of a durable checkpoint (any world size reads it)."""
+    def _resume_from_disk(self, ring: RingView, mesh, group, found, started: float) -> Optional[SyncPlan]:
+        """Every rank loads its new shards of a durable checkpoint (any world size reads it);
+        None, on every rank, when its checksums do not verify (``resume_check.load_verified``)."""
         book = self._book
         path, manifest = found
         model = self._build(ring, mesh)
         optimizer = book.optimizer_factory(model)
         scheduler = book.scheduler_factory(optimizer) if book.scheduler_factory is not None else None
-        saved = durable.load_into(path, model, optimizer, group)
+        verified, saved = resume_check.load_verified(ring, found, lambda: durable.load_into(path, model, optimizer, group),
+                                                book.durable.policy.skip_unreadable)
+        if not verified:  # not this one: its memory goes before an older one's model is built
+            free_storage(model, optimizer)
+            return None
         modules.load_scheduler(scheduler, saved.get("scheduler"))
         self.scheduler = scheduler
         for name, value in saved["values"].items():

@@ -17,7 +17,7 @@ import torch
 from elastic.checkpoint import CheckpointPolicy, CheckpointsUnreadable, PublishRefusal, list_checkpoints
 from elastic.checkpoint import manifest as mf
 from elastic.checkpoint import restore
-from elastic.sharded import durable
+from elastic.sharded import durable, resume_check
 from tests.unit.checkpoint.test_storage_faults import Storage
 
 
@@ -132,10 +132,10 @@ def test_unreadable_sharded_checkpoints_are_retried_then_named(tmp_path, monkeyp
     Storage(monkeypatch, tmp_path / mf.step_dirname(10))
     sleeps = []
     with pytest.raises(CheckpointsUnreadable, match=mf.step_dirname(10)):
-        durable.newest_valid(str(tmp_path), delays=(1, 2), sleep=sleeps.append)
+        resume_check.newest_valid(str(tmp_path), delays=(1, 2), sleep=sleeps.append)
     assert sleeps == [1, 2]
-    path, manifest = durable.newest_valid(str(tmp_path), skip_unreadable=True, delays=())
+    path, manifest = resume_check.newest_valid(str(tmp_path), skip_unreadable=True, delays=())
     assert manifest["step"] == 5
     monkeypatch.setattr(restore, "RETRY_DELAYS", ())
     with pytest.raises(CheckpointsUnreadable, match="--checkpoint-allow-fresh-start"):
-        durable.newest_for_resume(CheckpointPolicy(str(tmp_path)))
+        resume_check.newest_for_resume(CheckpointPolicy(str(tmp_path)))
