@@ -14,6 +14,11 @@ from typing import Optional
 ARRIVED = "arrived"  # counter: workers of the round at its store
 OUTCOME = "outcome"  # "formed" or "abandoned", settled once by compare-and-set
 GROUP = "pg/"  # the process group's own keys (init_process_group's store prefix)
+# A round that may form on shrunk NCCL communicators (worker/ring_shrink.py): each
+# worker's "1" or "0", whether it holds one; and the keys of the group made anew when a
+# shrunk one could not join the group after all (the failed build's gloo keys are in GROUP).
+SHRUNK = "shrunk/"
+GROUP_AFTER_SHRINK = "pg-fresh/"
 
 # torch's NCCL watchdog writes this key into the job-wide store (the store below every
 # prefix: ProcessGroupNCCL's globalStore_) on any timeout or asynchronous error, and

@@ -251,12 +251,16 @@ class RingHandle:
         name = getattr(kind, "name", str(kind))
         return None if name == "SUCCESS" else name
 
-    def abort(self, *, sockets: bool = True) -> None:
+    def abort(self, *, sockets: bool = True,
+              backend_abort: Optional[Callable[[object], None]] = None) -> None:
         """Make every pending and future collective of the group raise now.
 
         Safe to call from any thread, more than once, and after the group was
         destroyed (then it does nothing). ``sockets`` False: the backend's abort alone,
         no connection shut (a planned leave, whose peers leave at the same commit).
+        ``backend_abort(backend)``: what ends the backend's part instead of
+        ``nccl_abort.abort_every_group`` (ring_shrink.shrink_then_abort: the default
+        group's communicator shrunk first), on the same thread, under the same deadline.
         """
         with self._lock:
             if self._aborted or self._forgotten:
@@ -272,8 +276,9 @@ class RingHandle:
         # The round store's sockets first (a commit's look at the store must not block
         # on a host cut off), then NCCL's abort, which may block: off this thread.
         log.info("ring aborted: shut down %d store connection(s); aborting the NCCL groups", closed, extra=FILE_ONLY)
+        end_backend = backend_abort or nccl_abort.abort_every_group
         self._abort_done = nccl_abort.run_with_deadline(
-            lambda: nccl_abort.abort_every_group(backend), self._deadline_s, self._on_overrun, "elastic-nccl-abort")
+            lambda: end_backend(backend), self._deadline_s, self._on_overrun, "elastic-nccl-abort")
 
     def include_since(self, before: SocketSnapshot) -> None:
         """The connections made since ``before`` are the ring's too: sub-groups cut out of it
@@ -314,7 +319,9 @@ def leave_ring(ring: Optional[RingHandle], *, failed: bool, round_number: int) -
     connections shut: peers still blocked in it on our connections fail at once (freeing
     the old pairs with a gc.collect() did the same, in 0.1-0.3 s on the recovery path of
     every survivor: issue 30). A group that cannot be torn down makes the worker exit as
-    broken: the next init would fail as a user error ("default process group twice")."""
+    broken: the next init would fail as a user error ("default process group twice").
+    A communicator the abort shrank for the next round (ring_shrink.py) is no group's:
+    leaving the old groups leaves it alone."""
     backend_abort = ring is not None and ring.backend_abort
     if ring is not None and (failed or backend_abort):
         ring.abort(sockets=failed)  # a no-op if the control thread did it already

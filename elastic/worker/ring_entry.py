@@ -10,7 +10,9 @@ three steps the recovery loop calls in order:
     arrive     connect to the round's store and wait there for every worker of the
                round; a newer plan that includes us meanwhile is followed instead
     form       init the process group: the ``Ring`` (``ring.py``), this worker's
-               position in it, torchrun's variables
+               position in it, torchrun's variables; after a loss on NCCL, on the
+               communicator the old ring's abort shrank, where every worker holds
+               one (``ring_shrink.py``)
 
 It also holds the one thing the main thread and the control thread share, ``RingCell``:
 the forming or formed ring, which the control thread aborts when a newer plan declares
@@ -43,7 +45,7 @@ from ..contract.errors import ElasticError, LeftJob, PeersUnreachable
 from ..contract.events import EventLog
 from ..contract.faults import NETWORK
 from ..contract.worker_config import WorkerConfig
-from . import device_watch, fault_points, nccl_abort, round_store
+from . import device_watch, fault_points, nccl_abort, ring_shrink, round_store
 from .commit_gate import Monitors
 from .failures import classify_init
 from .reset_nudge import ResetNudge
@@ -75,6 +77,7 @@ class Forming:
 
     plan: RoundPlan
     handle: RingHandle
+    capability: Optional[Capability] = None  # a ring's; none while its group forms: nothing to shrink
 
 
 class RingCell:
@@ -89,6 +92,7 @@ class RingCell:
         self._lock = threading.Lock()
         self._held: Optional[Union[Forming, Ring]] = None
         self._formed: Optional[Ring] = None
+        self.shrunk = ring_shrink.ShrunkForNextRound()  # what an abort shrank, for the next round's form
 
     def hold_forming(self, forming: Forming, newest: Optional[RoundPlan], status: JobStatus) -> None:
         """Make ``forming`` the one the control thread aborts; a break the control channel has
@@ -110,12 +114,33 @@ class RingCell:
         if ring is not None:
             self._abort_if_broken(ring, plan, status)
 
-    @staticmethod
-    def _abort_if_broken(ring, newest, status) -> None:
+    def _abort_if_broken(self, ring, newest, status) -> None:
         why = abort_reason(newest, status, ring.plan)
-        if why is not None:
+        if why is None:
+            return
+        excluded = self._shrinkable(ring, newest, status)
+        if excluded is None:
             log.info("round %d: aborting the ring (%s)", ring.plan.round, why, extra=FILE_ONLY)
             ring.handle.abort()
+            return
+        # The plan that breaks the ring names its successor: the abort's NCCL part shrinks
+        # the communicator to it first (ring_shrink.py: why here, and not at the form).
+        log.info("round %d: aborting the ring (%s); its NCCL communicator shrinks to round %d's workers "
+                 "(ranks %s left out)", ring.plan.round, why, newest.round, list(excluded), extra=FILE_ONLY)
+        ring.handle.abort(backend_abort=lambda backend: ring_shrink.shrink_then_abort(
+            backend, excluded, lambda shrunk: self.shrunk.put(newest, shrunk)))
+
+    @staticmethod
+    def _shrinkable(ring, newest, status):
+        """The ranks to leave out of ``ring``'s NCCL communicator for ``newest``, or None
+        (ring_shrink.ranks_to_exclude). A ring still forming has no communicator yet."""
+        capability = ring.capability
+        if capability is None or not capability.nccl or newest is None or status.state == "failed":
+            return None
+        handle = ring.handle
+        held = handle.backend_abort and not handle.aborted and handle.error() is None
+        return ring_shrink.ranks_to_exclude(ring.plan, newest, capability, ring_shrink.support_here(),
+                                            communicator_held=held)
 
     @property
     def held(self) -> Optional[Union[Forming, Ring]]:
@@ -313,16 +338,7 @@ class RingEntry:
         self.cell.hold_forming(forming, self._control.plan, self._control.status)
         excepthook = sys.excepthook  # torch wraps it at every init: [rankN] prefixes, stale ranks
         try:
-            dist.init_process_group(
-                cfg.backend,
-                store=dist.PrefixStore(round_keys.GROUP, arrival.store),
-                rank=rank,
-                world_size=plan.world_size,
-                timeout=datetime.timedelta(seconds=cfg.collective_timeout),
-                # NCCL: communicators made now (eager), inside the forming ring's abort
-                # and PeersUnreachable, not at the first collective (docs/gpus.md).
-                **({"device_id": nccl_abort.device_of_this_worker()} if capability.nccl else {}),
-            )
+            self._init_group(arrival, rank, previous_plan)
         except Exception as exc:
             forming.handle.forget()  # the failed init's sockets are no ring's: never shut them later
             forget_failed_init()
@@ -349,6 +365,38 @@ class RingEntry:
         # formed ring checks it again.
         self.cell.hold_formed(ring, self._control.plan, self._control.status)
         return ring
+
+    def _init_group(self, arrival: Arrival, rank: int, previous_plan: Optional[RoundPlan]) -> None:
+        """The round's process group: ``init_process_group``, or, for a round that only lost
+        workers of the previous one, a group on the NCCL communicator that the previous
+        ring's abort shrank for it, when every worker of the round holds one (ring_shrink.py)."""
+        cfg, plan, capability = self._config, arrival.plan, self._capability
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout)
+
+        def init_fresh(group_store) -> None:
+            dist.init_process_group(
+                cfg.backend, store=group_store, rank=rank, world_size=plan.world_size, timeout=timeout,
+                # NCCL: communicators made now (eager), inside the forming ring's abort
+                # and PeersUnreachable, not at the first collective (docs/gpus.md).
+                **({"device_id": nccl_abort.device_of_this_worker()} if capability.nccl else {}),
+            )
+
+        if not capability.nccl:  # gloo alone: no communicator to shrink
+            init_fresh(dist.PrefixStore(round_keys.GROUP, arrival.store))
+            return
+        shrunk = self.cell.shrunk.take(plan)
+        # Whether the round may form on shrunk communicators is the same answer on every
+        # worker of it (its plan, the previous one, the job's backend and software); whether
+        # each one holds one is theirs to say: init_group settles it among them.
+        excluded = ring_shrink.ranks_to_exclude(previous_plan, plan, capability, ring_shrink.support_here(),
+                                                communicator_held=True)
+        if excluded is None:
+            ring_shrink.drop(shrunk)
+            init_fresh(dist.PrefixStore(round_keys.GROUP, arrival.store))
+            return
+        ring_shrink.init_group(shrunk, init_fresh, store=arrival.store, rank=rank, world_size=plan.world_size,
+                               timeout=timeout, device=nccl_abort.device_of_this_worker(), backend=cfg.backend,
+                               round_number=plan.round)
 
     def _take_position(self, plan: RoundPlan) -> Position:
         """Our rank and world in ``plan`` (torchrun's variables too). The local rank is
