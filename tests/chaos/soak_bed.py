@@ -56,7 +56,18 @@ FAILURES = {"worker_kill", "freeze", "agent_kill", "link_cut", "partition"}  # a
 # only after the hang bound (5 s here), a host cut off or partitioned only after its
 # lease's TTL (6 s) or the peer probe. Every other fault must be recovered within 2 s.
 LONG_FAULTS = {"freeze", "link_cut", "partition"}
-MAX_DIFF = 1e-12  # float64: the ring sums partial gradients in another order than one process (~1e-15 seen)
+# float64: the ring sums partial gradients in another order than one process, and SGD with
+# momentum carries that rounding forward step by step. A fault-free control of this script
+# at world 4 ended 2.43e-11 from one process after 33,357 steps (about 7e-16 a step), while
+# a lost or repeated step moves a parameter by about 1e-3. So the bound grows with the run:
+# 1e-15 a step, never under 1e-12 (CI's 100 faults: about 3,000 steps, 3e-12).
+MAX_DIFF = 1e-12
+MAX_DIFF_PER_STEP = 1e-15
+
+
+def max_diff(steps: int) -> float:
+    """How far a run of ``steps`` steps may end from one process, in float64."""
+    return max(MAX_DIFF, MAX_DIFF_PER_STEP * steps)
 STEPS = 200000  # never reached: the run stops the job; sizes the synthetic data set
 SCRIPT = ["--steps", str(STEPS), "--dataset-size", str(STEPS * 24), "--global-batch", "24", "--float64",
           "--step-delay", "0.05"]
@@ -386,7 +397,7 @@ def run_soak(hosts, cluster: EmbeddedEtcdCluster, tmp: Path, faults: int, seed: 
     failures = sum(1 for o in outcomes if o.kind in FAILURES)
     if len(finals) != HOSTS:
         problems.append(f"final parameters of {sorted(finals)} only, round {final_round} had {final_pids}")
-    if worst > MAX_DIFF:
+    if worst > max_diff(last):
         problems.append(f"max |param - reference| {worst:.2e}")
     if missing_steps(attempts, last):
         problems.append("a committed step is missing")
