@@ -250,25 +250,13 @@ class HybridShardedState(ShardedState):
         self._hold_only(slots)
         self._free_model()
         if newest is None:
-            rejected: list[str] = []  # checkpoints whose checksums did not verify at their load
-            while True:
-                found = resume_check.agree_on_newest(ring, checkpoints, rejected)
-                if checkpoints is not None:
-                    checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
-                if not first_start:
-                    lost = max(worlds)[0]
-                    if found is None:
-                        raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (every replica group "
-                                           f"holding it) and there is no durable checkpoint"
-                                           + (" that verifies" if rejected else ""))
-                    log.warning("round %d: every copy of a shard of commit %d is lost: resuming from durable checkpoint "
-                                "step %s in %s", facts.round, lost.count, found[1]["step"], found[0])
-                if found is None:
-                    break
-                resumed = self._resume_from_disk_hybrid(ring, facts, plan, mesh, group, found, started)
-                if resumed is not None:
-                    return resumed
-                rejected.append(found[0])
+            lost = None if first_start else (f"every copy of a shard of commit {max(worlds)[0].count} is lost "
+                                              "(every replica group holding it)")
+            resumed = resume_check.resume_from_newest(
+                ring, checkpoints, lambda found: self._resume_from_disk_hybrid(ring, facts, plan, mesh, group, found,
+                                                                               started), lost=lost)
+            if resumed is not None:
+                return resumed
         sources: dict[int, ShardSlot] = {}
         if first_start:
             newest, meta, holders = CommitId(0, 0), None, {0: [0]}

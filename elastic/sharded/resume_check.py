@@ -24,6 +24,7 @@ from elastic.checkpoint import manifest as mf
 from elastic.checkpoint import restore
 from elastic.checkpoint.restore import find_newest, with_retries
 
+from ..contract.errors import ElasticError
 from ..state import UNREADABLE_ADVICE, durable_load_wait
 from . import meta_wire
 from .durable import FORMAT, ShardedCheckpoints
@@ -72,6 +73,31 @@ def agree_on_newest(ring, checkpoints: Optional[ShardedCheckpoints],
     if checkpoints is not None and ring.rank == 0:
         found = newest_for_resume(checkpoints.policy, rejected)
     return meta_wire.broadcast_found(found, ring.rank, ring.world_size, ring.backend, wait_s=durable_load_wait(ring))
+
+
+def resume_from_newest(ring, checkpoints: Optional[ShardedCheckpoints], load: Callable[[tuple[str, dict]], Optional[T]],
+                       *, lost: Optional[str]) -> Optional[T]:
+    """``load(found)`` of the newest durable checkpoint whose checksums verify at its load,
+    on every rank of ``ring`` alike: ``load`` returns None when they do not (every rank
+    alike, ``load_verified``), and the next older one is tried. None when there is none.
+    ``lost``: why the ring needs one ("every copy of a shard of commit 12 is lost ..."),
+    which makes "none" an error and each resume a warning; None at the job's first start."""
+    rejected: list[str] = []  # checkpoints whose checksums did not verify at their load
+    while True:
+        found = agree_on_newest(ring, checkpoints, rejected)
+        if checkpoints is not None:  # the directory's steps above it are an earlier run's
+            checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
+        if found is None:
+            if lost is not None:
+                raise ElasticError(f"{lost} and there is no durable checkpoint" + (" that verifies" if rejected else ""))
+            return None
+        if lost is not None:
+            log.warning("round %d: %s: resuming from durable checkpoint step %s in %s",
+                        ring.round, lost, found[1]["step"], found[0])
+        resumed = load(found)
+        if resumed is not None:
+            return resumed
+        rejected.append(found[0])
 
 
 # A durable load's verification verdicts, worst last (meta_wire.worst_verdict sends the worst).

@@ -243,26 +243,12 @@ class ShardedState:
             if not first_start:
                 log.info("round %d: shards held (rank: (round, count, world, shard) ...): %s", ring.round,
                          {r: rep[0] for r, rep in enumerate(reports)}, extra=FILE_ONLY)
-            rejected: list[str] = []  # checkpoints whose checksums did not verify at their load
-            while True:
-                found = resume_check.agree_on_newest(ring, checkpoints, rejected)
-                if checkpoints is not None:  # the directory's steps above it are an earlier run's
-                    checkpoints.resumed_from = int(found[1]["step"]) if found is not None else -1
-                if not first_start:
-                    lost = max(worlds)[0]
-                    if found is None:
-                        raise ElasticError(f"every copy of a shard of commit {lost.count} is lost (more hosts than "
-                                           f"--shard-replicas covers) and there is no durable checkpoint"
-                                           + (" that verifies" if rejected else ""))
-                    log.warning("round %d: every copy of a shard of commit %d is lost (more hosts than "
-                                "--shard-replicas %d covers): resuming from durable checkpoint step %s in %s",
-                                ring.round, lost.count, self._replica_count(ring), found[1]["step"], found[0])
-                if found is None:
-                    break
-                resumed = self._resume_from_disk(ring, mesh, group, found, started)
-                if resumed is not None:
-                    return resumed
-                rejected.append(found[0])
+            lost = None if first_start else (f"every copy of a shard of commit {max(worlds)[0].count} is lost (more "
+                                              f"hosts than --shard-replicas {self._replica_count(ring)} covers)")
+            resumed = resume_check.resume_from_newest(
+                ring, checkpoints, lambda found: self._resume_from_disk(ring, mesh, group, found, started), lost=lost)
+            if resumed is not None:
+                return resumed
         sources: dict[int, ShardSlot] = {}
         if first_start:
             newest, meta = CommitId(0, 0), None
