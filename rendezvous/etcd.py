@@ -211,6 +211,13 @@ class Etcd:
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in (exc.details() or ""):
             self._token = None
 
+    def stream_cancelled(self, reason: str) -> None:
+        """etcd cancelled a stream for ``reason``: an etcd restarted since the login answers
+        a watch with a cancellation, not an error, and a stream opened with the same token
+        would be cancelled again, so the next one logs in again."""
+        if "invalid auth token" in reason.lower():
+            self._token = None
+
     # -- plumbing
 
     def _channel(self) -> tuple[int, grpc.Channel]:

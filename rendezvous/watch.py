@@ -60,6 +60,8 @@ class WatchTransport(Protocol):
 
     def stream_broke(self, exc: grpc.RpcError, index: int) -> None: ...
 
+    def stream_cancelled(self, reason: str) -> None: ...
+
     def count_request(self) -> None: ...
 
     def current_revision(self) -> int: ...
@@ -180,9 +182,13 @@ class Watch:
                 if response.compact_revision:
                     return self._reset(response.compact_revision)
                 if response.canceled:
-                    log.warning("watch on %s cancelled by etcd: %s; re-watching", self.key,
-                                response.cancel_reason or "no reason given")
-                    return created
+                    # Counted as a failure, not a delivery: a cancellation that repeats (a
+                    # stale token, a permission taken away) backs off and logs once.
+                    log.log(logging.DEBUG if self._quiet else logging.WARNING,
+                            "watch on %s cancelled by etcd: %s; re-watching", self.key,
+                            response.cancel_reason or "no reason given")
+                    self._etcd.stream_cancelled(response.cancel_reason)
+                    return False
                 if response.events:
                     self._deliver(response.events)
                 elif not response.created and response.header.revision > self._revision:

@@ -132,3 +132,23 @@ def test_a_stale_token_is_replaced_transparently(auth_etcd, job_prefix):
         client._token = "stale.token"  # what a forgotten token looks like to etcd
         assert client.get(job_prefix + "k").value == b"1"
         assert client._token not in (None, "stale.token")
+
+
+def test_a_watch_whose_token_died_logs_in_again_on_its_own(auth_etcd, job_prefix):
+    """A restarted etcd answers a watch opened with a forgotten token with a cancellation
+    ("invalid auth token"), not an error. The watch must log in again itself: its client
+    may make no other call for a long time (a Slurm job's agents once re-watched with the
+    dead token for 13 s, 628 times, and missed the request that should have stopped the job)."""
+    import threading
+
+    with Etcd(auth_etcd.config(user="root", password="s3cret")) as client, \
+            Etcd(auth_etcd.config(user="root", password="s3cret")) as writer:
+        revision = client.put(job_prefix + "k", b"before")  # logged in
+        client._token = "stale.token"  # what a token looks like to an etcd that forgot it
+        seen = threading.Event()
+        watch = client.watch(job_prefix, prefix=True, start_revision=revision + 1,
+                             on_events=lambda events: seen.set() if any(e.kv.value == b"after" for e in events)
+                             else None)
+        writer.put(job_prefix + "k", b"after")
+        assert seen.wait(10), f"the watch saw nothing ({watch.reconnects} reconnects)"
+        assert watch.reconnects <= 3

@@ -103,15 +103,20 @@ def test_scancel_signal_term_of_one_nodes_step_is_a_graceful_leave(slurm_cluster
 
 
 def test_the_time_limit_signal_stops_at_a_final_checkpoint_and_the_requeued_job_resumes(slurm_cluster, tmp_path):
-    steps, ckpt = 60, tmp_path / "ckpt"
+    steps, ckpt, go = 60, tmp_path / "ckpt", tmp_path / "go"
+    # The workers hold at step 5 until the signal has reached both agents: under CI's load the
+    # chain (slurmd, the batch script's trap, scancel, each step's srun) once took longer than
+    # the 55 steps left, and the job ended before it was told to stop.
     job = SlurmJob(slurm_cluster, tmp_path, "2", [
         "--min-np", "2", "--max-np", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000",
         "tests/fakes/train_job.py", "--out", str(tmp_path / "out"), "--steps", str(steps), "--step-delay", "0.2",
-        "--float64"])
+        "--float64", "--wait-file", str(go), "--wait-step", "5"])
     job.wait_for_step(5)
     # What --signal=B:USR1@120 delivers 120 s before the limit (slurmctld's timer itself
     # is not waited for: it fires up to a minute early or late).
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", job.id)
+    assert poll(lambda: job.text().count("graceful_leave signal=SIGTERM") == 2, 120, 0.1), job.text()[-3000:]
+    go.touch()
     assert poll(lambda: "requeueing job" in job.text(), 120, 0.2), job.text()[-3000:]
     # Slurm holds a requeued job for 120 s (BeginTime); the test does not wait for that, but
     # leaves a few seconds: a run launched within the second its predecessor's credential was
