@@ -117,9 +117,15 @@ class State:
         """``state_tree()`` as a commit copies it (TorchState: its live tensors found once)."""
         return self.state_tree()
 
+    @staticmethod
+    def _ring_now() -> RingView:
+        """The ring this worker trains on now: the user's calls (``commit()``, ``save()``,
+        Horovod's ``sync()``) take none, so a state asks the process here, and only here."""
+        return lifecycle.ring()
+
     def save(self) -> None:
         """Take the live state as the commit held (its count unchanged)."""
-        self._save(lifecycle.ring)
+        self._save(self._ring_now)
 
     def _save(self, ring: Callable[[], RingView]) -> None:
         """``save``, for a capture made on ``ring()`` (asked only by an overlapped copy)."""
@@ -142,7 +148,7 @@ class State:
 
     def commit(self) -> None:
         """Snapshot the state; raise HostsUpdatedInterrupt if the ring changes here."""
-        ring = lifecycle.ring()
+        ring = self._ring_now()
         self._resolve_policy(ring)
         # One call: a worker left behind, or a step made on a broken ring, raises before
         # the capture overwrites the snapshot, the previous commit intact (commit_gate.py).

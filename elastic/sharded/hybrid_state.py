@@ -38,7 +38,6 @@ from ..contract.console import FILE_ONLY
 from ..contract.errors import ElasticError, PeerDataInvalid
 from ..worker import wire
 from ..worker.commit_gate import Verdict
-from ..worker import lifecycle
 from ..worker.ring_view import RingView
 from ..worker.state_transfer import wire_device
 from ..worker.sync_plan import CommitId, SyncPlan
@@ -114,7 +113,7 @@ class HybridShardedState(ShardedState):
     def data_share(self) -> Optional[tuple[int, int]]:
         """(index, count): this worker trains on rows ``index::count`` of every global batch
         (tensor-parallel peers share one); None on a spare."""
-        return self._share(lifecycle.ring())
+        return self._share(self._ring_now())
 
     def _share(self, ring: RingView) -> Optional[tuple[int, int]]:
         hyb = self._hybrid

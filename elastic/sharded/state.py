@@ -88,10 +88,16 @@ class ShardedState:
         self.model, self.optimizer, self.scheduler, self.sampler = None, None, None, sampler
 
     # -- commit ----------------------------------------------------------------
+    @staticmethod
+    def _ring_now() -> RingView:
+        """The ring this worker trains on now (``commit()`` and ``data_share`` take none):
+        the process is asked here, and only here."""
+        return lifecycle.ring()
+
     def commit(self) -> None:
         """Snapshot this worker's shards and start their replication; raise HostsUpdatedInterrupt
         if the ring changes here (after the copies have arrived: the new ring needs them)."""
-        verdict = lifecycle.ring().commit(self._capture)
+        verdict = self._ring_now().commit(self._capture)
         self._after_gate(verdict)
         act_on(verdict, self._book.count)
 

@@ -38,7 +38,6 @@ from elastic.checkpoint import copy_into
 from ...commit_book import put
 from ...state import State, StateBook
 from ...stateful import is_stateful, load_state
-from ...worker import lifecycle
 from ...worker.ring_view import RingView
 from .sampler import ElasticSampler
 
@@ -81,7 +80,7 @@ class ObjectState(State):
     def check_host_updates(self) -> None:
         """Take a pending membership change here: commit, then raise HostsUpdatedInterrupt
         on every worker at this same call. Nothing happens when none is pending."""
-        if not _ring_change_ready(_ring_now()):
+        if not _ring_change_ready(self._ring_now()):
             return
         self.commit()  # raises HostsUpdatedInterrupt itself when this commit is a switch point
         raise HostsUpdatedInterrupt(f"ring changes at check_host_updates (commit {self._book.count})")
@@ -89,7 +88,7 @@ class ObjectState(State):
     def sync(self, ring: Optional[RingView] = None):
         """Make every worker hold the ring's newest commit. Horovod scripts may call it
         themselves (``state.sync()``): then on the ring this worker trains on now."""
-        return super().sync(ring if ring is not None else _ring_now())
+        return super().sync(ring if ring is not None else self._ring_now())
 
     def on_reset(self, ring: RingView) -> None:
         """After the sync of every (re-)entry: user callbacks, except at the job's start."""
@@ -98,12 +97,6 @@ class ObjectState(State):
         if first_entry and ring.round <= 1:
             return  # the job's first ring: no reset happened (Horovod runs none either)
         super().on_reset(ring)
-
-
-def _ring_now() -> RingView:
-    """The ring this worker trains on now: Horovod's calls (``state.sync()``,
-    ``check_host_updates()``) take no ring, the script calls them in its loop."""
-    return lifecycle.ring()
 
 
 def _ring_change_ready(ring: RingView) -> bool:
@@ -177,7 +170,7 @@ class TorchState(ObjectState):
     def sync(self, ring: Optional[RingView] = None):
         """Horovod's sync ends with a reset of every sampler: its pass is made afresh from the
         synced progress (a loader iterated after ``state.sync()`` yields what is left)."""
-        ring = ring if ring is not None else _ring_now()
+        ring = ring if ring is not None else self._ring_now()
         plan = super().sync(ring)
         self._partition_samplers(ring)
         return plan
