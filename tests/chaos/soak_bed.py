@@ -308,6 +308,25 @@ def _counts(pid: int) -> Optional[tuple[int, int]]:
         return None
 
 
+def _thread_names(pid: int) -> dict[str, int]:
+    """How many threads of ``pid`` carry each name (the kernel's ``comm``, 15 characters):
+    what a grown count is made of."""
+    names: dict[str, int] = {}
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            name = Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()
+            names[name] = names.get(name, 0) + 1
+    except OSError:
+        pass
+    return names
+
+
+def _names_added(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Thread names whose count changed from ``before`` to ``after``, by how much."""
+    return {n: after.get(n, 0) - before.get(n, 0) for n in sorted({*before, *after})
+            if after.get(n, 0) != before.get(n, 0)}
+
+
 def _processes_of(marker: str) -> list[int]:
     """Live processes whose command line names ``marker`` (the run's directory)."""
     found = []
@@ -321,6 +340,19 @@ def _processes_of(marker: str) -> list[int]:
     return found
 
 
+def _coordinator_pid(cluster: EmbeddedEtcdCluster, job_id: str) -> Optional[int]:
+    """The pid of the agent that leads the job now (its member id is ``host-pid-suffix``),
+    None when it cannot be read."""
+    from elastic.rendezvous import Etcd
+
+    try:
+        with Etcd(cluster.config(retry_deadline=5.0)) as etcd:
+            kv = etcd.get(f"/elastic/{job_id}/coordinator")
+        return int(kv.value.decode().rsplit("-", 2)[1]) if kv is not None else None
+    except Exception:  # a fault's etcd member still down, a key mid-change: role unknown
+        return None
+
+
 def _job_keys(cluster: EmbeddedEtcdCluster, job_id: str) -> list[str]:
     from elastic.rendezvous import Etcd
 
@@ -331,6 +363,44 @@ def _job_keys(cluster: EmbeddedEtcdCluster, job_id: str) -> list[str]:
 
 
 # -- a whole run ---------------------------------------------------------------------------
+
+
+COORDINATOR_THREADS = 8  # the leading agent's loop and watch streams: 6-7 threads measured
+STORE_DESCRIPTORS = 16  # rank 0's agent serves every worker's store connection
+OTHER_THREADS = 4
+
+
+@dataclass(frozen=True)
+class AgentComparison:
+    settled_at: int  # the fault number of the sample compared with
+    settled: tuple[int, int]  # (descriptors, threads) then
+    last_at: int
+    last: tuple[int, int]
+    role_threads: int  # allowed for a role taken since (leading now, in no settled sample)
+
+    @property
+    def grown(self) -> bool:
+        return (self.last[0] > self.settled[0] + STORE_DESCRIPTORS
+                or self.last[1] > self.settled[1] + OTHER_THREADS + self.role_threads)
+
+
+def compare_agents(samples: dict[int, list[tuple[int, tuple[int, int], Optional[bool]]]]
+                   ) -> dict[int, AgentComparison]:
+    """Each agent that lived 30 faults or more: its last (descriptors, threads) against the
+    first sample 10 faults into its life and 20 or more before its last in the same role
+    (leading the job, or not); else against the first of them with the role's threads
+    allowed for. ``samples``: pid -> [(fault number, counts, leads or None when unknown)]."""
+    compared = {}
+    for pid, seen in samples.items():
+        last = seen[-1]
+        if last[0] - seen[0][0] < 30:
+            continue
+        settled = [s for s in seen if seen[0][0] + 10 <= s[0] <= last[0] - 20]
+        alike = [s for s in settled if s[2] is not None and s[2] == last[2]]
+        first = alike[0] if alike else settled[0]
+        role = COORDINATOR_THREADS if not alike and last[2] else 0
+        compared[pid] = AgentComparison(first[0], first[1], last[0], last[1], role)
+    return compared
 
 
 def launcher(job_id: str) -> list[str]:
@@ -356,18 +426,24 @@ def run_soak(hosts, cluster: EmbeddedEtcdCluster, tmp: Path, faults: int, seed: 
     startup_s = time.monotonic() - began
     outcomes: list[Outcome] = []
     # Descriptors and threads of every agent after each fault: an agent that lived through
-    # 30 faults or more must hold no more at its end than 10 faults into its life. What an
-    # agent holds also depends on its role (rank 0's agent serves every worker's store
-    # connection), hence +16 descriptors, +4 threads; a leak per fault shows past that.
-    samples: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+    # 30 faults or more must hold no more at its end than 10 faults into its life, in the
+    # same role. The agent that leads the job runs the coordinator's loop and its watch
+    # streams (6-7 threads more; leadership moves both ways), so its last count is set
+    # against a sample in which it led too, or not, alike; rank 0's agent serves every
+    # worker's store connection, hence +16 descriptors, and +4 threads for the rest.
+    samples: dict[int, list[tuple[int, tuple[int, int], Optional[bool]]]] = {}
+    names: dict[tuple[int, int], dict[str, int]] = {}  # (pid, fault number): thread names then
     try:
         for number, kind in enumerate(kinds, 1):
             outcomes.append(soak.apply(kind))
             say(outcomes[-1].line(number))
+            leader = _coordinator_pid(cluster, job_id)
             for agent in fleet.agents.values():
                 counts = _counts(agent.pid) if agent.job.proc.poll() is None else None
                 if counts is not None:
-                    samples.setdefault(agent.pid, []).append((number, counts))
+                    samples.setdefault(agent.pid, []).append(
+                        (number, counts, None if leader is None else agent.pid == leader))
+                    names[agent.pid, number] = _thread_names(agent.pid)
     finally:
         fleet.stop_file.touch()  # also after a failed wait: the agents then end on their own
     faults_s = time.monotonic() - began - startup_s
@@ -411,14 +487,12 @@ def run_soak(hosts, cluster: EmbeddedEtcdCluster, tmp: Path, faults: int, seed: 
     leaks = {"processes": _processes_of(str(fleet.out)), "keys": len(_job_keys(cluster, job_id))}
     poll(lambda: not any(fleet.private.glob("*/*")), 30, 0.2)
     leaks["private_dirs"] = sorted(p.name for p in fleet.private.glob("*/*"))
-    compared = {}
-    for pid, seen in samples.items():
-        if seen[-1][0] - seen[0][0] >= 30:
-            settled = next(c for n, c in seen if n >= seen[0][0] + 10)
-            compared[pid] = (settled, seen[-1][1])
-    grown = {p: v for p, v in compared.items() if v[1][0] > v[0][0] + 16 or v[1][1] > v[0][1] + 4}
-    leaks["agents_grown"] = {str(p): v for p, v in grown.items()}
-    leaks["agents_compared"] = {str(p): v for p, v in compared.items()}
+    compared = compare_agents(samples)
+    grown = {p: c for p, c in compared.items() if c.grown}
+    leaks["agents_grown"] = {str(p): (c.settled, c.last) for p, c in grown.items()}
+    leaks["threads_changed"] = {str(p): _names_added(names[p, c.settled_at], names[p, c.last_at])
+                                for p, c in compared.items()}
+    leaks["agents_compared"] = {str(p): (c.settled, c.last) for p, c in compared.items()}
     if leaks["processes"] or leaks["private_dirs"] or grown or leaks["keys"] > 64:
         problems.append(f"leaks: {leaks}")
 
