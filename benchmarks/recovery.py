@@ -1,7 +1,9 @@
 """Recovery benchmark: SIGKILL of 1 of 4 local workers -> next completed step.
 
     python -m benchmarks.recovery [--reps 3] [--plain-reps 2] [--json PATH] [--only torchrun|elastic]
-                                  [--state-mb 6,400,900] [--ddp-init-sync]
+                                  [--state-mb 6,400,900] [--ddp-init-sync] [--np 4]
+
+``--np`` sets the world (4 by default; 8 and 16 show how a recovery's cost grows with it).
 
 Variants (same script core, benchmarks/workload.py):
   torchrun          torchrun --standalone --nproc-per-node 4 --max-restarts 3 (may never
@@ -62,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="seed of the random kill points")
     parser.add_argument("--state-mb", default="6", help="comma-separated sizes of the state in MB, one run each")
     parser.add_argument("--ddp-init-sync", action="store_true", help="elastic: DDP broadcasts at construction")
+    parser.add_argument("--np", type=int, default=NPROC, dest="nproc", help="workers of the job (at least 3)")
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)
 
@@ -71,9 +74,9 @@ def variant_commands(name: str, workdir: Path, args, state_mb: float) -> tuple[l
     if name.startswith("torchrun"):
         workload = [*timing, "--checkpoint", str(workdir / "ckpt.pt"), "--checkpoint-every", str(args.checkpoint_every)]
         extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if name == "torchrun-noshare" else {}
-        return harness.torchrun_command(NPROC, workload, max_restarts=3), harness.benchmark_env(**extra)
+        return harness.torchrun_command(args.nproc, workload, max_restarts=3), harness.benchmark_env(**extra)
     sync = ["--ddp-init-sync"] if args.ddp_init_sync else []
-    command = harness.elastic_command(NPROC, 2, NPROC, workdir / "logs", [*timing, "--commit-every", "1", *sync])
+    command = harness.elastic_command(args.nproc, 2, args.nproc, workdir / "logs", [*timing, "--commit-every", "1", *sync])
     return command, harness.benchmark_env()
 
 
@@ -99,7 +102,7 @@ def kill_and_measure(job: harness.Job, workdir: Path, args, rng: random.Random, 
 
     def warmed_up():
         workers = harness.read_timings(timing_dir)
-        return len(workers) >= NPROC and all(len(w.steps) >= args.warmup_steps for w in workers) and workers
+        return len(workers) >= args.nproc and all(len(w.steps) >= args.warmup_steps for w in workers) and workers
 
     if not harness.wait_for(lambda: warmed_up() or not job.running(), args.start_timeout) or not job.running():
         return {"error": "job did not start (or exited) before warm-up"}
@@ -117,12 +120,12 @@ def kill_and_measure(job: harness.Job, workdir: Path, args, rng: random.Random, 
 
     def recovered():
         timings = harness.read_timings(timing_dir)
-        recovery = harness.measure_recovery(timings, victim.pid, kill_time, expected_workers(name))
+        recovery = harness.measure_recovery(timings, victim.pid, kill_time, expected_workers(name, args.nproc))
         return recovery if recovery.kill_to_all_survivors_s is not None else None
 
     harness.wait_for(lambda: recovered() or not job.running(), args.recover_timeout, interval=0.1)
     timings = harness.read_timings(timing_dir)
-    recovery = harness.measure_recovery(timings, victim.pid, kill_time, expected_workers(name))
+    recovery = harness.measure_recovery(timings, victim.pid, kill_time, expected_workers(name, args.nproc))
     # The issue's figure is the stall beyond re-running the interrupted step: one step of
     # this size (the median before the kill) is part of any kill -> next step time.
     step_times = [m for w in timings
@@ -145,9 +148,9 @@ def kill_and_measure(job: harness.Job, workdir: Path, args, rng: random.Random, 
     return result
 
 
-def expected_workers(name: str) -> int:
+def expected_workers(name: str, nproc: int) -> int:
     # torchrun restarts the whole local group (4 fresh workers); elastic-run goes on with 3.
-    return NPROC if name.startswith("torchrun") else NPROC - 1
+    return nproc if name.startswith("torchrun") else nproc - 1
 
 
 def reform_phases(events_path: Path, kill_time: float) -> dict | None:
@@ -254,7 +257,7 @@ def main(argv=None) -> None:
     print_table(summaries)
     print_phases(summaries)
     if args.json:
-        Path(args.json).write_text(json.dumps({"summaries": summaries, "reps": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"np": args.nproc, "summaries": summaries, "reps": results}, indent=2))
 
 
 if __name__ == "__main__":
