@@ -395,7 +395,9 @@ def compare_agents(samples: dict[int, list[tuple[int, tuple[int, int], Optional[
         last = seen[-1]
         if last[0] - seen[0][0] < 30:
             continue
-        settled = [s for s in seen if seen[0][0] + 10 <= s[0] <= last[0] - 20]
+        # (An agent unsampled through that window, /proc unreadable: its first sample 10 in.)
+        settled = ([s for s in seen if seen[0][0] + 10 <= s[0] <= last[0] - 20]
+                   or [next(s for s in seen if s[0] >= seen[0][0] + 10)])
         alike = [s for s in settled if s[2] is not None and s[2] == last[2]]
         first = alike[0] if alike else settled[0]
         role = COORDINATOR_THREADS if not alike and last[2] else 0

@@ -29,6 +29,10 @@ def test_the_check_as_a_table():
         ("role unknown at the end: the first settled sample", life([(follower, False)] * 39 + [(follower, None)]),
          False),
         ("too short a life to judge", life([(follower, False)] * 10 + [((40, 40), False)] * 19), None),
+        # Nothing sampled between 10 in and 20 before its end: set against its first sample
+        # 10 in, as the check did before roles (no error, and nothing to judge by).
+        ("unsampled from 10 in to 20 before the end", life([(follower, False)] * 5)
+         + life([((40, 40), False)] * 3, start=30), False),
     ]
     for what, samples, expected in cases:
         assert grown({1: samples}).get(1) == expected, what
