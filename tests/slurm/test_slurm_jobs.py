@@ -104,9 +104,10 @@ def test_scancel_signal_term_of_one_nodes_step_is_a_graceful_leave(slurm_cluster
 
 def test_the_time_limit_signal_stops_at_a_final_checkpoint_and_the_requeued_job_resumes(slurm_cluster, tmp_path):
     steps, ckpt, go = 60, tmp_path / "ckpt", tmp_path / "go"
-    # The workers hold at step 5 until the signal has reached both agents: under CI's load the
-    # chain (slurmd, the batch script's trap, scancel, each step's srun) once took longer than
-    # the 55 steps left, and the job ended before it was told to stop.
+    # The workers hold at step 5 until the signal has reached both agents, so that the stop at
+    # the next commit is what is asserted, not a race with the 55 steps left. (CI once saw the
+    # job train to its end: the step's SIGTERM restarted the embedded etcd and every watch
+    # re-opened with a dead token, rendezvous/watch.py, so the leave requests went unseen.)
     job = SlurmJob(slurm_cluster, tmp_path, "2", [
         "--min-np", "2", "--max-np", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000",
         "tests/fakes/train_job.py", "--out", str(tmp_path / "out"), "--steps", str(steps), "--step-delay", "0.2",
