@@ -9,7 +9,8 @@ and appends one JSON object per line to --out:
     {"event": "registered", "member_id": ..., "workers": [...], "revision": N}
     {"event": "plan", "round": N, "workers": [...], "plan": <RoundPlan JSON>}
     {"event": "status", "state": ..., "reason": ...}
-    {"event": "left", "rounds_written": N, "leading": bool}        (graceful exit only)
+    {"event": "leaving"}                                           (SIGTERM seen)
+    {"event": "left", "rounds_written": N, "leading": bool, "seconds": S}  (graceful exit only)
 
 SIGTERM (or SIGINT) makes it leave gracefully: the member key is deleted at once.
 SIGKILL leaves the key to expire with the lease, which is what crash tests want.
@@ -134,10 +135,15 @@ def main(argv=None) -> int:
 
     while not stop.wait(0.1):
         pass
+    # A leave that takes long is a finding, not a detail: say when it began and how long
+    # the whole of it took, so a test that gives up waiting can tell which member was slow.
+    out.write(event="leaving")
+    began = time.monotonic()
     coordinator = participant.coordinator
     leading = coordinator is not None and coordinator.leading.is_set()
     participant.leave()
-    out.write(event="left", rounds_written=etcd.rounds_written, leading=leading)
+    out.write(event="left", rounds_written=etcd.rounds_written, leading=leading,
+              seconds=round(time.monotonic() - began, 3))
     out.close()
     etcd.close()
     return 0
