@@ -11,8 +11,8 @@ Then: the final parameters against a single-process float64 run of as many steps
 steps re-run, and leaks (processes of the run, descriptors and threads of the agents that
 lived throughout, the job's etcd keys, the agents' private directories).
 
-Faults that last longer than 2 s by their nature are marked: a freeze is declared hung
-after the hang bound, a host cut off or partitioned, or an agent killed, is noticed by its
+Faults that may last longer than 2 s by their nature are marked: a freeze is declared hung
+after the hang bound (1 s for a stopped worker, or 3x its slowest step), a host cut off or partitioned, or an agent killed, is noticed by its
 lease's TTL (6 s here) or the peer probe. The CI test (tests/chaos/test_soak.py) is the
 same run with 100 faults. Needs root and network namespaces.
 """

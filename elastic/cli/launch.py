@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--collective-timeout", positive_float, 60.0, "seconds a collective may block before it counts as failed")
     opt("--hang-timeout", hang_timeout, help="seconds without progress after which a worker is declared hung, "
         "killed (replaced within --max-restarts); 0 or off disables (default: 3x the slowest commit interval "
-        "seen, at least 5)")
+        "seen, at least 5; at least 1 for a process stopped by a signal)")
     opt("--max-resets", non_negative_int, 20, "re-formations of the ring a worker survives within --reset-window")
     opt("--reset-window", positive_float, 3600.0, "seconds over which --max-resets counts re-formations")
     opt("--max-restarts", non_negative_int, 0, "crashed workers this agent replaces (0: none, the job goes on "

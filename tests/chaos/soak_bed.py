@@ -10,8 +10,8 @@ one after the other:
 * ``worker_kill``: SIGKILL of a worker; its agent replaces it (--max-restarts).
 * ``freeze``: SIGSTOP of a worker until its agent declares it hung and replaces it;
   then SIGCONT (too late: it is gone).
-* ``pause``: SIGSTOP of a worker for 2 s, then SIGCONT: shorter than any hang bound,
-  so nothing is re-formed.
+* ``pause``: SIGSTOP of a worker for 0.5 s, then SIGCONT: shorter than any hang bound
+  (a stopped process's is 1 s), so nothing is re-formed.
 * ``agent_kill``: SIGKILL of an agent (its worker dies with it), then a **join**: a
   new agent on the same host.
 * ``link_cut``: a host lost: its cable pulled; healed once the survivors stepped; its
@@ -271,7 +271,7 @@ class Soak:
                 nxt = self.first_step(t0, "the survivors' next step", min_round=r0 + 1)
             elif kind == "pause":
                 _signal(pid, signal.SIGSTOP)
-                time.sleep(2.0)  # the fault itself lasts 2 s: not a synchronisation
+                time.sleep(0.5)  # the fault itself lasts 0.5 s: not a synchronisation
                 t0 = time.time()  # recovery counts from its end
                 _signal(pid, signal.SIGCONT)
                 nxt = self.first_step(t0, "a step after the pause")

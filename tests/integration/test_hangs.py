@@ -22,9 +22,11 @@ from tests.fakes.jobs import Job, read_jsonl, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
-# The target is 10 s from the freeze to the survivors' next step with default
-# options; the machine is shared, so the test allows a generous margin and
-# prints the figure it measured.
+# The targets, with default options: 2 s from a SIGSTOP to the survivors' next step
+# (issue 41), 10 s for a main thread stuck in user code (5 s floor: an idle main thread
+# may be a healthy slow step). The machine is shared, so the tests allow a generous
+# margin and print the figure they measured; benchmarks/faults.py measures it idle.
+FROZEN_TARGET_S = 2.0
 TARGET_S = 10.0
 MARGIN_S = 15.0
 
@@ -67,7 +69,8 @@ def test_a_frozen_worker_is_killed_and_the_survivors_go_on(tmp_path, netns_hosts
         victim = first.worker_pid(3)
         os.kill(victim, signal.SIGSTOP)
         frozen_at = time.time()
-        wait_until(lambda: any(s["world"] == 3 for s in first.steps()), TARGET_S + MARGIN_S, "a step of the 3 survivors")
+        wait_until(lambda: any(s["world"] == 3 for s in first.steps()), FROZEN_TARGET_S + MARGIN_S,
+                   "a step of the 3 survivors")
         resumed = min(s["t"] for s in first.steps() if s["world"] == 3)
         assert first.wait(180) == 0, first.text()[-3000:]
         assert second.wait(60) == 0, second.text()[-3000:]
@@ -80,12 +83,14 @@ def test_a_frozen_worker_is_killed_and_the_survivors_go_on(tmp_path, netns_hosts
     hang = hangs[0]
     print(f"\nfrozen worker: declared hung after {hang['time'] - frozen_at:.2f}s, "
           f"survivors' next step {took:.2f}s after SIGSTOP")
-    assert took <= TARGET_S + MARGIN_S
+    assert took <= FROZEN_TARGET_S + MARGIN_S
     full_round = max(e["round"] for e in events(first, "round_formed") if e["world_size"] == 4)
     assert hang["kind"] == "frozen" and hang["rank"] == 3 and hang["round"] == full_round
-    # A frozen worker is judged on its silent heartbeat (> 5 s); its last commit may
-    # have come up to one heartbeat interval after its last beat.
-    assert hang["timeout_s"] == 5.0 and hang["stalled_s"] >= 5.0 - HEARTBEAT_INTERVAL
+    # A stopped worker is judged on its silent heartbeat with the stopped bound: 1 s, or 3x
+    # its slowest step if a loaded machine made one longer than a third of that, never the
+    # 5 s floor of a healthy-looking state; its last commit may have come up to one
+    # heartbeat interval after its last beat.
+    assert 1.0 <= hang["timeout_s"] < 5.0 and hang["stalled_s"] >= hang["timeout_s"] - HEARTBEAT_INTERVAL
     exited = [e for e in first.events() if e["event"] == "worker_exited" and e["worker"] == hang["worker"]]
     assert exited and exited[0]["signal"] == signal.SIGKILL, "its own agent SIGKILLed the stopped worker"
     # Asked for its stacks; a stopped process cannot answer, and the line says so.

@@ -10,7 +10,7 @@ from elastic.contract.progress import USER, WAITING, Frame, Heartbeat, Marks, Pr
 from elastic.agent.watchdog import HangPolicy, judge
 
 NOW = 1000.0
-AUTO = HangPolicy()  # floor 5 s, factor 3, first interval 300 s
+AUTO = HangPolicy()  # floor 5 s (1 s stopped), factor 3, first interval 300 s
 
 
 def marks(*, progress=10, since_progress=0.1, slowest=0.2, beats=50, silent=0.1, user_for=0.0, where="train.py:9 in f"):
@@ -29,10 +29,20 @@ def marks(*, progress=10, since_progress=0.1, slowest=0.2, beats=50, silent=0.1,
 CASES = [
     ("training normally", marks(), AUTO, "", None, 0),
     ("heartbeat not started yet", marks(beats=0, silent=900, since_progress=900), AUTO, "T", None, 0),
-    ("SIGSTOP: heartbeat silent past the floor", marks(silent=5.5, since_progress=5.6), AUTO, "T", "frozen", 5.0),
+    ("SIGSTOP: heartbeat silent past the stopped floor", marks(silent=1.1, since_progress=1.2), AUTO, "T", "frozen",
+     1.0),
+    ("SIGSTOP, silent just under the stopped floor", marks(silent=0.9, since_progress=0.9), AUTO, "T", None, 0),
+    ("traced stop (a debugger, py-spy dump): not yet", marks(silent=4.9, since_progress=4.9), AUTO, "t", None, 0),
+    ("traced stop past the full floor", marks(silent=5.5, since_progress=5.6), AUTO, "t", "frozen", 5.0),
+    ("uninterruptible wait for seconds (a slow disk): not yet", marks(silent=4.9, since_progress=4.9), AUTO, "D",
+     None, 0),
     ("uninterruptible wait (hung driver, NFS)", marks(silent=5.5, since_progress=5.6), AUTO, "D", "frozen", 5.0),
     ("state unknown counts as frozen", marks(silent=5.5, since_progress=5.6), AUTO, "", "frozen", 5.0),
-    ("silent just under the floor", marks(silent=4.9, since_progress=4.9), AUTO, "T", None, 0),
+    ("state unknown, silent under the floor", marks(silent=4.9, since_progress=4.9), AUTO, "", None, 0),
+    ("GIL held by a sleeping thread, past the stopped floor only", marks(silent=3, since_progress=3), AUTO, "S",
+     None, 0),
+    ("a 10 s step: a stop is judged by 3x it, not the floor", marks(silent=20, since_progress=20, slowest=10), AUTO,
+     "T", None, 0),
     ("slow commits scale the freeze bound", marks(silent=20, since_progress=20, slowest=10), AUTO, "T", None, 0),
     ("... up to 3x the slowest interval", marks(silent=31, since_progress=31, slowest=10), AUTO, "T", "frozen", 30.0),
     ("GIL held by a running thread: computing, not hung", marks(silent=600, since_progress=600, slowest=1), AUTO, "R",
