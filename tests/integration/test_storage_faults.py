@@ -52,11 +52,12 @@ def test_unreadable_checkpoints_fail_the_restart_and_a_fresh_start_buries_nothin
     first = train(tmp_path / "first", ckpt, 20)
     assert first.wait() == 0, first.text()[-3000:]
     before = fingerprint(ckpt)
-    # Three kept (--checkpoint-keep 3), the final step among them. Which earlier ones: a write
-    # still running when the next one falls due makes the runtime skip that one (on a loaded
-    # machine step 10's may go), so the test takes what the first run left.
+    # Up to three kept (--checkpoint-keep 3), the final step always among them. Which
+    # earlier ones: a write still running when the next one falls due makes the runtime
+    # skip that one (on a loaded machine step 10's may go, or 10's and 15's: CI saw both),
+    # so the test takes what the first run left.
     earlier = sorted({name.split("/")[0] for name in before})
-    assert len(earlier) == 3 and earlier[-1] == mf.step_dirname(20), earlier
+    assert 2 <= len(earlier) <= 3 and earlier[-1] == mf.step_dirname(20), earlier
     assert set(earlier) <= {mf.step_dirname(s) for s in (5, 10, 15, 20)}, earlier
 
     # The same job restarted while its storage cannot read the checkpoints: exit 1
@@ -80,7 +81,12 @@ def test_unreadable_checkpoints_fail_the_restart_and_a_fresh_start_buries_nothin
     after = fingerprint(ckpt)
     assert {k: v for k, v in after.items() if k in before} == before  # every earlier file, byte for byte
     names = sorted(os.path.basename(c.path) for c in list_checkpoints(str(ckpt)))
-    assert names == [*earlier, mf.step_dirname(25)]  # no step-N.1; its own earlier steps pruned
+    # No step-N.1, the earlier run's all kept, and of its own only what --checkpoint-keep 3
+    # leaves: with the earlier run's 10, 15 and 20 that is none but 25; where the earlier
+    # run skipped a write, its own of that step may stay among the newest three.
+    assert set(earlier) | {mf.step_dirname(25)} <= set(names), names
+    for own in set(names) - set(earlier) - {mf.step_dirname(25)}:
+        assert len([n for n in names if n > own]) < 3, (own, names)
 
 
 def test_a_sharded_job_publishes_private_complete_checkpoints_and_fails_on_unreadable_ones(tmp_path):
