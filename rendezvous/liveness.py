@@ -70,45 +70,79 @@ _CONNECTED = (0, errno.EISCONN)
 K = TypeVar("K", bound=Hashable)
 
 
-def probe(addresses: Mapping[K, tuple[str, int]], timeout: float = PROBE_TIMEOUT_S) -> dict[K, Answer]:
+def probe(addresses: Mapping[K, tuple[str, int]], timeout: float = PROBE_TIMEOUT_S,
+          resend_every: Optional[float] = None, took: Optional[dict] = None) -> dict[K, Answer]:
     """Connect to every (host, port) of ``addresses`` at once; each one's ``Answer``
-    within ``timeout`` seconds (those still waiting then are SILENT)."""
-    answers: dict[K, Answer] = {}
+    within ``timeout`` seconds (those still waiting then are SILENT).
+
+    With ``resend_every``, another connect (a fresh SYN) goes to those not yet heard
+    every so often until the timeout, and an answer to any of them counts: a lost SYN
+    or one queued behind a busy link is not silence, where a peer that answers none
+    of them for the whole timeout is. ``took``, if given, gets the seconds from the
+    first connect to the answer of each peer that answered."""
+    heard: dict[K, Answer] = {}  # accepted or refused: a definite answer
     pending: dict[socket.socket, K] = {}
     selector = selectors.DefaultSelector()
+    started = time.monotonic()
+    deadline = started + timeout
+    sends = [started]
+    while resend_every and sends[-1] + resend_every < deadline:
+        sends.append(sends[-1] + resend_every)
     try:
-        for key, (host, port) in addresses.items():
-            try:
-                sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            except OSError:
-                answers[key] = SILENT
-                continue
-            sock.setblocking(False)
-            try:
-                code = sock.connect_ex((host, port))
-            except OSError:  # a name that does not resolve: no answer
-                code = errno.EHOSTUNREACH
-            if code in (errno.EINPROGRESS, errno.EAGAIN):
-                pending[sock] = key
-                selector.register(sock, selectors.EVENT_WRITE)
-            else:
-                sock.close()
-                answers[key] = _answer(code)
-        deadline = time.monotonic() + timeout
-        while pending and (left := deadline - time.monotonic()) > 0:
+        while True:
+            now = time.monotonic()
+            while sends and sends[0] <= now:
+                sends.pop(0)
+                for key, address in addresses.items():
+                    if key not in heard:
+                        if _connect(key, address, pending, selector, heard) and took is not None:
+                            took[key] = time.monotonic() - started
+            if len(heard) == len(addresses):
+                break
+            # Once more at the deadline, without waiting: a prober that was not scheduled
+            # (a starved host, a busy GIL) must not take its own lateness for the peer's
+            # silence; the kernel has the answers that came meanwhile.
+            left = max(0.0, min(deadline, sends[0] if sends else deadline) - time.monotonic())
             for selected, _ in selector.select(left):
                 sock = selected.fileobj
                 code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 selector.unregister(sock)
-                answers[pending.pop(sock)] = _answer(code)
+                key = pending.pop(sock)
                 sock.close()
-        for key in pending.values():  # still waiting: no answer within the timeout
-            answers[key] = SILENT
+                if _answer(code) is not SILENT and key not in heard:
+                    heard[key] = _answer(code)
+                    if took is not None:
+                        took[key] = time.monotonic() - started
+            if time.monotonic() >= deadline and (left == 0.0 or not pending):
+                break
     finally:
         for sock in pending:
             sock.close()
         selector.close()
-    return answers
+    return {key: heard.get(key, SILENT) for key in addresses}
+
+
+def _connect(key, address: tuple[str, int], pending: dict, selector, heard: dict) -> bool:
+    """One non-blocking connect to ``address``: pending, or answered at once (True)."""
+    host, port = address
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return False
+    sock.setblocking(False)
+    try:
+        code = sock.connect_ex((host, port))
+    except OSError:  # a name that does not resolve: no answer
+        code = errno.EHOSTUNREACH
+    if code in (errno.EINPROGRESS, errno.EAGAIN):
+        pending[sock] = key
+        selector.register(sock, selectors.EVENT_WRITE)
+        return False
+    sock.close()
+    if _answer(code) is SILENT or key in heard:
+        return False
+    heard[key] = _answer(code)
+    return True
 
 
 def _answer(code: int) -> Answer:
@@ -135,7 +169,8 @@ def read_member(etcd: Kv, keys: JobKeys, member_id: str,
         return None
 
 
-def revoke_member(etcd: Kv, member: Member, lease: int, why: str, retry_deadline: Optional[float] = None) -> bool:
+def revoke_member(etcd: Kv, member: Member, lease: int, why: str, retry_deadline: Optional[float] = None,
+                  evidence: str = "refuses connections") -> bool:
     """Revoke ``member``'s lease (its member record, and the election key if it led, go
     with it); True once done. The one place a member's lease is revoked."""
     try:
@@ -143,8 +178,8 @@ def revoke_member(etcd: Kv, member: Member, lease: int, why: str, retry_deadline
     except RendezvousError as exc:  # already revoked or expired: gone either way, not by us
         log.info("could not evict member %s: %s", member.member_id, exc)
         return False
-    log.warning("member %s (%s): its agent at %s:%d refuses connections; evicted it without waiting for its TTL "
-                "(%s)", member.member_id, member.host, member.addr, member.store_port, why)
+    log.warning("member %s (%s): its agent at %s:%d %s; evicted it without waiting for its TTL (%s)",
+                member.member_id, member.host, member.addr, member.store_port, evidence, why)
     return True
 
 

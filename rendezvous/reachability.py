@@ -24,7 +24,11 @@ or busy host is still reachable, so a long step never gets anybody excluded.
   collective timeout and the reset path deal with it. Until every member of the
   ring has reported (within ``grace`` of the first report of a broken pair), the
   decision waits up to ``grace`` seconds after that report, so that one early
-  report does not pick the wrong side.
+  report does not pick the wrong side; unless no report still missing could change
+  it: when every pair of each silent member is broken already, its report can add
+  no broken pair, and if the decision is the same whichever of them report (they
+  only tip ties), it is made at once. A host whose link was cut can report nothing,
+  so that is what spares a dead host's loss the whole grace (issue 41).
 * **Outside the ring** (registered members without a rank: one excluded earlier,
   or a joiner): kept out while its own newest report names a kept member of the
   ring, or a kept member's newest report names it. An excluded host's agent keeps
@@ -96,7 +100,7 @@ def exclusions(
         first = min(fresh[m].seen_at for m in fresh if fresh[m].unreachable)
         # A clean report from an earlier stall of this round says nothing about now.
         recent = [m for m, r in fresh.items() if r.seen_at >= first - grace]
-        if len(recent) < len(ring) and now < first + grace:
+        if len(recent) < len(ring) and now < first + grace and not _settled(ring, broken, set(recent)):
             recheck = first + grace
         else:
             cut = _cut(ring, broken, reported=set(recent))
@@ -127,6 +131,25 @@ def _broken_pairs(ring: Sequence[str], fresh: Mapping[str, ReachReport]) -> set:
     return pairs
 
 
+# Past this many silent members, whether their reports could matter is not worked out
+# (2^n cuts): the decision waits for them, or the grace, as before.
+_SETTLE_MAX_SILENT = 3
+
+
+def _settled(ring: Sequence[str], broken: set, reported: set) -> bool:
+    """Would the reports still missing leave the decision as it is? Only if each silent
+    member's every pair is broken already (its report could add no broken pair) and the
+    cut is the same whichever of them report (the reported set only breaks ties)."""
+    silent = [m for m in ring if m not in reported]
+    if not silent or len(silent) > _SETTLE_MAX_SILENT:
+        return not silent
+    if any(frozenset((m, other)) not in broken for m in silent for other in ring if other != m):
+        return False
+    now = _cut(ring, broken, reported)
+    subsets = [{m for i, m in enumerate(silent) if bits >> i & 1} for bits in range(1, 1 << len(silent))]
+    return all(_cut(ring, broken, reported | extra) == now for extra in subsets)
+
+
 def _cut(ring: Sequence[str], broken: set, reported: set) -> set:
     """Greedy: drop the member in most broken pairs (among equals one that has not
     reported, then the later rank) until no broken pair is left."""
@@ -142,3 +165,26 @@ def _cut(ring: Sequence[str], broken: set, reported: set) -> set:
         cut.add(worst)
         pairs = {p for p in pairs if worst not in p}
     return cut
+
+
+def cut_off_from_its_ring(plan: Optional[RoundPlan], member: str, reports: Mapping[str, ReachReport]) -> bool:
+    """Has every other member of ``plan``'s ring reported ``member`` unreachable in that
+    round, while ``member`` reported nothing of it?
+
+    This is the evidence a survivor takes to depose a coordinator whose host died hard
+    (succession.py): it answers no connect, and its lease outlives it by a TTL. A
+    coordinator that is alive and reaches etcd stalls with its ring and reports too, and
+    then decides for itself (``exclusions``). Two other members at least: with one, its
+    report and the coordinator's own decision could race to opposite answers.
+    """
+    if plan is None:
+        return False
+    ring = plan.member_order()
+    others = [m for m in ring if m != member]
+    if member not in ring or len(others) < 2:
+        return False
+    own = reports.get(member)
+    if own is not None and own.round == plan.round:
+        return False
+    return all((r := reports.get(m)) is not None and r.round == plan.round and member in r.unreachable
+               for m in others)

@@ -15,11 +15,17 @@ only if the host refuses the connection (a TCP reset: the host is up and nothing
 there, so the agent process is gone) it revokes the key's lease. The key goes with the
 coordinator's member record, every agent campaigns, one leads and plans the round.
 
-Safety is the election's, unchanged:
+A coordinator whose host died hard (power, kernel, NIC) refuses nothing: a connect to it
+times out, and its workers' peers wait in a collective that never ends rather than see
+their ring break. Their agents' peer probes find it (``elastic/agent/peer_probe.py``),
+report it unreachable, and start this same check. Its ring's word is the evidence then:
 
-* only a refusal proves death. A connect that times out, an unreachable network, any
-  error, is no evidence: a coordinator cut off from us (the partition may be on our side)
-  keeps its key until its TTL, exactly as before;
+* a refusal proves death. A connect that times out, an unreachable network, any error,
+  proves nothing alone: the partition may be on our side. A silent coordinator is deposed
+  only when every other member of its ring (two at least) has reported it unreachable in
+  that round while it has reported nothing, for ``OWN_REPORT_WAIT_S`` (a live one stalls
+  with its ring and reports about as soon, then decides for itself:
+  ``reachability.cut_off_from_its_ring``). Without that, it keeps its key until its TTL;
 * a coordinator wrongly removed could not go on deciding anyway: every plan, status and
   notice it writes is fenced by its key's create revision (``CreateRevisionEquals``), and
   a new key has a new revision; its own watch on the key tells it it is deposed;
@@ -44,7 +50,10 @@ from typing import Callable, Optional
 from .errors import RendezvousError
 from .keys import JobKeys
 from .kv import Kv
-from .liveness import ACCEPTED, Answer, answer_of, proves_dead, read_member, revoke_member
+from .liveness import (ACCEPTED, PROBE_TIMEOUT_S, SILENT, Answer, answer_of, proves_dead, read_member,
+                       revoke_member)
+from .reachability import ReachReport, cut_off_from_its_ring
+from .rounds import RoundPlan
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,12 @@ CHECK_EVERY_S = 0.5  # between two looks while the coordinator gave no proof eit
 # call sent while etcd elects another is held for the whole call timeout (5 s) even once
 # the new leader is in, where a short try and another look half a second later is not.
 CALL_DEADLINE_S = 1.0
+# Once every other member of its ring names a silent coordinator, how long its own report
+# of the round is waited for (it would be there by then if it were alive and reaching
+# etcd: its workers stalled with ours), looking every EVIDENCE_LOOK_S meanwhile; also
+# while some, not all, of its ring have named it.
+OWN_REPORT_WAIT_S = 0.3
+EVIDENCE_LOOK_S = 0.1
 
 
 
@@ -77,6 +92,9 @@ class SuccessionView:
     answer: Optional[Answer]  # the leader's agent's answer to a connect (liveness.py); None: not asked
     elapsed: float  # seconds since the ring broke
     patience: float  # seconds to look for at all: a dead leader's lease decides by then (two TTLs, timeouts.py)
+    # Seconds for which every other member of the ring has reported the leader unreachable
+    # while it reported nothing (reachability.cut_off_from_its_ring); None: not so.
+    cut_off_for: Optional[float] = None
 
 
 def next_move(view: SuccessionView) -> Move:
@@ -93,18 +111,23 @@ def next_move(view: SuccessionView) -> Move:
         return EVICT  # the host is up and its agent is gone: nobody will ever renew that lease
     if view.answer is ACCEPTED:
         return DONE  # alive: planning the round is its job
-    return RETRY  # silent: no proof (a partition may be ours); ask again until its TTL decides
+    if view.cut_off_for is not None and view.cut_off_for >= OWN_REPORT_WAIT_S:
+        return EVICT  # silent to its whole ring, and silent in etcd: dead, or cut off from everything
+    return RETRY  # silent: no proof (a partition may be ours); ask again until its TTL or its ring decides
 
 
 class Succession:
     """``ring_broke(round)`` from the agent; the checking runs in a thread of its own."""
 
-    def __init__(self, etcd: Kv, keys: JobKeys, member_id: str, plan_round: Callable[[], int], patience: float,
-                 *, answer: Callable[[str, int], Answer] = answer_of, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, etcd: Kv, keys: JobKeys, member_id: str, newest_plan: Callable[[], Optional[RoundPlan]],
+                 patience: float, *, answer: Callable[[str, int, float], Answer] = answer_of,
+                 clock: Callable[[], float] = time.monotonic):
         self._etcd, self._keys, self._member_id = etcd, keys, member_id
-        self._plan_round, self._patience = plan_round, patience
+        self._newest_plan, self._patience = newest_plan, patience
         self._answer, self._clock = answer, clock
         self._broken: Optional[tuple[int, float]] = None  # (round, when) of the newest failure not yet checked
+        self._cut_off_since: Optional[tuple[int, str, float]] = None  # (round, leader, when) its ring named it
+        self._next_look_s = CHECK_EVERY_S
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -119,6 +142,7 @@ class Succession:
         self._wake.set()
 
     def ring_broke(self, round_: int) -> None:
+        """Our ring broke in ``round_``, or stalled with peers our probe cannot reach."""
         with self._lock:
             if self._broken is None or round_ > self._broken[0]:
                 self._broken = (round_, self._clock())
@@ -144,13 +168,16 @@ class Succession:
                 move = RETRY
             if move in (DONE, EVICT):
                 return move
-            if self._stop.wait(CHECK_EVERY_S) or self._wake.is_set():
+            if self._stop.wait(self._next_look_s) or self._wake.is_set():
                 return move  # stopping, or a newer failure: that one is checked next
         return move
 
     def _look(self, failed_round: int, since: float) -> Move:
+        self._next_look_s = CHECK_EVERY_S
         key = self._etcd.get(self._keys.coordinator, retry_deadline=CALL_DEADLINE_S)
-        view = SuccessionView(failed_round, self._plan_round(), None if key is None else key.value.decode(errors="replace"),
+        plan = self._newest_plan()
+        view = SuccessionView(failed_round, plan.round if plan is not None else 0,
+                              None if key is None else key.value.decode(errors="replace"),
                               self._member_id, None, self._clock() - since, self._patience)
         if next_move(view) != PROBE:
             return next_move(view)
@@ -158,10 +185,42 @@ class Succession:
         if record is None:
             return RETRY  # no address to prove anything with (re-registering, or being removed)
         leader, _ = record
-        move = next_move(replace(view, answer=self._answer(leader.addr, leader.store_port)))
+        # The ring's reports are read before the connect too: the connect of a silent
+        # leader takes its whole timeout, which is then time its own report had to come
+        # (and, once the ring has named it, no more than that).
+        named = self._cut_off_for(plan, view.leader) is not None
+        timeout = OWN_REPORT_WAIT_S if named else PROBE_TIMEOUT_S
+        view = replace(view, answer=self._answer(leader.addr, leader.store_port, timeout))
+        if view.answer is SILENT:
+            view = replace(view, cut_off_for=self._cut_off_for(plan, view.leader))
+        move = next_move(view)
         if move == EVICT:
             # The election key's lease (the leader's session's) is the one to revoke.
+            evidence = "refuses connections" if view.answer is not SILENT else \
+                "answers none of its ring, nor reported in etcd"
             why = f"round {failed_round}: the coordinator, {self._clock() - since:.2f}s after the ring broke"
-            if not revoke_member(self._etcd, leader, key.lease, why, retry_deadline=CALL_DEADLINE_S):
+            if not revoke_member(self._etcd, leader, key.lease, why, retry_deadline=CALL_DEADLINE_S,
+                                 evidence=evidence):
                 return RETRY
         return move
+
+    def _cut_off_for(self, plan: Optional[RoundPlan], leader: str) -> Optional[float]:
+        """Seconds the ring's reports have named the silent ``leader`` (None: they do not,
+        or not all yet); looks again soon while they name it."""
+        kvs, _ = self._etcd.get_prefix(self._keys.reach, retry_deadline=CALL_DEADLINE_S)
+        reports = {}
+        for kv in kvs:
+            member = kv.key[len(self._keys.reach):]
+            try:
+                reports[member] = ReachReport.from_json(member, kv.value)
+            except RendezvousError:
+                continue  # unreadable: no evidence either way (the coordinator names such keys)
+        if any(leader in r.unreachable for r in reports.values()):
+            self._next_look_s = EVIDENCE_LOOK_S
+        if plan is None or not cut_off_from_its_ring(plan, leader, reports):
+            self._cut_off_since = None
+            return None
+        now = self._clock()
+        if self._cut_off_since is None or self._cut_off_since[:2] != (plan.round, leader):
+            self._cut_off_since = (plan.round, leader, now)
+        return now - self._cut_off_since[2]

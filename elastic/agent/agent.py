@@ -212,11 +212,13 @@ class Agent:
         plain_stores = PlainStores(self._etcd, JobKeys(cfg.job_id), self.member_id, cfg.host_addr,
                                    job_lease=lambda: participant.control.job_lease)
         participant.control.add_listener(lambda plan, status: self._inbox.put("control"))
-        newest_round = lambda: participant.control.plan.round if participant.control.plan is not None else 0  # noqa: E731
-        succession = Succession(self._etcd, participant.keys, self.member_id, newest_round,
+        succession = Succession(self._etcd, participant.keys, self.member_id, lambda: participant.control.plan,
                                 cfg.timeouts.succession_patience)
-        self.services = Services(store, participant, plain_stores, PeerProbe(self._etcd, participant, self.events).start(),
-                                 succession.start(), health_server)
+        # Peers our probe cannot reach may be the coordinator's host, dead hard: whether it
+        # is gone is the succession's to check, as for a ring that broke.
+        peer_probe = PeerProbe(self._etcd, participant, self.events, self._watchdog.marks,
+                               on_unreachable=succession.ring_broke).start()
+        self.services = Services(store, participant, plain_stores, peer_probe, succession.start(), health_server)
         self.telemetry.health.mark_registered()
         if health_server is not None:
             # The session's own verdict comes only after max(ttl, retry deadline);
@@ -250,7 +252,6 @@ class Agent:
                 self._observe(event)
             self._etcd_writes.flush()
             self._watchdog.check(self.workers.running, self.state.plan)  # a hung worker is killed; its exit next
-            self.services.peer_probe.tick(self._watchdog.marks())  # a stalled ring: can we reach our peers?
             follow_rounds(self.state, (self._restart_plain_workers, self._follow_control, self._start_awaiting))
             self._check_grace()
         return self.state.outcome

@@ -5,22 +5,30 @@ removes it, and every worker of the ring waits in a collective for a peer that
 cannot answer (gloo notices only at --collective-timeout, and no reset arrives
 from an unreachable host). The agents find out themselves:
 
-* **when**: the agent's loop hands over its workers' progress marks (``tick``,
-  from the hang watchdog's boards: no extra I/O). A worker in the training
-  function with no commit for ``max(floor, factor x its slowest commit interval)``
-  (1 s, 3x; 10 s before the worker's first interval, whose start-up and first
-  steps are slow anyway) means the ring may be stuck. Probing is cheap and
-  harmless, so this bound is far shorter than the hang watchdog's, which kills.
+* **when**: the probing thread reads its workers' progress marks every ``_POLL_S``
+  (0.1 s; the hang watchdog's boards in shared memory: no I/O). A worker in the
+  training function with no commit for ``max(floor, factor x its slowest commit
+  interval)`` (0.4 s, 3x; 10 s before the worker's first interval, whose start-up
+  and first steps are slow anyway) means the ring may be stuck. Probing is cheap
+  and harmless, so this bound is far shorter than the hang watchdog's, which kills.
 * **what**: a TCP connect to each peer agent's store port (the members of the
-  current plan, and whoever this host found unreachable before), all at once,
-  ``timeout`` seconds each (1.5 s: a SYN lost once is sent again after 1 s), with
-  ``rendezvous/liveness.py``'s probe. Accepted or refused, the host answered:
-  reachable. Only no answer at all, in two passes in a row, counts as unreachable: a
-  busy host or a long step is never reported (the agent's port is served by the
-  agent, not by the workers).
+  current plan, and whoever this host found unreachable before), all at once, with
+  ``rendezvous/liveness.py``'s probe: for ``timeout`` seconds (0.75), a fresh connect
+  every ``resend_every`` (0.25) to those not yet heard, and an answer to any of them
+  counts. Accepted or refused, the host answered: reachable. Only no answer at all
+  to any of them counts as unreachable (in ``passes`` passes in a row; one by
+  default): a lost SYN, one queued for up to 0.75 s behind a busy link, or a blip
+  shorter than that is never reported, nor a busy host or a long step (a live
+  host's kernel answers a SYN in well under a millisecond on a LAN, loaded or not,
+  and the port is the agent's, not the workers'). A host that died hard (no power,
+  no NIC: nothing refuses) is thus reported about 1.25 s after the ring stopped
+  (issue 41: <= 2 s to the next step).
 * **then**: the result goes to ``reach/<member-id>`` on our lease, written only
   when it changes; the coordinator decides who is left out
-  (``rendezvous/reachability.py``). While the last report names anybody, the
+  (``rendezvous/reachability.py``). If the one we cannot reach is the coordinator,
+  nobody would decide until its lease ran out: the agent's succession check is
+  started as for a broken ring, and deposes it once its whole ring has named it
+  (``rendezvous/succession.py``). While the last report names anybody, the
   probing goes on, every ``_PAUSE_S``, stalled or not: that is how an excluded
   host (and those that could not reach it) say when the link is back, and the
   excluded host's workers, who wait for a round including them, join again at
@@ -49,26 +57,32 @@ from ..contract.progress import Marks
 log = logging.getLogger(__name__)
 
 _PAUSE_S = 0.5  # between two probe passes while there is something to find out
+_POLL_S = 0.1  # between two looks at the workers' marks while nothing is being found out
 
 
 class PeerProbe:
-    """The agent's prober: ``tick(marks)`` from the agent's loop, the rest in a thread."""
+    """The agent's prober: it watches its workers' marks and probes its peers in a thread of its own."""
 
     def __init__(self, etcd: Etcd, participant: Participant, events: EventLog,
-                 *, floor: float = 1.0, factor: float = 3.0, first: float = 10.0, timeout: float = 1.5,
-                 clock: Callable[[], float] = time.monotonic, probe: Callable = probe):
+                 marks: Callable[[], Iterable[Marks]] = lambda: (),
+                 on_unreachable: Callable[[int], None] = lambda round_: None,
+                 *, floor: float = 0.4, factor: float = 3.0, first: float = 10.0, timeout: float = 0.75,
+                 resend_every: float = 0.25, passes: int = 1, clock: Callable[[], float] = time.monotonic, probe: Callable = probe):
         self._etcd = etcd
         self._keys = participant.keys
         self._member_id = participant.member.member_id
         self._participant = participant
         self._events = events
-        self.floor, self.factor, self.first, self.timeout = floor, factor, first, timeout
+        self._marks = marks  # the watchdog's boards (Watchdog.marks), read from this thread
+        self._on_unreachable = on_unreachable  # (round): the succession checks the coordinator
+        self.floor, self.factor, self.first = floor, factor, first
+        self.timeout, self.resend_every, self.passes = timeout, resend_every, passes
         self._clock = clock
         self._probe = probe  # liveness.probe; a test gives the answers
-        self._stalled = threading.Event()
         self._stop = threading.Event()
         self._addresses: dict[str, tuple[str, int]] = {}  # member id -> (addr, store port)
-        self._silent_once: set = set()  # gave no answer in the last pass
+        self._silent_for: dict[str, int] = {}  # member id -> passes in a row it gave no answer
+        self._slow_told: Optional[tuple[int, tuple[str, ...]]] = None  # (round, peers) last said slow
         self._written: Optional[tuple[int, tuple[str, ...]]] = None  # (round, unreachable) in etcd
         self._thread = threading.Thread(target=self._run, name="elastic-peer-probe", daemon=True)
 
@@ -78,16 +92,11 @@ class PeerProbe:
 
     def stop(self) -> None:
         self._stop.set()
-        self._stalled.set()
 
-    def tick(self, marks: Iterable[Marks]) -> None:
-        """Agent's loop: does any of our workers look stuck in its step?"""
+    def stalled(self, marks: Iterable[Marks]) -> bool:
+        """Does any of our workers look stuck in its step?"""
         now = self._clock()
-        stuck = any(m.progress and m.beats and now - m.progress_at > self.bound(m.slowest) for m in marks)
-        if stuck:
-            self._stalled.set()
-        else:
-            self._stalled.clear()
+        return any(m.progress and m.beats and now - m.progress_at > self.bound(m.slowest) for m in marks)
 
     def bound(self, slowest: float) -> float:
         """Seconds without a commit after which a worker looks stalled."""
@@ -96,8 +105,9 @@ class PeerProbe:
     # -- the probing thread ---------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            searching = bool(self._written and self._written[1]) or bool(self._silent_once)
-            if not searching and not self._stalled.wait(_PAUSE_S):
+            searching = bool(self._written and self._written[1]) or bool(self._silent_for)
+            if not searching and not self.stalled(self._marks()):
+                self._stop.wait(_POLL_S)
                 continue
             try:
                 self._probe_once()
@@ -110,7 +120,7 @@ class PeerProbe:
 
     def _unconfirmed(self) -> bool:
         reported = set(self._written[1]) if self._written else set()
-        return bool(self._silent_once - reported)
+        return bool(set(self._silent_for) - reported)
 
     def _probe_once(self) -> None:
         session = self._participant.session
@@ -125,11 +135,14 @@ class PeerProbe:
         for member_id in outside:
             self._addresses.pop(member_id, None)
         addresses = {m: a for m in peers + outside if (a := self._address(m)) is not None}
-        silent = {m for m, answer in self._probe(addresses, self.timeout).items() if not reachable(answer)}
-        confirmed = tuple(sorted(silent & self._silent_once))  # silent twice in a row
-        self._silent_once = silent
+        took: dict[str, float] = {}
+        answers = self._probe(addresses, self.timeout, self.resend_every, took=took)
+        self._tell_slow(plan.round, took)
+        silent = {m for m, answer in answers.items() if not reachable(answer)}
+        self._silent_for = {m: self._silent_for.get(m, 0) + 1 for m in silent}
+        confirmed = tuple(sorted(m for m, passes in self._silent_for.items() if passes >= self.passes))
         if silent - set(confirmed):
-            return  # silent once: asked again at once (_run) before anything is reported
+            return  # not silent long enough: asked again at once (_run) before anything is reported
         report = (plan.round, confirmed)
         if report == self._written:
             return
@@ -140,6 +153,16 @@ class PeerProbe:
         if set(confirmed) != before:
             self._events.emit("peers_unreachable" if confirmed else "peers_reachable", round=plan.round,
                               unreachable=list(confirmed), back=sorted(before - set(confirmed)))
+        if confirmed:
+            self._on_unreachable(plan.round)
+
+    def _tell_slow(self, round_: int, took: dict[str, float]) -> None:
+        """Peers that answered, but not their first connect's slot: a slow or lossy link
+        (once per round for each set of them; nothing is decided on it)."""
+        slow = tuple(sorted(m for m, seconds in took.items() if seconds > self.resend_every))
+        if slow and (round_, slow) != self._slow_told:
+            self._slow_told = (round_, slow)
+            self._events.emit("peers_slow", round=round_, answered_after_s={m: round(took[m], 3) for m in slow})
 
     def _address(self, member_id: str) -> Optional[tuple[str, int]]:
         """A peer agent's (addr, store port), from its member record (cached)."""

@@ -65,6 +65,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -202,6 +203,9 @@ class Watchdog:
         self._log_dir = log_dir
         self._clock = clock
         self._boards: dict[str, ProgressBoard] = {}
+        # The peer probe's thread reads the boards too (``marks``), between the agent
+        # thread's adding and closing them.
+        self._boards_lock = threading.Lock()
         self._handled: set[int] = set()  # pids already declared hung
         self._warned: set[int] = set()  # pids whose stacks were shown for a silent heartbeat
         self._last_check: Optional[float] = None
@@ -215,17 +219,20 @@ class Watchdog:
         stacks = os.path.join(self._scratch, f"{worker_id}.stacks")
         self.forget(worker_id)
         ProgressBoard.create(board)
-        self._boards[worker_id] = ProgressBoard(board, writable=False)
+        with self._boards_lock:
+            self._boards[worker_id] = ProgressBoard(board, writable=False)
         return board, stacks
 
     def forget(self, worker_id: str) -> None:
-        board = self._boards.pop(worker_id, None)
-        if board is not None:
-            board.close()
+        with self._boards_lock:
+            board = self._boards.pop(worker_id, None)
+            if board is not None:
+                board.close()
 
     def marks(self) -> list[Marks]:
-        """Every live board's marks (agent's thread), for the peer probe's stall check."""
-        return [board.read() for board in self._boards.values()]
+        """Every live board's marks, for the peer probe's stall check (any thread)."""
+        with self._boards_lock:
+            return [board.read() for board in self._boards.values()]
 
     def check(self, workers: dict, plan) -> list[str]:
         """Judge every live worker; kill the hung ones. Returns their ids."""

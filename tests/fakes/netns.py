@@ -221,8 +221,17 @@ class Host:
         self._pin(self.name, self._hosts.bridge_addr, IFNAME)
         self._pin(None, self.addr, self._hosts.bridge)
 
+    def slow_link(self, rate: str = "4mbit", queue_s: float = 0.4) -> None:
+        """A slow, bloated link: what leaves this host is shaped to ``rate`` behind a queue
+        of up to ``queue_s`` seconds (tc's token bucket filter), so once a bulk flow fills
+        it every packet out, a SYN-ACK too, waits about that long."""
+        subprocess.run(self.command(["tc", "qdisc", "replace", "dev", IFNAME, "root", "tbf", "rate", rate,
+                                     "burst", "32kbit", "latency", f"{int(queue_s * 1000)}ms"]),
+                       check=True, capture_output=True)
+
     def heal(self) -> None:
-        """Undo every cut of this host."""
+        """Undo every cut of this host, and a slow link."""
+        subprocess.run(self.command(["tc", "qdisc", "del", "dev", IFNAME, "root"]), capture_output=True)
         _ip("link", "set", self.veth, "up")
         for namespace, addr, device in self._pinned:
             netns = ["-n", namespace] if namespace else []

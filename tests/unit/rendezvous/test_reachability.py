@@ -2,7 +2,7 @@
 
 import pytest
 
-from elastic.rendezvous.reachability import Exclusion, ReachReport, exclusions
+from elastic.rendezvous.reachability import Exclusion, ReachReport, cut_off_from_its_ring, exclusions
 from elastic.rendezvous.rounds import RoundPlan, Slot
 
 
@@ -111,3 +111,53 @@ def test_a_report_round_trips_through_json():
 def test_a_clean_report_of_an_earlier_stall_in_the_round_does_not_count_as_an_answer():
     stale = reports(rep("a", 5, at=1.0), rep("b", 5, "a", at=10.0), rep("c", 5, at=1.0))
     assert exclusions(ABC, ("a", "b", "c"), stale, now=10.2, grace=1.0) == Exclusion(recheck_at=11.0)
+
+
+def test_a_silent_member_whose_every_pair_is_broken_is_not_waited_for():
+    """A host whose link was cut reports nothing: once every other member has named it,
+    its report could add no broken pair and tip no tie, so the grace is not waited."""
+    abcd = ring(5, "a", "b", "c", "d")
+    cut_c = reports(rep("a", 5, "c", at=10.0), rep("b", 5, "c", at=10.1), rep("d", 5, "c", at=10.2))
+    assert exclusions(abcd, tuple("abcd"), cut_c, now=10.2, grace=1.0).members == {"c"}
+    # Rank 0's host cut: the same, although ties would keep rank 0.
+    cut_a = reports(rep("b", 5, "a", at=10.0), rep("c", 5, "a", at=10.1), rep("d", 5, "a", at=10.2))
+    assert exclusions(abcd, tuple("abcd"), cut_a, now=10.2, grace=1.0).members == {"a"}
+    # One survivor still to report: a pair of c (c-d) is not known broken: wait.
+    early = reports(rep("a", 5, "c", at=10.0), rep("b", 5, "c", at=10.1))
+    assert exclusions(abcd, tuple("abcd"), early, now=10.2, grace=1.0) == Exclusion(recheck_at=11.0)
+
+
+def test_a_silent_member_that_could_tip_a_tie_is_waited_for():
+    # Two members: b names a. a's report could only name b, which changes no pair, but a
+    # silent a loses the tie and a reporting a wins it (b, the later rank, goes): wait.
+    ab = ring(5, "a", "b")
+    assert exclusions(ab, ("a", "b"), reports(rep("b", 5, "a", at=10.0)), now=10.5, grace=1.0) \
+        == Exclusion(recheck_at=11.0)
+    # Two silent members named by the other two: whether c and d reach each other is not
+    # known (c-d is no broken pair yet), and their side may be the one that holds: wait.
+    abcd = ring(5, "a", "b", "c", "d")
+    given = reports(rep("a", 5, "c", "d", at=10.0), rep("b", 5, "c", "d", at=10.0))
+    assert exclusions(abcd, tuple("abcd"), given, now=10.1, grace=1.0) == Exclusion(recheck_at=11.0)
+
+
+@pytest.mark.parametrize("plan, member, given, expected", [
+    # a (the coordinator's host) died hard: b and c name it, a reported nothing.
+    (ABC, "a", reports(rep("b", 5, "a"), rep("c", 5, "a")), True),
+    # One of them has not reported yet: not yet.
+    (ABC, "a", reports(rep("b", 5, "a")), False),
+    # c reported, but reaches a: no evidence.
+    (ABC, "a", reports(rep("b", 5, "a"), rep("c", 5)), False),
+    # a reported in this round: alive and reaching etcd, it decides for itself.
+    (ABC, "a", reports(rep("b", 5, "a"), rep("c", 5, "a"), rep("a", 5, "b", "c")), False),
+    # ... an old report of a's is no sign of life in this round.
+    (ABC, "a", reports(rep("b", 5, "a"), rep("c", 5, "a"), rep("a", 4)), True),
+    # Reports of an earlier round are about a ring that is gone.
+    (ABC, "a", reports(rep("b", 4, "a"), rep("c", 4, "a")), False),
+    # A ring of two: one report against the coordinator's own decision: never.
+    (ring(5, "a", "b"), "a", reports(rep("b", 5, "a")), False),
+    # Not in the ring (a coordinator without workers), or no plan: no evidence.
+    (ABC, "z", reports(rep("a", 5, "z"), rep("b", 5, "z"), rep("c", 5, "z")), False),
+    (None, "a", reports(rep("b", 5, "a"), rep("c", 5, "a")), False),
+])
+def test_cut_off_from_its_ring(plan, member, given, expected):
+    assert cut_off_from_its_ring(plan, member, given) is expected
