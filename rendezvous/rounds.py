@@ -22,6 +22,14 @@ from .errors import ConfigError, parsing, text, texts
 from .keys import JOB_LEASE_S
 
 
+# The hold when newcomers start warm (elastic/worker/template.py): a replacement that
+# joins the survivors' forming round costs them a fork and its script's set-up, well
+# under a second, while the hold is all of its wait to be planned (issue 41: a
+# replacement training <= 1 s after its predecessor's death). The survivors' own
+# round forms in 0.03-0.4 s (4 to 16 workers here).
+RECOVERY_HOLD_WARM_S = 0.5
+
+
 @dataclass(frozen=True)
 class RendezvousSettings:
     min_np: int
@@ -30,7 +38,9 @@ class RendezvousSettings:
     timeout: float = 600.0  # seconds to wait below min_np before the job fails
     reset_grace: float = 0.3  # after a reset request, time for the agents' reports to arrive
     # After a round that re-forms a broken ring, time for its survivors to form it before
-    # a round that only admits newcomers replaces it (see ``decide``).
+    # a round that only admits newcomers replaces it (see ``decide``). Sized to what a
+    # newcomer costs the survivors who would wait for it: a cold start imports torch
+    # (seconds), a warm one is forked from a template that has (RECOVERY_HOLD_WARM_S).
     recovery_hold: float = 2.0
     # How long the keys of a job whose agents all died stay in etcd (job_lease.py).
     abandoned_after: float = JOB_LEASE_S

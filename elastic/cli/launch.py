@@ -33,8 +33,8 @@ from elastic.rendezvous import (
     RendezvousSettings,
     validate_job_id,
 )
-
 from elastic.rendezvous.member_sync import follow_members
+from elastic.rendezvous.rounds import RECOVERY_HOLD_WARM_S
 from elastic.rendezvous.served import MEMBER_SYNC_S, ServedRendezvous
 
 from ..agent import addressing, job_backend
@@ -268,7 +268,8 @@ def parse(argv: Sequence[str]) -> tuple[AgentConfig, argparse.Namespace]:
     if nproc is None:
         nproc = (np_ or min_np) if not args.rdzv_endpoint else 1
     settings = RendezvousSettings(
-        min_np=min_np, max_np=max_np, settle=args.rdzv_settle, timeout=args.rdzv_timeout
+        min_np=min_np, max_np=max_np, settle=args.rdzv_settle, timeout=args.rdzv_timeout,
+        **({} if args.cold_starts else {"recovery_hold": RECOVERY_HOLD_WARM_S}),
     )
     job_id = validate_job_id(args.job_id or "local")
     backend = args.backend

@@ -160,3 +160,13 @@ def test_a_new_checkpoint_dir_is_private(tmp_path):
 
     _check_writable_dir(str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_replacement_is_planned_sooner_when_it_starts_warm(tmp_path):
+    """The hold after a recovery round is what a newcomer would cost the survivors who
+    wait for it: a fork of the warm template, or a cold start that imports torch."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    warm, _ = cli.parse(["--np", "2", "--backend", "gloo", str(script)])
+    cold, _ = cli.parse(["--np", "2", "--backend", "gloo", "--cold-starts", str(script)])
+    assert (warm.settings.recovery_hold, cold.settings.recovery_hold) == (0.5, 2.0)
