@@ -67,7 +67,8 @@ class PeerProbe:
                  marks: Callable[[], Iterable[Marks]] = lambda: (),
                  on_unreachable: Callable[[int], None] = lambda round_: None,
                  *, floor: float = 0.4, factor: float = 3.0, first: float = 10.0, timeout: float = 0.75,
-                 resend_every: float = 0.25, passes: int = 1, clock: Callable[[], float] = time.monotonic, probe: Callable = probe):
+                 resend_every: float = 0.25, passes: int = 1, clock: Callable[[], float] = time.monotonic,
+                 probe: Callable = probe):
         self._etcd = etcd
         self._keys = participant.keys
         self._member_id = participant.member.member_id

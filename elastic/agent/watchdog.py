@@ -164,7 +164,8 @@ def judge(marks: Marks, policy: HangPolicy, now: float, proc_state: str = "") ->
     bound = policy.bound(marks.slowest, stuck=False)
     if silent > bound:
         if not proc_state or proc_state in FROZEN_STATES:
-            return Verdict(True, "frozen", stalled, bound, f"no heartbeat for {silent:.1f}s (state {proc_state or '?'}){last}")
+            return Verdict(True, "frozen", stalled, bound,
+                           f"no heartbeat for {silent:.1f}s (state {proc_state or '?'}){last}")
         if proc_state == RUNNING:
             return HEALTHY
         bound = policy.bound(marks.slowest, stuck=True)
