@@ -76,12 +76,10 @@ class _Etcd:
         self.puts.append((key.rsplit("/", 1)[1], json.loads(value)))
 
 
-def test_with_three_passes_a_peer_is_reported_after_three_silent_ones_and_cleared_when_it_answers():
+def _participant_in_round_4(*members):
+    """The participant "me" of a round 4 whose ring is ``members``, one worker each."""
     from elastic.rendezvous import JobKeys
     from elastic.rendezvous.rounds import RoundPlan, Slot
-
-    plan = RoundPlan(4, (Slot("me", "me.w0"), Slot("a", "a.w0"), Slot("b", "b.w0")),
-                     {m: (m, "10.0.0.1") for m in ("me", "a", "b")}, "10.0.0.1:1", 0.0)
 
     class Participant:
         keys = JobKeys("j")
@@ -89,12 +87,22 @@ def test_with_three_passes_a_peer_is_reported_after_three_silent_ones_and_cleare
         member = Member("me", "me", "10.0.0.1", 1, (), 0.0)
 
         class control:
-            pass
+            plan = RoundPlan(4, tuple(Slot(m, f"{m}.w0") for m in members),
+                             {m: (m, "10.0.0.1") for m in members}, "10.0.0.1:1", 0.0)
 
-    Participant.control.plan = plan
-    etcd = _Etcd({"a": ("10.0.0.2", 2), "b": ("10.0.0.3", 3)})
+    return Participant
+
+
+def _recorded_events():
+    """(the list of (name, fields) emitted, an event log that appends to it)."""
     emitted = []
-    events = type("Events", (), {"emit": lambda self, name, **kw: emitted.append((name, kw))})()
+    return emitted, type("Events", (), {"emit": lambda self, name, **kw: emitted.append((name, kw))})()
+
+
+def test_with_three_passes_a_peer_is_reported_after_three_silent_ones_and_cleared_when_it_answers():
+    Participant = _participant_in_round_4("me", "a", "b")
+    etcd = _Etcd({"a": ("10.0.0.2", 2), "b": ("10.0.0.3", 3)})
+    emitted, events = _recorded_events()
     silent = {"b"}
     answers = lambda addresses, timeout, resend_every, took: {m: SILENT if m in silent else REFUSED  # noqa: E731
                                                               for m in addresses}
@@ -122,24 +130,9 @@ def test_with_three_passes_a_peer_is_reported_after_three_silent_ones_and_cleare
 
 
 def test_a_peer_that_answers_only_a_later_connect_is_said_slow_once_a_round_and_stays_reachable():
-    from elastic.rendezvous import JobKeys
-    from elastic.rendezvous.rounds import RoundPlan, Slot
-
-    plan = RoundPlan(4, (Slot("me", "me.w0"), Slot("a", "a.w0")), {m: (m, "10.0.0.1") for m in ("me", "a")},
-                     "10.0.0.1:1", 0.0)
-
-    class Participant:
-        keys = JobKeys("j")
-        session = _Session()
-        member = Member("me", "me", "10.0.0.1", 1, (), 0.0)
-
-        class control:
-            pass
-
-    Participant.control.plan = plan
+    Participant = _participant_in_round_4("me", "a")
     etcd = _Etcd({"a": ("10.0.0.2", 2)})
-    emitted = []
-    events = type("Events", (), {"emit": lambda self, name, **kw: emitted.append((name, kw))})()
+    emitted, events = _recorded_events()
 
     def answers(addresses, timeout, resend_every, took):
         took.update({m: 0.42 for m in addresses})  # heard on the second connect
