@@ -88,15 +88,21 @@ def probe(addresses: Mapping[K, tuple[str, int]], timeout: float = PROBE_TIMEOUT
     sends = [started]
     while resend_every and sends[-1] + resend_every < deadline:
         sends.append(sends[-1] + resend_every)
+
+    def hear(key, code: int) -> None:  # a connect of ``key`` ended with ``code``
+        if _answer(code) is not SILENT and key not in heard:
+            heard[key] = _answer(code)
+            if took is not None:
+                took[key] = time.monotonic() - started
+
     try:
         while True:
             now = time.monotonic()
             while sends and sends[0] <= now:
                 sends.pop(0)
                 for key, address in addresses.items():
-                    if key not in heard:
-                        if _connect(key, address, pending, selector, heard) and took is not None:
-                            took[key] = time.monotonic() - started
+                    if key not in heard and (code := _connect(key, address, pending, selector)) is not None:
+                        hear(key, code)
             if len(heard) == len(addresses):
                 break
             # Once more at the deadline, without waiting: a prober that was not scheduled
@@ -107,12 +113,8 @@ def probe(addresses: Mapping[K, tuple[str, int]], timeout: float = PROBE_TIMEOUT
                 sock = selected.fileobj
                 code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 selector.unregister(sock)
-                key = pending.pop(sock)
+                hear(pending.pop(sock), code)
                 sock.close()
-                if _answer(code) is not SILENT and key not in heard:
-                    heard[key] = _answer(code)
-                    if took is not None:
-                        took[key] = time.monotonic() - started
             if time.monotonic() >= deadline and (left == 0.0 or not pending):
                 break
     finally:
@@ -122,13 +124,13 @@ def probe(addresses: Mapping[K, tuple[str, int]], timeout: float = PROBE_TIMEOUT
     return {key: heard.get(key, SILENT) for key in addresses}
 
 
-def _connect(key, address: tuple[str, int], pending: dict, selector, heard: dict) -> bool:
-    """One non-blocking connect to ``address``: pending, or answered at once (True)."""
+def _connect(key, address: tuple[str, int], pending: dict, selector) -> Optional[int]:
+    """One non-blocking connect to ``address``: pending (None), or its code at once."""
     host, port = address
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     except OSError:
-        return False
+        return errno.EHOSTUNREACH
     sock.setblocking(False)
     try:
         code = sock.connect_ex((host, port))
@@ -137,12 +139,9 @@ def _connect(key, address: tuple[str, int], pending: dict, selector, heard: dict
     if code in (errno.EINPROGRESS, errno.EAGAIN):
         pending[sock] = key
         selector.register(sock, selectors.EVENT_WRITE)
-        return False
+        return None
     sock.close()
-    if _answer(code) is SILENT or key in heard:
-        return False
-    heard[key] = _answer(code)
-    return True
+    return code
 
 
 def _answer(code: int) -> Answer:
