@@ -214,8 +214,12 @@ class Etcd:
     def stream_cancelled(self, reason: str) -> None:
         """etcd cancelled a stream for ``reason``: an etcd restarted since the login answers
         a watch with a cancellation, not an error, and a stream opened with the same token
-        would be cancelled again, so the next one logs in again."""
-        if "invalid auth token" in reason.lower():
+        would be cancelled again, so the next one logs in again. etcd 3.5.1 gives that
+        cancellation as "permission denied" (its watch does not tell a dead token from a
+        missing permission), so that one logs in again too: a login costs one call, and
+        the watch backs off if the permission really is missing."""
+        lowered = reason.lower()
+        if "invalid auth token" in lowered or "permission denied" in lowered:
             self._token = None
 
     # -- plumbing

@@ -136,9 +136,10 @@ def test_a_stale_token_is_replaced_transparently(auth_etcd, job_prefix):
 
 def test_a_watch_whose_token_died_logs_in_again_on_its_own(auth_etcd, job_prefix):
     """A restarted etcd answers a watch opened with a forgotten token with a cancellation
-    ("invalid auth token"), not an error. The watch must log in again itself: its client
-    may make no other call for a long time (a Slurm job's agents once re-watched with the
-    dead token for 13 s, 628 times, and missed the request that should have stopped the job)."""
+    ("invalid auth token"; etcd 3.5.1 says "permission denied"), not an error. The watch
+    must log in again itself: its client may make no other call for a long time (a Slurm
+    job's agents once re-watched with the dead token for 13 s, 628 times, and missed the
+    request that should have stopped the job)."""
     import threading
 
     with Etcd(auth_etcd.config(user="root", password="s3cret")) as client, \
