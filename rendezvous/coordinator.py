@@ -102,6 +102,7 @@ class Coordinator:
         self._last_change = clock()
         self._below_min_since: Optional[float] = None
         self._plan_seen: tuple[int, float] = (0, 0.0)  # (round, when we first saw its plan)
+        self._formed_round = 0  # the newest round a worker of this host reported training (ring_formed)
         self._waiting = WaitingLine(settings.min_np)
         self._waiting_published: Optional[int] = None  # the count of the notice in etcd (waiting.py)
         self._waiting_published_at = 0.0
@@ -220,6 +221,15 @@ class Coordinator:
             on_events=lambda events: handler([(e.type, e.kv) for e in events]),
             on_reset=load,
         )
+
+    def ring_formed(self, round_number: int) -> None:
+        """A worker of this host reports the ring of ``round_number`` re-formed and
+        training: the hold before a join round (``rounds.decide``) may end now."""
+        with self._wake:
+            if round_number > self._formed_round:
+                self._formed_round = round_number
+                self._dirty = True
+                self._wake.notify_all()
 
     def _on_member_events(self, events, initial: bool = False) -> None:
         with self._wake:
@@ -352,6 +362,7 @@ class Coordinator:
                 last_change=self._last_change,
                 below_min_since=self._below_min_since,
                 plan_seen_at=self._plan_seen[1] if plan is not None else None,
+                plan_formed=plan is not None and self._formed_round >= plan.round,
                 renew_until=self._renew_until(),
                 excluded=self._excluded,
                 probed=self._probed[1] if plan is not None and self._probed[0] == plan.round else frozenset(),

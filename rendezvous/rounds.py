@@ -26,7 +26,8 @@ from .keys import JOB_LEASE_S
 # joins the survivors' forming round costs them a fork and its script's set-up, well
 # under a second, while the hold is all of its wait to be planned (issue 41: a
 # replacement training <= 1 s after its predecessor's death). The survivors' own
-# round forms in 0.03-0.4 s (4 to 16 workers here).
+# round forms in 0.03-0.4 s (4 to 16 workers here); when a worker on the coordinator's
+# host says it has (``CoordinatorView.plan_formed``), the hold ends then.
 RECOVERY_HOLD_WARM_S = 0.5
 
 
@@ -38,9 +39,10 @@ class RendezvousSettings:
     timeout: float = 600.0  # seconds to wait below min_np before the job fails
     reset_grace: float = 0.3  # after a reset request, time for the agents' reports to arrive
     # After a round that re-forms a broken ring, time for its survivors to form it before
-    # a round that only admits newcomers replaces it (see ``decide``). Sized to what a
-    # newcomer costs the survivors who would wait for it: a cold start imports torch
-    # (seconds), a warm one is forked from a template that has (RECOVERY_HOLD_WARM_S).
+    # a round that only admits newcomers replaces it (see ``decide``), unless a worker on
+    # the coordinator's host reports it formed sooner. Sized to what a newcomer costs
+    # the survivors who would wait for it: a cold start imports torch (seconds), a warm
+    # one is forked from a template that has (RECOVERY_HOLD_WARM_S).
     recovery_hold: float = 2.0
     # How long the keys of a job whose agents all died stay in etcd (job_lease.py).
     abandoned_after: float = JOB_LEASE_S
@@ -223,6 +225,9 @@ class CoordinatorView:
     last_change: float = 0.0  # when the member set last changed
     below_min_since: Optional[float] = None  # when candidates first fell below min_np
     plan_seen_at: Optional[float] = None  # when the coordinator first saw ``plan``
+    # A worker on the coordinator's host reported ``plan``'s ring formed and training:
+    # its survivors no longer abandon it for a newer round (the recovery hold ends).
+    plan_formed: bool = False
     # Until when members whose lease expired while etcd was away (the coordinator's own
     # refreshes failed until recently) may still renew before they count as lost.
     renew_until: Optional[float] = None
@@ -404,11 +409,13 @@ def decide(view: CoordinatorView, settings: RendezvousSettings, now: float) -> D
         return Wait(None, "membership unchanged")
 
     # Only additions: the running ring keeps going, so settle to batch joiners.
-    if plan.recovers and view.plan_seen_at is not None and now < view.plan_seen_at + settings.recovery_hold:
+    if plan.recovers and not view.plan_formed and view.plan_seen_at is not None \
+            and now < view.plan_seen_at + settings.recovery_hold:
         # The survivors of a broken ring may still be forming this plan's round. A newer
         # plan now would make them abandon it for one that waits on the newcomers (a
-        # replacement offered with the crash report is still importing torch: seconds
-        # of stall). Once their round runs, newcomers join at a commit without a stall.
+        # replacement offered with the crash report is still starting: a stall for all).
+        # Once their round runs, newcomers join at a commit without a stall: a worker
+        # of ours that says so ends the hold; the hold is for a ring without one.
         return Wait(view.plan_seen_at + settings.recovery_hold, "letting the survivors form their round first")
     if count == settings.max_np:
         return FormRound(admitted, f"{count - len(previous)} worker(s) joined, max_np reached")

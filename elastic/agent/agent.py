@@ -56,7 +56,7 @@ from elastic.rendezvous import (
 from elastic.rendezvous.private_files import process_dir
 from elastic.rendezvous.succession import Succession
 
-from ..contract.agent_channel import ChannelReader, RingBroke, Straggler, Told
+from ..contract.agent_channel import ChannelBell, ChannelReader, RingBroke, RingFormed, Straggler, Told
 from ..contract.events import EventLog
 from ..contract.faults import NETWORK
 from .budgets import AgentBudgets, Charge
@@ -149,6 +149,7 @@ class Services:
     succession: Succession  # a ring of ours broke: is the coordinator's agent dead?
     health_server: Optional[HealthServer] = None
     session_monitor: Optional[SessionMonitor] = None
+    channel_bell: Optional[ChannelBell] = None  # a worker told us something: act on it now
 
 
 class Agent:
@@ -218,7 +219,8 @@ class Agent:
         # is gone is the succession's to check, as for a ring that broke.
         peer_probe = PeerProbe(self._etcd, participant, self.events, self._watchdog.marks,
                                on_unreachable=succession.ring_broke).start()
-        self.services = Services(store, participant, plain_stores, peer_probe, succession.start(), health_server)
+        self.services = Services(store, participant, plain_stores, peer_probe, succession.start(), health_server,
+                                 channel_bell=ChannelBell(self._channel.path, lambda: self._inbox.put("told")).start())
         self.telemetry.health.mark_registered()
         if health_server is not None:
             # The session's own verdict comes only after max(ttl, retry deadline);
@@ -269,6 +271,9 @@ class Agent:
                 self.services.succession.ring_broke(failed_round)
             case Straggler() as message:
                 self._on_straggler(told.worker, message)
+            case RingFormed(round=formed_round):
+                # Its survivors train: a join round no longer costs them their round.
+                self.participant.coordinator.ring_formed(formed_round)
             case other:
                 raise TypeError(f"agent: no way to act on {other!r}")
 
@@ -602,7 +607,7 @@ class Agent:
         if services is not None:
             services.participant.leave()
             for server in (services.session_monitor, services.peer_probe, services.succession,
-                           services.health_server):  # threads we started
+                           services.health_server, services.channel_bell):  # threads we started
                 if server is not None:
                     server.stop()
             services.plain_stores.close()

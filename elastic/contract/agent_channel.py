@@ -9,12 +9,15 @@ they travel here instead, as data with a schema (as a worker's end does, ``fault
                 (``rendezvous/succession.py``)
     Straggler   the worker computes persistently slower than the ring's median: with
                 ``--evict-stragglers`` its agent takes the host out (a graceful leave)
+    RingFormed  the worker's ring of a round formed after a re-form and trains: the
+                coordinator's hold before a join round (``rounds.decide``) ends, since
+                a newer round no longer makes those survivors abandon theirs
 
 The channel is one file per agent, in the agent's private scratch directory (never the
 shared log directory), named to the worker by ``WorkerConfig.agent_channel``. A worker
 appends one JSON line per message with ``O_APPEND`` in one ``write``, so the lines of
 several workers never interleave; the agent reads what is new on each turn of its loop
-(``ChannelReader``). Every line names its host and worker: the reader takes only its own
+(``ChannelReader``), woken by a ``ChannelBell`` as soon as a line arrives. Every line names its host and worker: the reader takes only its own
 host's lines, so a file shared by mistake cannot make one agent act on another host's
 failure. A line that is not a message of this schema is skipped, never acted on.
 """
@@ -24,8 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 if TYPE_CHECKING:
     from .worker_config import WorkerConfig
@@ -54,8 +58,15 @@ class Straggler:
     remaining: int  # the ring's workers left if every straggler host of the window left
 
 
-Message = Union[RingBroke, Straggler]
-_KINDS: dict[str, type] = {"ring_broke": RingBroke, "straggler": Straggler}
+@dataclass(frozen=True)
+class RingFormed:
+    """The worker's ring of ``round`` re-formed (every rank arrived) and trains again."""
+
+    round: int
+
+
+Message = Union[RingBroke, Straggler, RingFormed]
+_KINDS: dict[str, type] = {"ring_broke": RingBroke, "straggler": Straggler, "ring_formed": RingFormed}
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 _TYPES = {"int": int, "str": str, "float": (int, float)}
 
@@ -144,3 +155,36 @@ class ChannelReader:
             else:
                 told.append(item)
         return told
+
+
+class ChannelBell:
+    """Rings ``ring()`` when the channel file has grown: the agent's loop otherwise reads
+    it only on its next turn (up to half a second), and a message is worth acting on at
+    once (a coordinator to check, a hold to end). A look is one ``stat`` every
+    ``every`` seconds: a few microseconds of CPU, the file is never read here."""
+
+    def __init__(self, path: str, ring: Callable[[], None], every: float = 0.02):
+        self._path = path
+        self._ring = ring
+        self._every = every
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agent-channel-bell", daemon=True)
+
+    def start(self) -> "ChannelBell":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(1.0)
+
+    def _run(self) -> None:
+        size = 0
+        while not self._stopped.wait(self._every):
+            try:
+                now = os.stat(self._path).st_size
+            except OSError:
+                continue  # nothing told yet (or the scratch directory is going away)
+            if now != size:
+                size = now
+                self._ring()

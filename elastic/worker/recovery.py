@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar, Union
 
+from ..contract.agent_channel import RingFormed, tell_agent
 from ..contract.errors import LeftJob, PeersUnreachable, ResetLimitExceeded
 from ..contract.console import FILE_ONLY
 from ..contract.reset_budget import ResetBudget
@@ -137,6 +138,8 @@ def _resume(func, state, ring, args, kwargs, reformed):
             received=ring.rank in plan.receivers,
             pid=os.getpid(),
         )
+        if outcome.failed:  # the coordinator holds a join round back until a survivor says this
+            tell_agent(ring.config, RingFormed(ring.round))
     return func(state, *args, **kwargs)
 
 

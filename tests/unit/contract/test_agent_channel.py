@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from elastic.contract.agent_channel import ChannelReader, RingBroke, Straggler, Told, decode, encode, tell_agent
+from elastic.contract.agent_channel import (ChannelBell, ChannelReader, RingBroke, RingFormed, Straggler, Told, decode,
+                                           encode, tell_agent)
 from elastic.contract.worker_config import WorkerConfig
 
 
@@ -22,8 +23,9 @@ def test_what_a_worker_tells_its_agent_arrives_typed_and_in_order(tmp_path):
     assert reader.read_new() == []  # nothing told yet: no file
     tell_agent(_config(path), RingBroke(3, "DistNetworkError: peer closed"))
     tell_agent(_config(path, worker="m.w1"), Straggler(3, 1, 2.5, 3))
+    tell_agent(_config(path, worker="m.w1"), RingFormed(4))
     assert reader.read_new() == [Told("h1", "m.w0", RingBroke(3, "DistNetworkError: peer closed")),
-                                 Told("h1", "m.w1", Straggler(3, 1, 2.5, 3))]
+                                 Told("h1", "m.w1", Straggler(3, 1, 2.5, 3)), Told("h1", "m.w1", RingFormed(4))]
     assert reader.read_new() == []  # read once
     # Survives the config's trip through the worker's environment.
     assert WorkerConfig.from_env(_config(path).to_env()).agent_channel == str(path)
@@ -89,3 +91,18 @@ def test_a_line_still_being_written_is_read_whole_later(tmp_path):
     with open(path, "a") as f:
         f.write(line[20:])
     assert reader.read_new() == [Told("h1", "m.w0", RingBroke(5, "r"))]
+
+
+def test_the_bell_rings_for_each_message_and_not_while_nothing_is_told(tmp_path):
+    path = tmp_path / "channel.jsonl"
+    rung = threading.Semaphore(0)
+    bell = ChannelBell(str(path), rung.release, every=0.01).start()
+    try:
+        assert not rung.acquire(timeout=0.1)  # no file yet: silence
+        tell_agent(_config(path), RingFormed(2))
+        assert rung.acquire(timeout=5)
+        assert not rung.acquire(timeout=0.1)  # rung once for one message
+        tell_agent(_config(path), RingBroke(2, "x"))
+        assert rung.acquire(timeout=5)
+    finally:
+        bell.stop()

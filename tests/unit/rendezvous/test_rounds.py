@@ -225,7 +225,7 @@ def test_a_loss_on_a_member_cut_off_from_the_ring_says_so(excluded, reason):
     assert decision.reason == reason and decision.lost == ("b0",)
 
 
-def test_a_replacement_waits_until_the_survivors_had_time_to_form_their_round():
+def test_a_replacement_waits_until_the_survivors_formed_their_round_or_had_time_to():
     # Round 4 re-formed a broken ring without the dead a1; the agent offers a2 at once.
     # A join round now would make the survivors, still forming round 4, abandon it for
     # one that waits seconds for a2 to start: it comes after recovery_hold instead.
@@ -236,6 +236,9 @@ def test_a_replacement_waits_until_the_survivors_had_time_to_form_their_round():
     assert held == Wait(10.0 + S.recovery_hold, "letting the survivors form their round first")
     assert workers(decide(CoordinatorView(survivors, offered, last_change=10.0, plan_seen_at=10.0), S,
                           now=10.0 + S.recovery_hold)) == ["a0", "b0", "a2", "b1"]
+    # A survivor on the coordinator's host says their round formed: the hold ends then.
+    assert workers(decide(CoordinatorView(survivors, offered, last_change=10.0, plan_seen_at=10.0, plan_formed=True),
+                          S, now=10.1)) == ["a0", "b0", "a2", "b1"]
     # A join after a round that did not re-form a broken ring is not held.
     grown = RoundPlan(4, survivors.slots, survivors.hosts, "x:1", 0.0)
     assert workers(decide(CoordinatorView(grown, offered, last_change=10.0, plan_seen_at=10.0), S, now=10.1)) == [
