@@ -78,7 +78,7 @@ ETCD_TESTS := tests/unit/rendezvous tests/integration/test_etcd_client.py tests/
 	tests/integration/test_session.py tests/integration/test_rendezvous.py tests/integration/test_embedded.py \
 	tests/integration/test_coordinator_election.py tests/integration/test_coordinator_fencing.py
 test-etcd-servers: $(STAMP)
-	$(PY) -m tests.fakes.etcd_servers $(ETCD_TESTS)
+	TEST_JOBS=$(TEST_JOBS) $(PY) -m tests.fakes.etcd_servers $(ETCD_TESTS)
 
 # The GPU tests (tests/gpu/, gpu review section 3); each skips with its reason without CUDA.
 # On a GPU machine whose CUDA build of torch is another Python's: make test-gpu GPU_PY=python3

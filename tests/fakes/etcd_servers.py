@@ -36,7 +36,9 @@ def main(tests: list[str]) -> int:
     for binary in servers:
         print(f"etcd-facing tests against etcd {_version(binary)} ({binary})", flush=True)
         env = {**os.environ, BINARY_ENV: binary}
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", *tests], env=env)
+        # Two at once, as `make test` runs them (TEST_JOBS in the Makefile).
+        jobs = ["-n", os.environ.get("TEST_JOBS", "2")]
+        code = subprocess.call([sys.executable, "-m", "pytest", "-q", *jobs, *tests], env=env)
         if code != 0:
             return code
     return 0
