@@ -17,9 +17,10 @@ The channel is one file per agent, in the agent's private scratch directory (nev
 shared log directory), named to the worker by ``WorkerConfig.agent_channel``. A worker
 appends one JSON line per message with ``O_APPEND`` in one ``write``, so the lines of
 several workers never interleave; the agent reads what is new on each turn of its loop
-(``ChannelReader``), woken by a ``ChannelBell`` as soon as a line arrives. Every line names its host and worker: the reader takes only its own
-host's lines, so a file shared by mistake cannot make one agent act on another host's
-failure. A line that is not a message of this schema is skipped, never acted on.
+(``ChannelReader``), woken by a ``ChannelBell`` as soon as a line arrives. Every line
+names its host and worker: the reader takes only its own host's lines, so a file shared
+by mistake cannot make one agent act on another host's failure. A line that is not a
+message of this schema is skipped, never acted on.
 """
 
 from __future__ import annotations
