@@ -11,6 +11,7 @@ import time
 import uuid
 
 from tests.gpu import check
+from tests.fakes.jobs import wait_until
 from tests.gpu.check_base import TAG, sweep, tagged
 from tests.unit.gpu.fake_orphan_checks import ORPHANS, PID_FILE
 
@@ -39,10 +40,7 @@ def test_sweep_kills_a_tagged_process_in_a_session_of_its_own():
     try:
         # Popen returns once the child's exec closed its descriptors, a moment before the
         # kernel sets where its environment lies: until then /proc says it has none.
-        deadline = time.monotonic() + 10
-        while not tagged(tag):
-            assert time.monotonic() < deadline and child.poll() is None, "the child never showed its tag"
-            time.sleep(0.01)
+        wait_until(lambda: tagged(tag) or child.poll() is not None, 10, "the child to show its tag")
         assert sweep(f"other-{tag}") == 0 and child.poll() is None  # another check's tag: left alone
         assert sweep(tag) == 1
         assert child.wait(10) == -9
